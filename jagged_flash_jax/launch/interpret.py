@@ -1,0 +1,176 @@
+"""Runs the kernels of kernels.py with Triton's interpreter on the CPU, called from JAX by pure_callback.
+
+The interpreter executes the same `@triton.jit` source on numpy data. It expects torch-like tensors;
+`HostTensor` is the small numpy-backed adapter it needs (no torch). The interpreter gets bfloat16
+arithmetic wrong, so bfloat16 arrays are computed in float32 here and rounded back at the end: results
+of this launcher are then more precise than the GPU's bfloat16 kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import sys
+import threading
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from .. import kernels
+from .plan import KernelCall
+
+
+class _HostStorage:
+    """The untyped storage of a HostTensor: the same host memory, so copies back are no-ops."""
+
+    def __init__(self, array: np.ndarray):
+        self._array = array
+
+    def data_ptr(self) -> int:
+        return self._array.ctypes.data
+
+    def cpu(self) -> "_HostStorage":
+        return self
+
+    def copy_(self, other: "_HostStorage") -> None:
+        if other is not self and other.data_ptr() != self.data_ptr():
+            raise RuntimeError("host tensors are not expected to be copied between storages")
+
+
+class HostTensor:
+    """The part of torch.Tensor's interface that Triton's interpreter uses, over a numpy array."""
+
+    def __init__(self, array: np.ndarray):
+        if not array.flags.c_contiguous or not array.flags.writeable:
+            raise ValueError("HostTensor needs a writeable, C-contiguous array")
+        self.array = array
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def untyped_storage(self) -> _HostStorage:
+        return _HostStorage(self.array)
+
+    def new_empty(self, *shape, **kwargs) -> "HostTensor":
+        return HostTensor(self.array)
+
+    def set_(self, storage, offset, size, stride) -> "HostTensor":
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+
+@functools.cache
+def _interpreted_kernels():
+    """kernels.py loaded once more with TRITON_INTERPRET=1, so `@triton.jit` gives interpreted functions.
+
+    Triton decides at decoration time whether a function is compiled or interpreted; loading the
+    module a second time keeps the compiled kernels of this process untouched.
+    """
+    name = kernels.__name__ + "_interpreted"
+    spec = importlib.util.spec_from_file_location(name, kernels.__file__)
+    module = importlib.util.module_from_spec(spec)
+    with _interpret_mode():
+        spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+@contextlib.contextmanager
+def _interpret_mode():
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+_LANGUAGE_LOCK = threading.Lock()
+
+try:  # Imported lazily by Triton's argument handling, it must not see the swapped functions below.
+    importlib.import_module("triton.experimental.gluon")
+except ImportError:
+    pass
+
+
+# One interpreted twin per JITFunction (keyed by id: hashing a JITFunction reads its source's globals).
+_INTERPRETED: dict[int, tuple[JITFunction, InterpretedFunction]] = {}
+
+
+def _interpreted(function: JITFunction) -> InterpretedFunction:
+    if id(function) not in _INTERPRETED:
+        _INTERPRETED[id(function)] = (function, InterpretedFunction(function.fn))
+    return _INTERPRETED[id(function)][1]
+
+
+@contextlib.contextmanager
+def _interpreted_language():
+    """Swap triton.language's own `@triton.jit` functions (tl.zeros, tl.max, tl.sum, ...) for
+    interpreted ones while a kernel runs, as importing triton under TRITON_INTERPRET=1 would have.
+
+    They were compiled-mode functions since this process imported triton without that variable.
+    A GPU compilation in another thread during this window would see the interpreted ones.
+    """
+    with _LANGUAGE_LOCK:
+        swapped = []
+        for name, module in list(sys.modules.items()):
+            if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+                continue
+            swapped += [(module, attr, value) for attr, value in list(vars(module).items())
+                        if isinstance(value, JITFunction)]
+        for module, attr, value in swapped:
+            setattr(module, attr, _interpreted(value))
+        try:
+            yield
+        finally:
+            for module, attr, value in swapped:
+                setattr(module, attr, value)
+
+
+def _host_dtype(dtype) -> np.dtype:
+    return np.dtype(np.float32) if dtype == jnp.bfloat16 else np.dtype(dtype)
+
+
+def _poison(shape, dtype) -> np.ndarray:
+    # Outputs the kernel need not fully write start as NaN (or -1), so that a test sees any leak.
+    fill = np.nan if np.issubdtype(dtype, np.floating) else -1
+    return np.full(shape, fill, dtype)
+
+
+def _run_on_host(call: KernelCall, *arrays: np.ndarray):
+    kernel = getattr(_interpreted_kernels(), call.kernel.__name__)
+    inputs = [np.array(a, dtype=_host_dtype(a.dtype), copy=True, order="C") for a in arrays]
+    outputs = [
+        np.zeros(s.shape, _host_dtype(s.dtype)) if i in call.zeroed_outputs
+        else _poison(s.shape, _host_dtype(s.dtype))
+        for i, s in enumerate(call.out_shapes)
+    ]
+    with _interpreted_language():
+        kernel[call.grid](*map(HostTensor, inputs), call.num_tokens, *map(HostTensor, outputs),
+                          **call.constants)
+    return tuple(out.astype(s.dtype) for out, s in zip(outputs, call.out_shapes))
+
+
+def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    return jax.pure_callback(functools.partial(_run_on_host, call), call.out_shapes, *arrays)

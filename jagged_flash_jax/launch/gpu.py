@@ -6,7 +6,7 @@ jax_triton is imported on first use only: its import fails on a machine without 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 

@@ -14,7 +14,7 @@ import importlib.util
 import os
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +35,10 @@ class _HostStorage:
     def data_ptr(self) -> int:
         return self._array.ctypes.data
 
-    def cpu(self) -> "_HostStorage":
+    def cpu(self) -> _HostStorage:
         return self
 
-    def copy_(self, other: "_HostStorage") -> None:
+    def copy_(self, other: _HostStorage) -> None:
         if other is not self and other.data_ptr() != self.data_ptr():
             raise RuntimeError("host tensors are not expected to be copied between storages")
 
@@ -57,10 +57,10 @@ class HostTensor:
     def untyped_storage(self) -> _HostStorage:
         return _HostStorage(self.array)
 
-    def new_empty(self, *shape, **kwargs) -> "HostTensor":
+    def new_empty(self, *shape, **kwargs) -> HostTensor:
         return HostTensor(self.array)
 
-    def set_(self, storage, offset, size, stride) -> "HostTensor":
+    def set_(self, storage, offset, size, stride) -> HostTensor:
         return self
 
     def storage_offset(self) -> int:

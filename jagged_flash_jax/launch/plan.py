@@ -8,10 +8,12 @@ call, then `num_tokens`, then the outputs, then `constants`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
 from .. import kernels
 from ..configs import BlockSizes, KernelConfig, head_block
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import itertools
 import json
 import os
 import subprocess
@@ -23,36 +22,31 @@ import numpy as np
 
 from benchmarks.cases import CASES, CASES_BY_NAME
 
-# (block_m, block_n, num_warps, num_stages), pruned to those that compile for sm_90 without spills.
+# Forward tiles: (block_m, block_n, num_warps, num_stages). Backward (one launch of dk/dv and dq
+# programs): (dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, num_warps, num_stages). All compile for
+# sm_90; a few are there to answer a question (spill-free alternatives to the fastest tiles).
 CANDIDATES = {
     "narrow": {  # 16-bit inputs
         64: {
-            "fwd": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
-                    (64, 32, 4, 3), (128, 32, 4, 3), (64, 128, 4, 2)],
-            "dkdv": [(32, 64, 4, 2), (32, 128, 4, 2), (64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 3),
-                     (16, 64, 4, 2), (32, 128, 8, 2), (64, 64, 8, 2)],
-            "dq": [(64, 32, 4, 2), (128, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3),
-                   (64, 16, 4, 2), (128, 32, 8, 2), (128, 64, 4, 2)],
+            "fwd": [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+            "bwd": [(32, 64, 64, 32, 4, 3), (32, 64, 64, 32, 4, 2), (64, 64, 64, 64, 4, 2),
+                    (32, 32, 32, 32, 4, 3), (16, 64, 64, 16, 4, 3), (32, 64, 64, 32, 8, 3)],
         },
         128: {
-            "fwd": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3),
-                    (64, 128, 4, 2), (128, 64, 4, 3), (64, 64, 4, 2)],
-            "dkdv": [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 4, 3),
-                     (16, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 3)],
-            "dq": [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 4, 3),
-                   (128, 16, 8, 2), (64, 32, 4, 3), (128, 64, 4, 2)],
+            "fwd": [(128, 64, 8, 3), (128, 32, 8, 3)],
+            "bwd": [(32, 64, 128, 32, 4, 3), (32, 64, 64, 32, 4, 3), (32, 64, 128, 32, 8, 3),
+                    (64, 64, 128, 32, 8, 3), (32, 128, 128, 32, 8, 3), (32, 64, 64, 64, 4, 3),
+                    (32, 64, 128, 16, 4, 3), (64, 64, 64, 64, 4, 2)],
         },
     },
     "wide": {  # float32 (tf32)
         64: {
-            "fwd": [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
-            "dkdv": [(32, 64, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 2), (16, 64, 4, 2)],
-            "dq": [(64, 32, 4, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2), (64, 16, 4, 2)],
+            "fwd": [(64, 32, 4, 2), (128, 32, 8, 2)],
+            "bwd": [(32, 64, 64, 32, 4, 2), (32, 128, 128, 32, 8, 2)],
         },
         128: {
-            "fwd": [(64, 32, 4, 2), (64, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2), (64, 64, 4, 2)],
-            "dkdv": [(32, 64, 4, 2), (16, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2)],
-            "dq": [(64, 32, 4, 2), (64, 16, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 16, 8, 2)],
+            "fwd": [(128, 32, 8, 2), (64, 32, 4, 2)],
+            "bwd": [(16, 128, 128, 16, 8, 2), (32, 64, 64, 32, 4, 2)],
         },
     },
 }
@@ -61,6 +55,11 @@ CANDIDATES = {
 def _configs(dtype: str, dim: int):
     table = CANDIDATES["wide" if dtype == "float32" else "narrow"]
     return table[64 if dim <= 64 else 128]
+
+
+def _bwd_tiles(cfg):
+    dkdv_m, dkdv_n, dq_m, dq_n, warps, stages = cfg
+    return (dkdv_m, dkdv_n, warps, stages), (dq_m, dq_n, warps, stages)
 
 
 def worker(case_name: str, dtype_name: str, iterations: int, lock_path: str) -> list[dict]:
@@ -97,11 +96,10 @@ def worker(case_name: str, dtype_name: str, iterations: int, lock_path: str) -> 
     for cfg in cands["fwd"]:
         bs = BlockSizes(KernelConfig(*cfg), default.dkdv, default.dq, default.preprocess_block_m)
         jobs.append(("fwd", {"fwd": cfg}, forward(bs), (q, k, v)))
-    pairs = itertools.zip_longest(cands["dkdv"], cands["dq"])
-    for dkdv, dq in pairs:
-        dkdv, dq = dkdv or cands["dkdv"][0], dq or cands["dq"][0]
+    for cfg in cands["bwd"]:
+        dkdv, dq = _bwd_tiles(cfg)
         bs = BlockSizes(default.fwd, KernelConfig(*dkdv), KernelConfig(*dq), default.preprocess_block_m)
-        jobs.append(("bwd", {"dkdv": dkdv, "dq": dq}, backward(bs), (q, k, v, do)))
+        jobs.append(("bwd", {"bwd": cfg}, backward(bs), (q, k, v, do)))
 
     compiled = []
     start = time.time()
@@ -135,19 +133,60 @@ def worker(case_name: str, dtype_name: str, iterations: int, lock_path: str) -> 
     return rows
 
 
+def _kernel_ms(row) -> float | None:
+    """Device time of the kernel the row tunes: the forward, or the backward launch."""
+    if "kernels_ms" not in row:
+        return None
+    suffix = "fwd_kernel" if row["mode"] == "fwd" else "bwd_kernel"
+    return sum(t for n, t in row["kernels_ms"].items() if suffix in n) or None
+
+
 def best(rows: list[dict]) -> dict:
-    """Fastest config per (case, dtype, kernel)."""
-    kernel_of = {"fwd": ("fwd", "fwd_kernel"), "dkdv": ("bwd", "dkdv_kernel"), "dq": ("bwd", "dq_kernel")}
+    """Fastest config per (case, dtype, mode)."""
     out = {}
     for row in rows:
-        for kernel, (mode, suffix) in kernel_of.items():
-            if row["mode"] != mode or "kernels_ms" not in row:
-                continue
-            ms = sum(t for n, t in row["kernels_ms"].items() if suffix in n)
-            key = f"{row['case']}/{row['dtype']}/{kernel}"
-            if ms and (key not in out or ms < out[key]["ms"]):
-                out[key] = {"config": row["config"][kernel], "ms": ms}
+        ms = _kernel_ms(row)
+        key = f"{row['case']}/{row['dtype']}/{row['mode']}"
+        if ms and (key not in out or ms < out[key]["ms"]):
+            out[key] = {"config": row["config"][row["mode"]], "ms": ms}
     return out
+
+
+def table(rows: list[dict]) -> dict:
+    """Entries for configs.TUNED_CONFIGS_ENV: per table entry, the forward and backward configs with
+    the least total time relative to each case's best, over the cases that map to the entry."""
+    from jagged_flash_jax.configs import key_to_text, table_key
+
+    scores: dict = {}
+    fastest = {}
+    for row in rows:
+        ms = _kernel_ms(row)
+        if ms:
+            case_key = (row["case"], row["dtype"], row["mode"])
+            fastest[case_key] = min(ms, fastest.get(case_key, ms))
+    for row in rows:
+        ms = _kernel_ms(row)
+        if not ms:
+            continue
+        case = CASES_BY_NAME[row["case"]]
+        key = table_key(case.head_dim, np.dtype(row["dtype"]), case.max_seq_len)
+        if key is None:
+            continue
+        config = tuple(row["config"][row["mode"]])
+        slot = scores.setdefault((key_to_text(key), row["mode"]), {})
+        slot.setdefault(config, []).append(ms / fastest[(row["case"], row["dtype"], row["mode"])])
+    entries: dict = {}
+    for (text, mode), by_config in scores.items():
+        count = max(len(v) for v in by_config.values())
+        complete = {c: sum(v) for c, v in by_config.items() if len(v) == count}
+        choice = min(complete, key=complete.get)
+        entry = entries.setdefault(text, {})
+        if mode == "fwd":
+            entry["fwd"] = list(choice)
+        else:
+            dkdv, dq = _bwd_tiles(choice)
+            entry["dkdv"], entry["dq"] = list(dkdv), list(dq)
+    return {text: entry for text, entry in entries.items() if len(entry) == 3}
 
 
 def main():
@@ -156,6 +195,7 @@ def main():
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results/tune.json")
+    ap.add_argument("--write-table", help="write the chosen tiles here, for $JAGGED_FLASH_JAX_TUNED_CONFIGS")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     lock_path = "/tmp/jagged_flash_jax_tune.lock"
@@ -180,9 +220,13 @@ def main():
             with open(part) as f:
                 rows += json.load(f)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    result = {"rows": rows, "best": best(rows)}
+    result = {"rows": rows, "best": best(rows), "table": table(rows)}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    if args.write_table:
+        with open(args.write_table, "w") as f:
+            json.dump(result["table"], f, indent=1)
+        print("table:", json.dumps(result["table"]))
     for key, value in sorted(result["best"].items()):
         print(f"{key:35s} {value['ms']:.4f} ms {value['config']}")
 

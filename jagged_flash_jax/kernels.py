@@ -200,34 +200,27 @@ def _dkdv_query_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, query
     else:
         lse = tl.load(lse_base + query_rows)
         delta = tl.load(delta_base + query_rows)
+    # Scaled once per block of queries, so that the [BLOCK_N, BLOCK_M] tiles below take one FMA each.
+    lse_log2 = lse * LOG2E
+    delta_scaled = delta * MAX_SEQ_LEN
     scores_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
-    p_t = tl.math.exp2((scores_t - lse[None, :]) * LOG2E)
+    p_t = tl.math.exp2(scores_t * LOG2E - lse_log2[None, :])
     if MASK_QUERIES:
         p_t = tl.where(query_mask[None, :], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
     # d(scores) = P * (dO V^T / L - delta) = P * (dO V^T - L * delta) / L; the 1/L is applied at the end.
-    ds_t = p_t * (dp_t - delta[None, :] * MAX_SEQ_LEN)
+    ds_t = p_t * (dp_t - delta_scaled[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
     return dk, dv
 
 
 @triton.jit
-def jagged_attention_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, offsets_ptr,
-    num_tokens,
-    dk_ptr, dv_ptr,
-    NUM_HEADS: tl.constexpr, MAX_SEQ_LEN: tl.constexpr, D: tl.constexpr, HEAD_MAJOR: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """dk and dv for one block of BLOCK_N keys, walking every query block of the sequence."""
-    batch, head, block = _program_ids(NUM_HEADS)
-    seq_start, seq_len = _sequence(offsets_ptr, batch, num_tokens, MAX_SEQ_LEN)
-    key_start = block * BLOCK_N
-    if key_start >= seq_len:
-        return
-    TOKEN_STRIDE: tl.constexpr = D if HEAD_MAJOR else NUM_HEADS * D
-    first_row = _first_row(head, seq_start, num_tokens, NUM_HEADS, HEAD_MAJOR)
+def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, head, seq_start,
+                  seq_len, first_row, num_tokens, key_start, MAX_SEQ_LEN: tl.constexpr,
+                  TOKEN_STRIDE: tl.constexpr, D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dk and dv of the keys [key_start, key_start + BLOCK_N), walking every query block."""
     cols = tl.arange(0, BLOCK_D)
     key_rows = key_start + tl.arange(0, BLOCK_N)
     # Keys past the sequence load as 0; their dk, dv rows are computed but never stored.
@@ -257,59 +250,81 @@ def jagged_attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_key_block(dq, q, do, lse, delta, k_base, v_base, key_start, cols, seq_len,
-                  MAX_SEQ_LEN: tl.constexpr, TOKEN_STRIDE: tl.constexpr, D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                  MASK_KEYS: tl.constexpr):
+def _dq_key_block(dq, q, do, lse_log2, delta_scaled, k_base, v_base, key_start, cols, seq_len,
+                  TOKEN_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASK_KEYS: tl.constexpr):
     """Accumulate into dq (unscaled by 1/MAX_SEQ_LEN) the keys [key_start, key_start + BLOCK_N)."""
     key_rows = key_start + tl.arange(0, BLOCK_N)
     k = _load_tile(k_base, key_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, MASK_KEYS)
     v = _load_tile(v_base, key_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, MASK_KEYS)
     scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-    p = tl.math.exp2((scores - lse[:, None]) * LOG2E)
+    p = tl.math.exp2(scores * LOG2E - lse_log2[:, None])
     if MASK_KEYS:
         p = tl.where(key_rows[None, :] < seq_len, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-    ds = p * (dp - delta[:, None] * MAX_SEQ_LEN)
+    ds = p * (dp - delta_scaled[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
 
 
 @triton.jit
-def jagged_attention_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, offsets_ptr,
-    num_tokens,
-    dq_ptr,
-    NUM_HEADS: tl.constexpr, MAX_SEQ_LEN: tl.constexpr, D: tl.constexpr, HEAD_MAJOR: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """dq for one block of BLOCK_M queries, walking every key block of the sequence."""
-    batch, head, block = _program_ids(NUM_HEADS)
-    seq_start, seq_len = _sequence(offsets_ptr, batch, num_tokens, MAX_SEQ_LEN)
-    query_start = block * BLOCK_M
-    if query_start >= seq_len:
-        return
-    TOKEN_STRIDE: tl.constexpr = D if HEAD_MAJOR else NUM_HEADS * D
-    first_row = _first_row(head, seq_start, num_tokens, NUM_HEADS, HEAD_MAJOR)
+def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, head, seq_start, seq_len,
+                first_row, num_tokens, query_start, MAX_SEQ_LEN: tl.constexpr,
+                TOKEN_STRIDE: tl.constexpr, D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dq of the queries [query_start, query_start + BLOCK_M), walking every key block."""
     cols = tl.arange(0, BLOCK_D)
     query_rows = query_start + tl.arange(0, BLOCK_M)
     query_mask = query_rows < seq_len
     q = _load_tile(q_ptr + first_row * D, query_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, True)
     do = _load_tile(do_ptr + first_row * D, query_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, True)
-    lse = tl.load(lse_ptr + head.to(tl.int64) * num_tokens + seq_start + query_rows, mask=query_mask,
-                  other=0.0)
-    delta = tl.load(delta_ptr + head.to(tl.int64) * num_tokens + seq_start + query_rows,
-                    mask=query_mask, other=0.0)
+    stats_offset = head.to(tl.int64) * num_tokens + seq_start + query_rows
+    lse_log2 = tl.load(lse_ptr + stats_offset, mask=query_mask, other=0.0) * LOG2E
+    delta_scaled = tl.load(delta_ptr + stats_offset, mask=query_mask, other=0.0) * MAX_SEQ_LEN
     k_base = k_ptr + first_row * D
     v_base = v_ptr + first_row * D
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     full_keys = seq_len - seq_len % BLOCK_N
     for key_start in range(0, full_keys, BLOCK_N):
-        dq = _dq_key_block(dq, q, do, lse, delta, k_base, v_base, key_start, cols, seq_len,
-                           MAX_SEQ_LEN, TOKEN_STRIDE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, False)
+        dq = _dq_key_block(dq, q, do, lse_log2, delta_scaled, k_base, v_base, key_start, cols, seq_len,
+                           TOKEN_STRIDE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, False)
     if full_keys < seq_len:
-        dq = _dq_key_block(dq, q, do, lse, delta, k_base, v_base, full_keys, cols, seq_len,
-                           MAX_SEQ_LEN, TOKEN_STRIDE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, True)
+        dq = _dq_key_block(dq, q, do, lse_log2, delta_scaled, k_base, v_base, full_keys, cols, seq_len,
+                           TOKEN_STRIDE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, True)
 
     _store_tile(dq_ptr + first_row * D, query_rows, cols, seq_len, dq * (1.0 / MAX_SEQ_LEN),
                 TOKEN_STRIDE, D, BLOCK_D)
+
+
+@triton.jit
+def jagged_attention_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, offsets_ptr,
+    num_tokens,
+    dq_ptr, dk_ptr, dv_ptr,
+    NUM_HEADS: tl.constexpr, MAX_SEQ_LEN: tl.constexpr, D: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr,
+    DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dq, dk and dv in one launch: even blocks are dk/dv programs (one block of DKDV_BLOCK_N keys),
+    odd blocks dq programs (one block of DQ_BLOCK_M queries).
+
+    The two kinds are independent (each output element has one writer, no atomics, deterministic);
+    sharing a launch lets them fill the GPU together and saves a launch on small batches. dq has its
+    own tiles, so nothing assumes DQ_BLOCK_M == DKDV_BLOCK_N (the seed did).
+    """
+    batch, head, block = _program_ids(NUM_HEADS)
+    seq_start, seq_len = _sequence(offsets_ptr, batch, num_tokens, MAX_SEQ_LEN)
+    TOKEN_STRIDE: tl.constexpr = D if HEAD_MAJOR else NUM_HEADS * D
+    first_row = _first_row(head, seq_start, num_tokens, NUM_HEADS, HEAD_MAJOR)
+    if block % 2 == 0:
+        key_start = (block // 2) * DKDV_BLOCK_N
+        if key_start < seq_len:
+            _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, head,
+                          seq_start, seq_len, first_row, num_tokens, key_start, MAX_SEQ_LEN,
+                          TOKEN_STRIDE, D, INPUT_PRECISION, DKDV_BLOCK_M, DKDV_BLOCK_N, BLOCK_D)
+    else:
+        query_start = (block // 2) * DQ_BLOCK_M
+        if query_start < seq_len:
+            _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, head, seq_start,
+                        seq_len, first_row, num_tokens, query_start, MAX_SEQ_LEN, TOKEN_STRIDE, D,
+                        INPUT_PRECISION, DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D)

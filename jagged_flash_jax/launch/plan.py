@@ -87,7 +87,7 @@ def forward(run: Runner, p: Problem, q, k, v, offsets):
 
 
 def backward(run: Runner, p: Problem, q, k, v, offsets, o, lse, do):
-    """dq, dk, dv: the preprocess (delta = rowsum(o * do)), then the dk/dv and the dq kernels."""
+    """dq, dk, dv: the preprocess (delta = rowsum(o * do)), then one launch of dk/dv and dq programs."""
     if p.empty:
         return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
     bs = p.block_sizes
@@ -95,25 +95,25 @@ def backward(run: Runner, p: Problem, q, k, v, offsets, o, lse, do):
         kernels.jagged_attention_bwd_preprocess_kernel, p.grid(bs.preprocess_block_m),
         out_shapes=(_stats_shape(p),), zeroed_outputs=(), num_tokens=p.num_tokens,
         constants=p.constants(BLOCK_M=bs.preprocess_block_m)), (o, do, offsets))
-    grad_inputs = (q, k, v, do, lse, delta, offsets)
-    dk, dv = run(KernelCall(
-        kernels.jagged_attention_bwd_dkdv_kernel, p.grid(bs.dkdv.block_n),
-        out_shapes=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        zeroed_outputs=(0, 1), num_tokens=p.num_tokens, constants=p.constants(bs.dkdv),
-        num_warps=bs.dkdv.num_warps, num_stages=bs.dkdv.num_stages), grad_inputs)
-    (dq,) = run(KernelCall(
-        kernels.jagged_attention_bwd_dq_kernel, p.grid(bs.dq.block_m),
-        out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),),
-        zeroed_outputs=(0,), num_tokens=p.num_tokens, constants=p.constants(bs.dq),
-        num_warps=bs.dq.num_warps, num_stages=bs.dq.num_stages), grad_inputs)
+    # dk/dv programs take the even blocks, dq programs the odd ones (see the kernel's docstring).
+    blocks = max(p.grid(bs.dkdv.block_n)[1], p.grid(bs.dq.block_m)[1])
+    dq, dk, dv = run(KernelCall(
+        kernels.jagged_attention_bwd_kernel, (p.batch * p.num_heads, 2 * blocks),
+        out_shapes=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
+        zeroed_outputs=(0, 1, 2), num_tokens=p.num_tokens,
+        constants=p.constants(INPUT_PRECISION=p.input_precision, DKDV_BLOCK_M=bs.dkdv.block_m,
+                              DKDV_BLOCK_N=bs.dkdv.block_n, DQ_BLOCK_M=bs.dq.block_m,
+                              DQ_BLOCK_N=bs.dq.block_n),
+        num_warps=bs.dkdv.num_warps, num_stages=bs.dkdv.num_stages), (q, k, v, do, lse, delta, offsets))
     return dq, dk, dv
 
 
 def check_grid(p: Problem) -> None:
     """Raise ValueError when a sequence would need more blocks than CUDA's grid allows."""
     bs = p.block_sizes
-    for block in (bs.fwd.block_m, bs.dkdv.block_n, bs.dq.block_m, bs.preprocess_block_m):
-        blocks = p.grid(block)[1]
+    for block, factor in ((bs.fwd.block_m, 1), (bs.dkdv.block_n, 2), (bs.dq.block_m, 2),
+                          (bs.preprocess_block_m, 1)):
+        blocks = factor * p.grid(block)[1]
         if blocks > MAX_GRID_Y:
             raise ValueError(
                 f"max_seq_len={p.max_seq_len} needs {blocks} blocks of {block} rows per sequence; "

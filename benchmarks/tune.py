@@ -1,11 +1,11 @@
 """Sweep kernel tiles on the GPU and report the fastest per case, dtype and kernel.
 
-    python -m benchmarks.tune --out results/tune.json
+    python -m benchmarks.tune --out results/tune.json --write-table tuned_configs.json
 
 One worker process per (case, dtype) compiles its candidates in parallel with the others; timing is
 serialized by a file lock so that only one worker uses the GPU at a time. Times are CUPTI device
-times per kernel (jax.experimental.mosaic.gpu.profiler), medians over iterations. The chosen tiles
-go into jagged_flash_jax/configs.py by hand, with the JSON committed beside them.
+times per kernel (jax.experimental.mosaic.gpu.profiler), medians over iterations. The table file is
+what $JAGGED_FLASH_JAX_TUNED_CONFIGS takes (configs.py); the built-in table is the one chosen on an H200.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Launch configurations (tile sizes, warps, pipeline stages) of the kernels, and how one is chosen.
 
 `BlockSizes` is a frozen, hashable dataclass so it can be a static argument of jitted functions. The
-GPU table in `default_block_sizes` was measured on an H200 (benchmarks/tune.py); the interpreter uses
-small, deliberately unequal tiles so that CPU tests walk several blocks in every loop.
+GPU table behind `default_block_sizes` was measured on an H200 (benchmarks/tune.py) and can be replaced
+by a table file; the interpreter uses small, deliberately unequal tiles so that CPU tests walk several
+blocks in every loop.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def _tiles(fwd, dkdv, dq, preprocess_block_m=64) -> BlockSizes:
 
 
 # (16-bit inputs?, padded D, longest max_seq_len) -> tiles as (block_m, block_n, num_warps, num_stages).
-# Fastest of the sweep in benchmarks/results/tune.json (H200, jax-triton 0.3.1, triton 3.6), by case:
+# The table `python -m benchmarks.tune --write-table` chose on an H200 (jax-triton 0.3.1, triton 3.6):
+# benchmarks/results/tuned_configs.json, from the sweep in tune.json beside it. Entries by case:
 # rec-small and gr-ml1m (D <= 32), rec-mid (D = 64), rec-long (D = 128, 1024), long and dlrm-long.
 _TUNED = {
     (True, 32, 256): _tiles((64, 32, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3)),

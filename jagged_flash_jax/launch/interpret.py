@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from triton.runtime import interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -107,6 +108,7 @@ def _interpret_mode():
 
 
 _LANGUAGE_LOCK = threading.Lock()
+_TRITON_PATCH_LANG_TENSOR = interpreter._patch_lang_tensor
 
 try:  # Imported lazily by Triton's argument handling, it must not see the swapped functions below.
     importlib.import_module("triton.experimental.gluon")
@@ -124,27 +126,39 @@ def _interpreted(function: JITFunction) -> InterpretedFunction:
     return _INTERPRETED[id(function)][1]
 
 
+def _patch_lang_tensor(tensor, scope):
+    """Triton's own patching of tl.tensor for the interpreter, with a scalar's __index__ as in 3.9.
+
+    Triton 3.6 converts a scalar (held as a 1-element array) to an index with int(array), which
+    NumPy 2 refuses ("only 0-dimensional arrays can be converted"), so `range(0, n, BLOCK)` over a
+    loaded length fails there; Triton 3.9 squeezes the array first.
+    """
+    _TRITON_PATCH_LANG_TENSOR(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+
 @contextlib.contextmanager
 def _interpreted_language():
     """Swap triton.language's own `@triton.jit` functions (tl.zeros, tl.max, tl.sum, ...) for
-    interpreted ones while a kernel runs, as importing triton under TRITON_INTERPRET=1 would have.
+    interpreted ones while a kernel runs, as importing triton under TRITON_INTERPRET=1 would have,
+    and Triton's tensor patching for the version-independent one above.
 
     They were compiled-mode functions since this process imported triton without that variable.
     A GPU compilation in another thread during this window would see the interpreted ones.
     """
     with _LANGUAGE_LOCK:
-        swapped = []
+        originals = [(interpreter, "_patch_lang_tensor", interpreter._patch_lang_tensor)]
         for name, module in list(sys.modules.items()):
             if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
                 continue
-            swapped += [(module, attr, value) for attr, value in list(vars(module).items())
-                        if isinstance(value, JITFunction)]
-        for module, attr, value in swapped:
-            setattr(module, attr, _interpreted(value))
+            originals += [(module, attr, value) for attr, value in list(vars(module).items())
+                          if isinstance(value, JITFunction)]
+        for module, attr, value in originals:
+            setattr(module, attr, _patch_lang_tensor if module is interpreter else _interpreted(value))
         try:
             yield
         finally:
-            for module, attr, value in swapped:
+            for module, attr, value in originals:
                 setattr(module, attr, value)
 
 

@@ -147,19 +147,20 @@ def _interpreted_language():
     A GPU compilation in another thread during this window would see the interpreted ones.
     """
     with _LANGUAGE_LOCK:
-        originals = [(interpreter, "_patch_lang_tensor", interpreter._patch_lang_tensor)]
+        replacements = [(interpreter, "_patch_lang_tensor", _patch_lang_tensor)]
         for name, module in list(sys.modules.items()):
             if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
                 continue
-            originals += [(module, attr, value) for attr, value in list(vars(module).items())
-                          if isinstance(value, JITFunction)]
-        for module, attr, value in originals:
-            setattr(module, attr, _patch_lang_tensor if module is interpreter else _interpreted(value))
+            replacements += [(module, attr, _interpreted(value)) for attr, value in list(vars(module).items())
+                             if isinstance(value, JITFunction)]
+        originals = [(module, attr, getattr(module, attr)) for module, attr, _ in replacements]
+        for module, attr, replacement in replacements:
+            setattr(module, attr, replacement)
         try:
             yield
         finally:
-            for module, attr, value in originals:
-                setattr(module, attr, value)
+            for module, attr, original in originals:
+                setattr(module, attr, original)
 
 
 def _host_dtype(dtype) -> np.dtype:

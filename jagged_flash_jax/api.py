@@ -1,31 +1,60 @@
-"""The public op: argument checks, backend choice, and the one custom_vjp of the kernel backends."""
+"""The public ops: argument checks, backend choice, and the one custom_vjp that serves every backend.
+
+`jagged_attention` has the standard semantics (scale, causal, GQA/MQA, cross-attention);
+`multi_head_jagged_flash_attention` is FBGEMM's op (no scale, output divided by max_seq_len), a thin
+call into the same path.
+"""
 
 from __future__ import annotations
 
 import functools
+import math
 import operator
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from . import launch
+from . import transforms
 from .configs import INTERPRET_BLOCK_SIZES, MAX_HEAD_DIM, BlockSizes, default_block_sizes
 from .launch import plan
-from .reference import jagged_attention_reference
 
 BACKENDS = ("auto", "triton", "interpret", "xla")
-LAYOUTS = ("HTD", "THD")
+LAYOUTS = ("THD", "HTD")
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-# Offsets inside one sequence are int32 in the kernels: (max_seq_len + a block) rows of H * D elements.
+# Row offsets inside one sequence are int32 in the kernels: (max_seq_len + a block) rows of a stride.
 _MAX_SEQUENCE_ELEMENTS = 2**31 - 1
+# Names of the residuals, for remat policies (jax.checkpoint_policies.save_only_these_names).
+RESIDUAL_NAMES = ("jagged_attention_out", "jagged_attention_lse")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backend choice
+# ---------------------------------------------------------------------------------------------------
 
 
 def default_backend() -> str:
-    """"triton" when JAX's default backend is a GPU and jax-triton imports, else "xla"."""
+    """"triton" when JAX's default backend is a GPU and jax-triton imports, else "xla".
+
+    On a GPU without a working jax-triton this warns once, with the reason, and picks "xla".
+    """
     from .launch import gpu
 
-    return "triton" if gpu.available() else "xla"
+    if jax.default_backend() not in ("gpu", "cuda"):
+        return "xla"
+    reason = gpu.unavailable_reason()
+    if reason is None:
+        return "triton"
+    _warn_fallback(reason)
+    return "xla"
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(f"jagged_flash_jax: backend='auto' runs the pure-JAX 'xla' backend on this GPU, "
+                  f"because the Triton kernels cannot run: {reason}", RuntimeWarning, stacklevel=4)
 
 
 def _resolve_backend(backend) -> str:
@@ -40,62 +69,241 @@ def _resolve_backend(backend) -> str:
             raise ValueError(f"backend='triton' needs a GPU, but JAX's default backend is "
                              f"{jax.default_backend()!r}; use backend='xla' or 'interpret', or "
                              f"{gpu.INSTALL_HINT}")
-        try:
-            gpu.jax_triton_module()
-        except ImportError as err:
-            raise ValueError(str(err)) from err
+        reason = gpu.unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"backend='triton' cannot run: {reason}")
     return backend
 
 
-def _check_arrays(q, k, v, offsets, layout: str) -> tuple[int, int, int]:
-    """(H, T, D) of q, k, v after checking ranks, shapes and dtypes; raises TypeError or ValueError."""
-    names = ("q", "k", "v")
-    dims = "[H, T, D]" if layout == "HTD" else "[T, H, D]"
-    for name, x in zip(names, (q, k, v)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-        if x.ndim != 3:
-            raise ValueError(f"{name} must have rank 3 {dims} (layout={layout!r}), got shape {x.shape}")
-    for name, x in zip(names[1:], (k, v)):
-        if x.shape != q.shape:
-            raise ValueError(f"{name} must have the shape of q {q.shape}, got {x.shape}")
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
-    if q.dtype not in DTYPES:
-        raise TypeError(f"q, k, v must be float32, bfloat16 or float16, got {q.dtype}")
-    if not hasattr(offsets, "shape") or not hasattr(offsets, "dtype"):
-        raise TypeError(f"offsets must be an integer array [B+1], got {type(offsets).__name__}")
-    if offsets.ndim != 1 or offsets.shape[0] < 1:
-        raise ValueError(f"offsets must be 1-D [B+1] with B >= 0, got shape {offsets.shape}")
+# ---------------------------------------------------------------------------------------------------
+# Argument checks (trace time)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _static_int(value, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a static Python int, got {type(value).__name__}")
+    value = operator.index(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _static_bool(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _static_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a static Python float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and positive, got {scale}")
+    return scale
+
+
+def _as_offsets(offsets, name: str):
+    """offsets as an int32/int64 JAX array; Python lists and NumPy integer arrays are accepted."""
+    if not hasattr(offsets, "dtype"):
+        if not isinstance(offsets, (list, tuple)):
+            raise TypeError(f"{name} must be an integer array [B+1], got {type(offsets).__name__}")
+        offsets = np.asarray(offsets)
+    if not jnp.issubdtype(offsets.dtype, jnp.integer) or offsets.dtype == bool:
+        raise TypeError(f"{name} must be an integer array (int32 or int64), got dtype {offsets.dtype}")
     if offsets.dtype not in (jnp.int32, jnp.int64):
-        raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
-    heads, total, dim = q.shape if layout == "HTD" else (q.shape[1], q.shape[0], q.shape[2])
-    if dim > MAX_HEAD_DIM:
-        raise ValueError(f"head dimension D must be at most {MAX_HEAD_DIM}, got D={dim}")
-    return heads, total, dim
+        offsets = offsets.astype(np.int32)
+    offsets = jnp.asarray(offsets)
+    if offsets.ndim not in (1, 2) or offsets.shape[-1] < 1:
+        raise ValueError(f"{name} must be [B+1] with B >= 0 (or [shards, B+1] for data-parallel packing), "
+                         f"got shape {offsets.shape}")
+    return offsets
 
 
-def _check_static(max_seq_len, allow_tf32, layout) -> int:
-    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
-        try:
-            max_seq_len = operator.index(max_seq_len)
-        except TypeError:
-            raise TypeError(f"max_seq_len must be a static Python int, got "
-                            f"{type(max_seq_len).__name__}") from None
-    if max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-    if not isinstance(allow_tf32, bool):
-        raise TypeError(f"allow_tf32 must be a bool, got {type(allow_tf32).__name__}")
+def _check_array(x, name: str, layout: str):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if x.ndim != 3:
+        dims = "[T, H, D]" if layout == "THD" else "[H, T, D]"
+        raise ValueError(f"{name} must have rank 3 {dims} (layout={layout!r}), got shape {x.shape}")
+
+
+def _split(shape, layout):
+    """(tokens, heads, D) of a rank-3 shape in `layout`."""
+    return (shape[0], shape[1], shape[2]) if layout == "THD" else (shape[1], shape[0], shape[2])
+
+
+def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale, out_scale, causal,
+             layout, allow_tf32, backend, block_sizes, self_attention: bool) -> plan.Problem:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return int(max_seq_len)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(x, name, layout)
+    if q.dtype not in DTYPES:
+        raise TypeError(f"q, k, v must be float32, bfloat16 or float16, got {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {k.shape}, got {v.shape}")
+    q_tokens, heads, dim = _split(q.shape, layout)
+    kv_tokens, kv_heads, kv_dim = _split(k.shape, layout)
+    if kv_dim != dim:
+        raise ValueError(f"k and v must have the head dimension of q (D={dim}), got D={kv_dim}")
+    if dim > MAX_HEAD_DIM:
+        raise ValueError(f"head dimension D must be at most {MAX_HEAD_DIM}, got D={dim}")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"the number of query heads ({heads}) must be a multiple of the number of kv "
+                         f"heads ({kv_heads}) in k and v")
+    if self_attention and kv_tokens != q_tokens:
+        raise ValueError(f"k and v have {kv_tokens} tokens but q has {q_tokens}; with kv_offsets=None "
+                         f"they share q's offsets (pass kv_offsets for cross-attention)")
+    rows = offsets.shape[0] if offsets.ndim == 2 else 1
+    for name, x in (("offsets", offsets), ("kv_offsets", kv_offsets)):
+        if x.shape[-1] != offsets.shape[-1] or x.ndim != offsets.ndim or (x.ndim == 2 and x.shape[0] != rows):
+            raise ValueError(f"kv_offsets must have the shape of offsets {offsets.shape}, got {x.shape}")
+        tokens = q_tokens if name == "offsets" else kv_tokens
+        if tokens % rows:
+            raise ValueError(f"{name} [{rows}, B+1] splits the token axis into {rows} equal shards, but "
+                             f"the arrays it indexes have {tokens} tokens")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
+    bounds = (("max_seq_len", heads, max_seq_len), ("kv_max_seq_len", kv_heads, kv_max_seq_len))
+    for name, h, max_len in bounds:
+        stride = h * dim if layout == "THD" else dim
+        if (max_len + MAX_HEAD_DIM) * stride > _MAX_SEQUENCE_ELEMENTS:
+            raise ValueError(f"{name} * {'H * D' if layout == 'THD' else 'D'} = {max_len * stride} "
+                             f"elements in one sequence is more than the kernels address (< 2**31)")
+    backend = _resolve_backend(backend)
+    if block_sizes is None:
+        block_sizes = (INTERPRET_BLOCK_SIZES if backend == "interpret"
+                       else default_block_sizes(dim, q.dtype, max(max_seq_len, kv_max_seq_len)))
+    problem = plan.Problem(
+        layout=layout, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+        batch=offsets.shape[-1] - 1, num_segments=rows, q_tokens=q_tokens // rows,
+        kv_tokens=kv_tokens // rows, q_offsets_rows=rows, kv_offsets_rows=rows, max_seq_len=max_seq_len,
+        kv_max_seq_len=kv_max_seq_len, causal=causal, scale=scale, out_scale=out_scale,
+        input_precision="tf32" if allow_tf32 else "ieee", block_sizes=block_sizes, launcher=backend)
+    if backend != "xla":
+        plan.check_grid(problem)
+    return problem
+
+
+# ---------------------------------------------------------------------------------------------------
+# The one custom_vjp
+# ---------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, q_offsets, kv_offsets, problem: plan.Problem):
+    o, _ = transforms.forward(problem, q, k, v, q_offsets, kv_offsets)
+    return o
+
+
+def _attention_fwd(q, k, v, q_offsets, kv_offsets, problem: plan.Problem):
+    o, lse = transforms.forward(problem, q, k, v, q_offsets, kv_offsets)
+    o = checkpoint_name(o, RESIDUAL_NAMES[0])
+    lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
+    return o, (q, k, v, q_offsets, kv_offsets, o, lse)
+
+
+def _attention_bwd(problem: plan.Problem, residuals, do):
+    q, k, v, q_offsets, kv_offsets, o, lse = residuals
+    dq, dk, dv = transforms.backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do.astype(q.dtype))
+    return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _call(q, k, v, q_offsets, kv_offsets, problem):
+    # Offsets as [rows, B+1], the kernels' form (a free reshape).
+    q_offsets, kv_offsets = (x if x.ndim == 2 else x[None] for x in (q_offsets, kv_offsets))
+    try:
+        return _attention(q, k, v, q_offsets, kv_offsets, problem)
+    except TypeError as err:
+        if "forward-mode" not in str(err):
+            raise
+        raise TypeError(
+            "jagged attention has a custom reverse-mode rule (its backward kernels) and does not support "
+            "forward-mode autodiff (jax.jvp, jax.jacfwd, jax.hessian); use jax.grad / jax.vjp, or "
+            "jagged_flash_jax.jagged_attention_reference (dense, O(L^2) memory) for forward mode") from err
+
+
+# ---------------------------------------------------------------------------------------------------
+# The public ops
+# ---------------------------------------------------------------------------------------------------
+
+
+def jagged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    offsets,
+    max_seq_len: int,
+    *,
+    kv_offsets=None,
+    kv_max_seq_len: int | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+    layout: str = "THD",
+    backend: str = "auto",
+    allow_tf32: bool = True,
+    block_sizes: BlockSizes | None = None,
+) -> jax.Array:
+    """Variable-length (jagged) multi-head attention with the standard semantics.
+
+    Sequence b has queries offsets[b]:offsets[b+1] and keys kv_offsets[b]:kv_offsets[b+1]. With
+    n_q = min(len_q, max_seq_len) and n_k = min(len_kv, kv_max_seq_len), query i < n_q gets
+    softmax(scale * q_i k^T) v over the keys j < n_k (causal: j <= i + n_k - n_q, bottom-right
+    aligned as in FlashAttention 2.1+ and cuDNN). A query with no key to attend gets 0; tokens past
+    n_q, or outside offsets, get output 0 and gradient 0.
+
+    Args:
+      q: [T_q, H, D] (layout "THD", as projections give) or [H, T_q, D] ("HTD").
+      k, v: [T_kv, H_kv, D] (or [H_kv, T_kv, D]); H a multiple of H_kv (GQA; H_kv = 1 is MQA). One
+        dtype among float32, bfloat16, float16; D <= 256.
+      offsets: [B+1] int32 or int64 (a list or NumPy array works), non-decreasing within [0, T_q].
+        [shards, B+1] offsets, local to each of `shards` equal slices of the token axis, describe a
+        data-parallel batch (see `pack_data_parallel`).
+      max_seq_len: static int >= 1: queries past it in a sequence are not attended.
+      kv_offsets: offsets of k and v (cross-attention); None means `offsets` (self-attention).
+      kv_max_seq_len: static bound on attended keys; None means max_seq_len.
+      scale: static float multiplying q k^T; None means 1 / sqrt(D).
+      causal: bottom-right aligned causal mask.
+      layout: "THD" (default) or "HTD".
+      backend: "triton" (GPU kernels via jax-triton), "interpret" (the same kernels in Triton's
+        interpreter on the CPU), "xla" (blockwise pure JAX, any device), or "auto" ("triton" on a GPU
+        with jax-triton, else "xla").
+      allow_tf32: float32 only: whether the GPU matrix products may use TF32.
+      block_sizes: tile configuration of the Triton kernels; None picks a tuned default.
+
+    Returns:
+      The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v.
+    """
+    max_seq_len = _static_int(max_seq_len, "max_seq_len")
+    kv_max_seq_len = max_seq_len if kv_max_seq_len is None else _static_int(kv_max_seq_len,
+                                                                             "kv_max_seq_len")
+    offsets = _as_offsets(offsets, "offsets")
+    self_attention = kv_offsets is None
+    kv_offsets = offsets if self_attention else _as_offsets(kv_offsets, "kv_offsets")
+    _check_array(q, "q", layout if layout in LAYOUTS else "THD")
+    problem = _problem(
+        q, k, v, offsets, kv_offsets, max_seq_len=max_seq_len, kv_max_seq_len=kv_max_seq_len,
+        scale=_static_scale(scale, q.shape[-1]), out_scale=1.0, causal=_static_bool(causal, "causal"),
+        layout=layout, allow_tf32=_static_bool(allow_tf32, "allow_tf32"), backend=backend,
+        block_sizes=block_sizes, self_attention=self_attention)
+    return _call(q, k, v, offsets, kv_offsets, problem)
 
 
 def multi_head_jagged_flash_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    offsets: jax.Array,
+    offsets,
     max_seq_len: int,
     *,
     allow_tf32: bool = True,
@@ -103,68 +311,33 @@ def multi_head_jagged_flash_attention(
     layout: str = "HTD",
     block_sizes: BlockSizes | None = None,
 ) -> jax.Array:
-    """Multi-head attention over a jagged batch, each sequence attending only to itself.
+    """FBGEMM's multi-head jagged flash attention: softmax(q k^T) v / max_seq_len, no scale.
 
     For sequence b (tokens offsets[b] to offsets[b+1]) and head h, with n_b = min(len_b, max_seq_len),
     the first n_b tokens get softmax(q k^T) v / max_seq_len over those n_b keys (no 1/sqrt(D) scale).
     Every other token (past n_b, or outside offsets) gets output 0 and gradient 0.
 
     Args:
-      q, k, v: [H, T, D] (layout "HTD") or [T, H, D] ("THD", read through strides with no transpose);
-        one dtype among float32, bfloat16, float16; D <= 256.
+      q, k, v: [H, T, D] (layout "HTD", the default) or [T, H, D] ("THD"), one shape; one dtype among
+        float32, bfloat16, float16; D <= 256.
       offsets: [B+1] int32 or int64, non-decreasing, within [0, T] (others are clamped, never unsafe).
       max_seq_len: static Python int >= 1.
-      allow_tf32: float32 only: whether the matrix products may use TF32 on the GPU.
-      backend: "triton" (GPU kernels via jax-triton), "interpret" (the same kernels in Triton's
-        interpreter on the CPU, bfloat16 computed in float32 there), "xla" (pure JAX, any device),
-        or "auto": "triton" when JAX's default backend is a GPU and jax-triton imports, else "xla".
-      layout: "HTD" or "THD".
-      block_sizes: tile configuration of the kernel backends; None picks a tuned default.
+      allow_tf32, backend, layout, block_sizes: as for `jagged_attention`.
 
     Returns:
-      The output, with the shape and dtype of q. Differentiable in q, k and v.
+      The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v.
     """
-    max_seq_len = _check_static(max_seq_len, allow_tf32, layout)
-    heads, total, dim = _check_arrays(q, k, v, offsets, layout)
-    if (max_seq_len + MAX_HEAD_DIM) * heads * dim > _MAX_SEQUENCE_ELEMENTS:
-        raise ValueError(f"max_seq_len * H * D = {max_seq_len * heads * dim} elements in one sequence "
-                         f"is more than the kernels address (< 2**31)")
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
-    backend = _resolve_backend(backend)
-    if backend == "xla":
-        return jagged_attention_reference(q, k, v, offsets, max_seq_len, allow_tf32=allow_tf32,
-                                          layout=layout)
-    if block_sizes is None:
-        block_sizes = (INTERPRET_BLOCK_SIZES if backend == "interpret"
-                       else default_block_sizes(dim, q.dtype, max_seq_len))
-    problem = plan.Problem(
-        num_heads=heads, num_tokens=total, head_dim=dim, batch=offsets.shape[0] - 1,
-        max_seq_len=max_seq_len, head_major=layout == "HTD",
-        input_precision="tf32" if allow_tf32 else "ieee", block_sizes=block_sizes, launcher=backend)
-    plan.check_grid(problem)
-    return _attention(q, k, v, offsets, problem)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, offsets, problem: plan.Problem):
-    o, _ = plan.forward(launch.runner(problem.launcher), problem, q, k, v, offsets)
-    return o
-
-
-def _attention_fwd(q, k, v, offsets, problem: plan.Problem):
-    o, lse = plan.forward(launch.runner(problem.launcher), problem, q, k, v, offsets)
-    # Named so that remat policies (jax.checkpoint_policies.save_only_these_names) can keep or drop them.
-    o = checkpoint_name(o, "jagged_attention_out")
-    lse = checkpoint_name(lse, "jagged_attention_lse")
-    return o, (q, k, v, offsets, o, lse)
-
-
-def _attention_bwd(problem: plan.Problem, residuals, do):
-    q, k, v, offsets, o, lse = residuals
-    dq, dk, dv = plan.backward(launch.runner(problem.launcher), problem, q, k, v, offsets, o, lse,
-                               do.astype(q.dtype))
-    return dq, dk, dv, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+    max_seq_len = _static_int(max_seq_len, "max_seq_len")
+    offsets = _as_offsets(offsets, "offsets")
+    if layout in LAYOUTS:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _check_array(x, name, layout)
+        for name, x in (("k", k), ("v", v)):
+            if x.shape != q.shape:
+                raise ValueError(f"{name} must have the shape of q {q.shape}, got {x.shape}")
+    problem = _problem(
+        q, k, v, offsets, offsets, max_seq_len=max_seq_len, kv_max_seq_len=max_seq_len, scale=1.0,
+        out_scale=1.0 / max_seq_len, causal=False, layout=layout,
+        allow_tf32=_static_bool(allow_tf32, "allow_tf32"), backend=backend, block_sizes=block_sizes,
+        self_attention=True)
+    return _call(q, k, v, offsets, offsets, problem)

@@ -1,4 +1,5 @@
-"""Offsets and padding helpers for jagged batches: tokens of B sequences packed along one axis.
+"""Offsets, padding and data-parallel packing helpers for jagged batches (tokens of B sequences packed
+along one axis).
 
 `sequence_bounds` clamps offsets exactly as the kernels do, so every backend reads the same tokens even
 for malformed offsets (which `check_offsets` rejects eagerly).
@@ -6,13 +7,16 @@ for malformed offsets (which `check_offsets` rejects eagerly).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
 def _integer_vector(x, name: str):
-    x = jnp.asarray(x)
+    x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
     if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
         raise ValueError(f"{name} must be a 1-D integer array, got shape {x.shape} and dtype {x.dtype}")
     return x
@@ -29,8 +33,8 @@ def offsets_from_lengths(lengths, dtype=jnp.int32) -> jax.Array:
 def check_offsets(offsets, total: int) -> None:
     """Eagerly check that offsets are non-negative, non-decreasing and at most `total`.
 
-    Raises ValueError naming the first bad entry. The attention op itself never reads outside its
-    arrays whatever the offsets hold, but its result is only meaningful for offsets that pass.
+    Raises ValueError naming the first bad entry. The attention ops never read outside their arrays
+    whatever the offsets hold, but their result is only meaningful for offsets that pass.
     """
     if isinstance(offsets, jax.core.Tracer):
         raise TypeError("check_offsets needs concrete offsets: call it outside jax.jit")
@@ -60,6 +64,17 @@ def sequence_bounds(offsets: jax.Array, total: int, max_seq_len: int | None = No
     return starts, lengths
 
 
+def _token_axis(x, layout: str | None, name: str) -> int:
+    """The token axis of a jagged array: [T, F] (rank 2), or rank 3 with an explicit layout."""
+    if x.ndim == 2 and layout in (None, "THD"):
+        return 0
+    if x.ndim == 3 and layout in ("THD", "HTD"):
+        return 0 if layout == "THD" else 1
+    if x.ndim == 3:
+        raise ValueError(f"{name} has rank 3: pass layout='THD' ([T, H, D]) or layout='HTD' ([H, T, D])")
+    raise ValueError(f"{name} must be [T, F] or, with a layout, [T, H, D] / [H, T, D]; got shape {x.shape}")
+
+
 def _padded_index(offsets, total: int, max_seq_len: int):
     """Token index [B, L] of each padded position and whether it holds a token."""
     starts, lengths = sequence_bounds(offsets, total, max_seq_len)
@@ -67,23 +82,103 @@ def _padded_index(offsets, total: int, max_seq_len: int):
     return starts[:, None] + position, position < lengths[:, None]
 
 
-def jagged_to_padded(x, offsets, max_seq_len: int, padding_value=0) -> jax.Array:
-    """[H, T, D] jagged -> [B, H, max_seq_len, D]; each sequence's first max_seq_len tokens."""
+def jagged_to_padded(x, offsets, max_seq_len: int, padding_value=0, *, layout: str | None = None):
+    """Each sequence's first max_seq_len tokens, padded: [T, F] -> [B, L, F]; with layout="THD",
+    [T, H, D] -> [B, L, H, D]; with layout="HTD", [H, T, D] -> [B, H, L, D]."""
     offsets = _integer_vector(offsets, "offsets")
-    heads, total, dim = x.shape
-    index, valid = _padded_index(offsets, total, max_seq_len)
-    if total == 0:
-        return jnp.full((index.shape[0], heads, max_seq_len, dim), padding_value, x.dtype)
-    gathered = jnp.take(x, jnp.where(valid, index, 0), axis=1)  # [H, B, L, D]
-    gathered = jnp.moveaxis(gathered, 1, 0)
-    return jnp.where(valid[:, None, :, None], gathered, jnp.asarray(padding_value, x.dtype))
+    axis = _token_axis(x, layout, "x")
+    index, valid = _padded_index(offsets, x.shape[axis], max_seq_len)
+    gathered = jnp.take(x, jnp.where(valid, index, x.shape[axis]), axis=axis, mode="fill",
+                        fill_value=padding_value)  # [B, L] in place of the token axis
+    return jnp.moveaxis(gathered, axis, 0) if axis else gathered
 
 
-def padded_to_jagged(x, offsets, total: int) -> jax.Array:
-    """[B, H, L, D] padded -> [H, total, D] jagged; tokens outside the first L of a sequence are 0."""
+def padded_to_jagged(x, offsets, total: int, *, layout: str | None = None) -> jax.Array:
+    """The inverse of `jagged_to_padded`: [B, L, F] -> [T, F] ([B, L, H, D] -> [T, H, D] with
+    layout="THD", [B, H, L, D] -> [H, T, D] with "HTD"); tokens not among the first L of a sequence
+    are 0."""
     offsets = _integer_vector(offsets, "offsets")
-    batch, heads, max_seq_len, dim = x.shape
+    if x.ndim == 3 and layout in (None, "THD"):
+        axis = 0
+    elif x.ndim == 4 and layout in ("THD", "HTD"):
+        axis = 0 if layout == "THD" else 1
+    else:
+        raise ValueError(f"x must be [B, L, F] or, with a layout, [B, L, H, D] / [B, H, L, D]; got shape "
+                         f"{x.shape} with layout={layout!r}")
+    if axis:
+        x = jnp.moveaxis(x, 0, 1)  # [H, B, L, D]
+    max_seq_len = x.shape[axis + 1]
     index, valid = _padded_index(offsets, total, max_seq_len)
     index = jnp.where(valid, index, total).reshape(-1)  # index `total` is out of range: dropped
-    values = jnp.moveaxis(x, 1, 0).reshape(heads, batch * max_seq_len, dim)
-    return jnp.zeros((heads, total, dim), x.dtype).at[:, index].set(values, mode="drop")
+    values = x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+    out = jnp.zeros((*x.shape[:axis], total, *x.shape[axis + 2:]), x.dtype)
+    return out.at[(slice(None),) * axis + (index,)].set(values, mode="drop")
+
+
+class DataParallelBatch(NamedTuple):
+    """A jagged batch split into equal shards along the token axis, one per device.
+
+    values: the packed token-major arrays, [shards * tokens_per_shard, ...] each.
+    offsets: [shards, B_local + 1] int32, local to each shard (what the ops take as `offsets`).
+    token_index: [shards * tokens_per_shard] int32: the original token of each packed row; -1 for the
+      padding at the end of a shard, which no sequence covers.
+    """
+
+    values: tuple[jax.Array, ...]
+    offsets: jax.Array
+    token_index: jax.Array
+
+    def unpack(self, packed: jax.Array, total: int) -> jax.Array:
+        """A packed token-major array back in the original token order, [total, ...] (0 elsewhere)."""
+        index = jnp.where(self.token_index >= 0, self.token_index, total)
+        return jnp.zeros((total, *packed.shape[1:]), packed.dtype).at[index].set(packed, mode="drop")
+
+
+def pack_data_parallel(arrays: jax.Array | Sequence[jax.Array], offsets, num_shards: int, *,
+                       tokens_per_shard: int | None = None) -> DataParallelBatch:
+    """Split a jagged batch into `num_shards` shards of equal token counts, for data parallelism.
+
+    Shard s takes the consecutive sequences [s * B_local, (s + 1) * B_local), B_local = ceil(B /
+    num_shards) (missing ones are empty), and pads its tokens with uncovered ones up to
+    `tokens_per_shard` (default: the largest shard's count rounded up to a multiple of 8; give it to
+    keep shapes fixed from step to step under jax.jit). Shard the packed arrays and offsets along
+    their first axis, e.g. with PartitionSpec("data"), for a sharded jax.jit or a shard_map. Eager:
+    it reads the offsets.
+
+    arrays: token-major [T, ...] arrays (one or several) sharing `offsets` [B+1].
+    """
+    single = isinstance(arrays, jax.Array | np.ndarray)
+    arrays = (arrays,) if single else tuple(arrays)
+    if isinstance(offsets, jax.core.Tracer):
+        raise TypeError("pack_data_parallel reads the offsets: call it outside jax.jit")
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    total = arrays[0].shape[0]
+    check_offsets(offsets, total)
+    for x in arrays:
+        if x.shape[0] != total:
+            raise ValueError(f"every array must have the {total} tokens of the first, got shape {x.shape}")
+    offsets = np.asarray(offsets, np.int64)
+    batch = offsets.size - 1
+    local_batch = max(1, -(-batch // num_shards))
+    bounds = np.minimum(np.arange(num_shards + 1) * local_batch, batch)
+    firsts, lasts = offsets[bounds[:-1]], offsets[bounds[1:]]
+    needed = int((lasts - firsts).max()) if num_shards else 0
+    if tokens_per_shard is None:
+        tokens_per_shard = max(8, -(-needed // 8) * 8)
+    elif tokens_per_shard < needed:
+        raise ValueError(f"tokens_per_shard={tokens_per_shard} is less than the {needed} tokens of the "
+                         f"largest shard")
+    local = np.zeros((num_shards, local_batch + 1), np.int64)
+    token_index = np.full((num_shards, tokens_per_shard), -1, np.int64)
+    for s in range(num_shards):
+        own = offsets[bounds[s]:bounds[s + 1] + 1] - firsts[s]
+        local[s, :own.size] = own
+        local[s, own.size:] = own[-1] if own.size else 0
+        count = int(lasts[s] - firsts[s])
+        token_index[s, :count] = np.arange(firsts[s], lasts[s])
+    token_index = token_index.reshape(-1)
+    gather = np.where(token_index >= 0, token_index, total)
+    values = tuple(jnp.take(jnp.asarray(x), jnp.asarray(gather), axis=0, mode="fill", fill_value=0)
+                   for x in arrays)
+    return DataParallelBatch(values, jnp.asarray(local, jnp.int32), jnp.asarray(token_index, jnp.int32))

@@ -1,65 +1,91 @@
-"""Triton kernels of multi-head jagged flash attention: forward, backward preprocess, dk/dv and dq.
+"""Triton kernels of jagged flash attention: the forward, the backward preprocess and the backward.
 
 Pure Triton, no JAX: the same functions are compiled for the GPU (launch/gpu.py) and run by Triton's
-interpreter on the CPU (launch/interpret.py). Parameter order is what jax-triton 0.3.1 passes: array
-inputs, runtime scalars, outputs, then compile-time constants.
+interpreter on the CPU (launch/interpret.py). Parameters come in the order jax-triton passes them:
+arrays, runtime scalars, outputs, then compile-time constants (always given by keyword).
 
-Layout: q, k, v, o and their gradients are [H, T, D] (HEAD_MAJOR) or [T, H, D], contiguous; the
-log-sum-exp and delta are float32 [H, T]. A token row of head h is `row * D` elements from the base,
-with row = h * T + t (head-major) or t * H + h (token-major), so both layouts share one code path.
+Addressing. q, o, do, dq share one layout and k, v, dk, dv another; the launcher passes each family's
+token and head strides in elements, so "THD" and "HTD" (and anything else with unit stride along D)
+share one code path. The token axis may hold several independent segments of `*_tokens` tokens, each
+with its own row of offsets (data-parallel shards, or vmapped problems); offsets rows are
+`*_offsets_stride` apart (0 when every segment shares one row). The float32 log-sum-exp and delta are
+[segments, H, q_tokens]. Every pointer is rebased once per program by `_rows`.
+
+Grid. Axis 0 enumerates (segment, sequence, head), with one extra "sequence" per segment whose programs
+zero the tokens that no sequence attends; axis 1 enumerates row blocks, the last ones first so that the
+costly blocks of long sequences start early.
+
+Semantics per sequence: n_q = min(len_q, Q_MAX_LEN) queries attend n_k = min(len_kv, KV_MAX_LEN) keys
+(causal: key j <= query i + n_k - n_q), o = OUT_SCALE * softmax(scale * q k^T) v. The log-sum-exp is
+kept in base 2 of the scaled scores, as the forward computes it, so that the backward recomputes
+probabilities with the same rounding. Rows with no key get o = 0 and log-sum-exp +inf.
 """
 
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+INF: tl.constexpr = tl.constexpr(float("inf"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Addressing, shared by every kernel
+# ---------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _sequence(offsets_ptr, batch, num_tokens, MAX_SEQ_LEN: tl.constexpr):
-    """First token and attended length of sequence `batch`.
+def _program(batch, NUM_HEADS: tl.constexpr):
+    """(segment, sequence, head, block) of this program; sequence == batch is the zero-fill program."""
+    pid = tl.program_id(0)
+    head = pid % NUM_HEADS
+    segment_sequence = pid // NUM_HEADS
+    block = tl.num_programs(1) - 1 - tl.program_id(1)
+    return segment_sequence // (batch + 1), segment_sequence % (batch + 1), head, block
 
-    Offsets are clamped into [0, num_tokens] and made non-decreasing, so that no content of `offsets`
-    (negative, decreasing, past T) can address memory outside the arrays.
+
+@triton.jit
+def _aligned(stride, ALIGN: tl.constexpr):
+    if ALIGN > 1:
+        stride = tl.multiple_of(stride, ALIGN)
+    return stride
+
+
+@triton.jit
+def _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN: tl.constexpr):
+    """First token (int64) and attended length (int32) of a sequence.
+
+    Offsets are clamped into [0, num_tokens] and each end to at least its start, so that no content of
+    `offsets` (negative, decreasing, past the end) can address memory outside the arrays.
     """
-    seq_start = tl.load(offsets_ptr + batch).to(tl.int64)
-    seq_end = tl.load(offsets_ptr + batch + 1).to(tl.int64)
-    seq_start = tl.minimum(tl.maximum(seq_start, 0), num_tokens)
-    seq_end = tl.minimum(tl.maximum(seq_end, seq_start), num_tokens)
-    seq_len = tl.minimum(seq_end - seq_start, MAX_SEQ_LEN).to(tl.int32)
-    return seq_start, seq_len
+    start = tl.load(offsets_ptr + sequence).to(tl.int64)
+    end = tl.load(offsets_ptr + sequence + 1).to(tl.int64)
+    start = tl.minimum(tl.maximum(start, 0), num_tokens)
+    end = tl.minimum(tl.maximum(end, start), num_tokens)
+    return start, tl.minimum(end - start, MAX_LEN).to(tl.int32)
 
 
 @triton.jit
-def _first_row(head, seq_start, num_tokens, NUM_HEADS: tl.constexpr, HEAD_MAJOR: tl.constexpr):
-    """Row index (in units of D elements) of the sequence's first token for `head`, as int64."""
-    if HEAD_MAJOR:
-        return head.to(tl.int64) * num_tokens + seq_start
-    else:
-        return seq_start * NUM_HEADS + head
+def _rows(ptr, segment, head, first_token, num_tokens, token_stride, head_stride):
+    """Pointer to token `first_token` of `head` in `segment` (int64 arithmetic)."""
+    token = segment.to(tl.int64) * num_tokens + first_token
+    return ptr + token * token_stride + head.to(tl.int64) * head_stride
 
 
 @triton.jit
-def _tile_ptrs(base_ptr, rows, cols, TOKEN_STRIDE: tl.constexpr):
-    return base_ptr + rows[:, None] * TOKEN_STRIDE + cols[None, :]
+def _stats(ptr, segment, head, first_token, num_tokens, NUM_HEADS: tl.constexpr):
+    """Pointer to the float32 statistic [segments, H, tokens] of `first_token`."""
+    return ptr + (segment.to(tl.int64) * NUM_HEADS + head) * num_tokens + first_token
 
 
 @triton.jit
-def _tile_mask(rows, cols, seq_len, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    mask = rows[:, None] < seq_len
-    if BLOCK_D != D:
-        mask = mask & (cols[None, :] < D)
-    return mask
-
-
-@triton.jit
-def _load_tile(base_ptr, rows, cols, seq_len, TOKEN_STRIDE: tl.constexpr, D: tl.constexpr,
-               BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
-    """Rows `rows` of one sequence and head, [len(rows), BLOCK_D]; masked lanes read 0."""
-    ptrs = _tile_ptrs(base_ptr, rows, cols, TOKEN_STRIDE)
+def _load(base, rows, cols, num_rows, token_stride, D: tl.constexpr, BLOCK_D: tl.constexpr,
+          MASK_ROWS: tl.constexpr):
+    """Rows `rows` of a [tokens, D] view, [len(rows), BLOCK_D]; rows >= num_rows and cols >= D read 0."""
+    ptrs = base + rows[:, None] * token_stride + cols[None, :]
     if MASK_ROWS:
-        return tl.load(ptrs, mask=_tile_mask(rows, cols, seq_len, D, BLOCK_D), other=0.0)
+        mask = rows[:, None] < num_rows
+        if BLOCK_D != D:
+            mask = mask & (cols[None, :] < D)
+        return tl.load(ptrs, mask=mask, other=0.0)
     elif BLOCK_D != D:
         return tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
     else:
@@ -67,19 +93,129 @@ def _load_tile(base_ptr, rows, cols, seq_len, TOKEN_STRIDE: tl.constexpr, D: tl.
 
 
 @triton.jit
-def _store_tile(base_ptr, rows, cols, seq_len, value, TOKEN_STRIDE: tl.constexpr, D: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    ptrs = _tile_ptrs(base_ptr, rows, cols, TOKEN_STRIDE)
-    tl.store(ptrs, value.to(base_ptr.dtype.element_ty), mask=_tile_mask(rows, cols, seq_len, D, BLOCK_D))
+def _store(base, rows, cols, num_rows, value, token_stride, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    mask = rows[:, None] < num_rows
+    if BLOCK_D != D:
+        mask = mask & (cols[None, :] < D)
+    tl.store(base + rows[:, None] * token_stride + cols[None, :], value.to(base.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
-def _program_ids(NUM_HEADS: tl.constexpr):
-    """(batch, head, block) of this program. Axis 1 enumerates blocks in reverse, so that the programs
-    of the last blocks, which only long sequences have and which cost the most, start first."""
-    pid_bh = tl.program_id(0)
-    block = tl.num_programs(1) - 1 - tl.program_id(1)
-    return pid_bh // NUM_HEADS, pid_bh % NUM_HEADS, block
+def _causal_shift(n_q, n_k, CAUSAL: tl.constexpr):
+    """Query i attends key j <= i + shift (bottom-right aligned)."""
+    if CAUSAL:
+        return n_k - n_q
+    else:
+        return 0
+
+
+@triton.jit
+def _key_ranges(query_start, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr):
+    """For queries [query_start, +BLOCK_M): keys [0, clean_end) need no mask, [clean_end, end) do."""
+    end = n_k
+    clean_end = n_k
+    if CAUSAL:
+        shift = n_k - n_q
+        end = tl.minimum(n_k, query_start + BLOCK_M + shift)
+        clean_end = tl.minimum(n_k, query_start + shift + 1)
+    end = tl.maximum(end, 0)
+    clean_end = tl.maximum(clean_end, 0) // BLOCK_N * BLOCK_N
+    return clean_end, end
+
+
+@triton.jit
+def _query_ranges(key_start, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr):
+    """For keys [key_start, +BLOCK_N): the query blocks [start, n_q) that see them, of which
+    [clean_start, clean_end) need no mask. All but n_q are multiples of BLOCK_M."""
+    clean_end = n_q // BLOCK_M * BLOCK_M
+    if CAUSAL:
+        shift = n_k - n_q
+        start = tl.maximum(key_start - shift, 0) // BLOCK_M * BLOCK_M
+        # The first block whose first query sees the block's last key.
+        diagonal_end = (tl.maximum(key_start + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        clean_start = tl.minimum(tl.maximum(diagonal_end, start), tl.maximum(clean_end, start))
+        return start, clean_start, tl.maximum(clean_start, clean_end)
+    else:
+        return 0, 0, clean_end
+
+
+# ---------------------------------------------------------------------------------------------------
+# Zero fill: the tokens no sequence attends
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _offsets_sorted(offsets_ptr, batch, num_tokens, BLOCK: tl.constexpr):
+    """Whether the clamped offsets are non-decreasing (then sequences tile the tokens in order)."""
+    unsorted = tl.zeros([1], dtype=tl.int32)
+    for first in range(0, batch, BLOCK):
+        index = first + tl.arange(0, BLOCK)
+        valid = index < batch
+        lo = tl.load(offsets_ptr + index, mask=valid, other=0).to(tl.int64)
+        hi = tl.load(offsets_ptr + index + 1, mask=valid, other=0).to(tl.int64)
+        lo = tl.minimum(tl.maximum(lo, 0), num_tokens)
+        hi = tl.minimum(tl.maximum(hi, 0), num_tokens)
+        unsorted += tl.sum((valid & (hi < lo)).to(tl.int32), axis=0)
+    return tl.sum(unsorted, axis=0) == 0
+
+
+@triton.jit
+def _attended(offsets_ptr, batch, tokens, num_tokens, sorted, search_steps, MAX_LEN: tl.constexpr):
+    """Boolean per token of `tokens`: whether some sequence attends it.
+
+    Sorted offsets: a binary search for the last sequence starting at or before each token. Otherwise
+    (malformed offsets) every sequence is checked; slow, but right.
+    """
+    attended = tokens < 0
+    if sorted:
+        lo = tl.zeros(tokens.shape, tl.int32)
+        hi = tl.zeros(tokens.shape, tl.int32) + batch
+        for _ in range(search_steps):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            start = tl.load(offsets_ptr + mid, mask=active, other=0).to(tl.int64)
+            right = tl.minimum(tl.maximum(start, 0), num_tokens) <= tokens
+            lo = tl.where(active & right, mid + 1, lo)
+            hi = tl.where(active & ~right, mid, hi)
+        found = lo - 1
+        has = found >= 0
+        start = tl.load(offsets_ptr + found, mask=has, other=0).to(tl.int64)
+        end = tl.load(offsets_ptr + found + 1, mask=has, other=0).to(tl.int64)
+        start = tl.minimum(tl.maximum(start, 0), num_tokens)
+        end = tl.minimum(tl.maximum(end, start), num_tokens)
+        attended = has & (tokens >= start) & (tokens < start + tl.minimum(end - start, MAX_LEN))
+    else:
+        for sequence in range(0, batch):
+            start, length = _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
+            attended = attended | ((tokens >= start) & (tokens < start + length))
+    return attended
+
+
+@triton.jit
+def _zero_unattended(first_ptr, second_ptr, offsets_ptr, batch, segment, head, chunk, fill_chunk,
+                     num_tokens, token_stride, head_stride, search_steps, MAX_LEN: tl.constexpr,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, FILL_BLOCK: tl.constexpr,
+                     TWO: tl.constexpr):
+    """Write 0 to the rows of tokens [chunk * fill_chunk, +fill_chunk) that no sequence attends, in
+    one array (or two of one layout, with TWO)."""
+    sorted = _offsets_sorted(offsets_ptr, batch, num_tokens, FILL_BLOCK)
+    cols = tl.arange(0, BLOCK_D)
+    first = chunk.to(tl.int64) * fill_chunk
+    last = tl.minimum(first + fill_chunk, num_tokens)
+    for block_start in range(first, last, FILL_BLOCK):
+        tokens = block_start + tl.arange(0, FILL_BLOCK)
+        unattended = (tokens < last) & ~_attended(offsets_ptr, batch, tokens, num_tokens, sorted,
+                                                  search_steps, MAX_LEN)
+        offset = ((segment.to(tl.int64) * num_tokens + tokens[:, None]) * token_stride
+                  + head.to(tl.int64) * head_stride + cols[None, :])
+        mask = unattended[:, None] & (cols[None, :] < D)
+        zeros = tl.zeros([FILL_BLOCK, BLOCK_D], dtype=tl.float32)
+        tl.store(first_ptr + offset, zeros.to(first_ptr.dtype.element_ty), mask=mask)
+        if TWO:
+            tl.store(second_ptr + offset, zeros.to(second_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,68 +224,95 @@ def _program_ids(NUM_HEADS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_key_block(acc, row_sum, row_max, q, k_base, v_base, key_start, cols, seq_len,
-                   TOKEN_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASK_KEYS: tl.constexpr):
+def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, n_k, shift,
+               kv_token_stride, QK_SCALE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr):
     """One step of the online softmax over keys [key_start, key_start + BLOCK_N), in base 2."""
     key_rows = key_start + tl.arange(0, BLOCK_N)
-    k = _load_tile(k_base, key_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, MASK_KEYS)
-    scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * LOG2E
-    if MASK_KEYS:
-        # Padded keys must not take part in the row max: a real score far below 0 would underflow.
-        scores = tl.where(key_rows[None, :] < seq_len, scores, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-    p = tl.math.exp2(scores - new_max[:, None])
-    correction = tl.math.exp2(row_max - new_max)
+    k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
+    scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+    if MASKED:
+        # Masked keys must not take part in the row max: a real score far below 0 would underflow.
+        keep = key_rows[None, :] < n_k
+        if CAUSAL:
+            keep = keep & (key_rows[None, :] <= query_rows[:, None] + shift)
+        scores = tl.where(keep, scores, -INF)
+    # QK_SCALE > 0, so the max commutes with it. `scores * QK_SCALE - max` is one fused multiply-add
+    # per score, the very expression with which the backward recomputes probabilities.
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1) * QK_SCALE)
+    if MASKED and CAUSAL:
+        # A row whose keys are all masked so far keeps max -inf; subtract 0 there, not -inf.
+        new_max_safe = tl.where(new_max == -INF, 0.0, new_max)
+    else:
+        new_max_safe = new_max
+    p = tl.math.exp2(scores * QK_SCALE - new_max_safe[:, None])
+    correction = tl.math.exp2(row_max - new_max_safe)
     row_sum = row_sum * correction + tl.sum(p, axis=1)
-    v = _load_tile(v_base, key_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, MASK_KEYS)
+    v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
     acc = acc * correction[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
     return acc, row_sum, new_max
 
 
 @triton.jit
-def jagged_attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, offsets_ptr,
-    num_tokens,
+def attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, q_offsets_ptr, kv_offsets_ptr,
+    batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
+    q_offsets_stride, kv_offsets_stride, fill_chunk, search_steps,
     o_ptr, lse_ptr,
-    NUM_HEADS: tl.constexpr, MAX_SEQ_LEN: tl.constexpr, D: tl.constexpr, HEAD_MAJOR: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
+    OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
-    """o = softmax(q k^T) v / MAX_SEQ_LEN for one block of BLOCK_M queries; also lse = log-sum-exp."""
-    batch, head, block = _program_ids(NUM_HEADS)
-    seq_start, seq_len = _sequence(offsets_ptr, batch, num_tokens, MAX_SEQ_LEN)
-    query_start = block * BLOCK_M
-    if query_start >= seq_len:
+    """o and the base-2 log-sum-exp for one block of BLOCK_M queries, or the zero fill of o."""
+    segment, sequence, head, block = _program(batch, NUM_HEADS)
+    q_token_stride = _aligned(q_token_stride, STRIDE_ALIGN)
+    kv_token_stride = _aligned(kv_token_stride, STRIDE_ALIGN)
+    q_offsets_ptr += segment * q_offsets_stride
+    kv_offsets_ptr += segment * kv_offsets_stride
+    if sequence == batch:
+        _zero_unattended(o_ptr, o_ptr, q_offsets_ptr, batch, segment, head, block, fill_chunk,
+                         q_tokens, q_token_stride, q_head_stride, search_steps, Q_MAX_LEN, D, BLOCK_D,
+                         FILL_BLOCK, TWO=False)
         return
-    TOKEN_STRIDE: tl.constexpr = D if HEAD_MAJOR else NUM_HEADS * D
-    first_row = _first_row(head, seq_start, num_tokens, NUM_HEADS, HEAD_MAJOR)
+    q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+    query_start = block * BLOCK_M
+    if query_start >= n_q:
+        return
+    kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
+    kv_head = head // KV_GROUP
+    q_base = _rows(q_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
+    k_base = _rows(k_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    v_base = _rows(v_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
     cols = tl.arange(0, BLOCK_D)
     query_rows = query_start + tl.arange(0, BLOCK_M)
 
-    q = _load_tile(q_ptr + first_row * D, query_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, True)
-    k_base = k_ptr + first_row * D
-    v_base = v_ptr + first_row * D
+    q = _load(q_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, True)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], -INF, dtype=tl.float32)
+    shift = _causal_shift(n_q, n_k, CAUSAL)
+    clean_end, end = _key_ranges(query_start, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for key_start in range(0, clean_end, BLOCK_N):
+        acc, row_sum, row_max = _fwd_block(
+            acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, n_k, shift,
+            kv_token_stride, QK_SCALE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, MASKED=False,
+            CAUSAL=CAUSAL)
+    for key_start in range(clean_end, end, BLOCK_N):
+        acc, row_sum, row_max = _fwd_block(
+            acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, n_k, shift,
+            kv_token_stride, QK_SCALE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, MASKED=True,
+            CAUSAL=CAUSAL)
 
-    full_keys = seq_len - seq_len % BLOCK_N
-    for key_start in range(0, full_keys, BLOCK_N):
-        acc, row_sum, row_max = _fwd_key_block(
-            acc, row_sum, row_max, q, k_base, v_base, key_start, cols, seq_len,
-            TOKEN_STRIDE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, False)
-    if full_keys < seq_len:
-        acc, row_sum, row_max = _fwd_key_block(
-            acc, row_sum, row_max, q, k_base, v_base, full_keys, cols, seq_len,
-            TOKEN_STRIDE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, True)
-
-    # Every query row saw at least one real key (seq_len >= 1), so row_sum > 0 and row_max is finite.
-    acc = acc / (row_sum * MAX_SEQ_LEN)[:, None]
-    _store_tile(o_ptr + first_row * D, query_rows, cols, seq_len, acc, TOKEN_STRIDE, D, BLOCK_D)
-    lse = (row_max + tl.math.log2(row_sum)) * LN2
-    lse_ptrs = lse_ptr + head.to(tl.int64) * num_tokens + seq_start + query_rows
-    tl.store(lse_ptrs, lse, mask=query_rows < seq_len)
+    attended = row_sum > 0  # false only for queries with no key (empty key sequence, or causal)
+    acc = acc * (OUT_SCALE / tl.where(attended, row_sum, 1.0))[:, None]
+    o_base = _rows(o_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
+    _store(o_base, query_rows, cols, n_q, acc, q_token_stride, D, BLOCK_D)
+    lse = tl.where(attended, row_max + tl.math.log2(row_sum), INF)
+    lse_base = _stats(lse_ptr, segment, head, q_start, q_tokens, NUM_HEADS)
+    tl.store(lse_base + query_rows, lse, mask=query_rows < n_q)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -158,173 +321,214 @@ def jagged_attention_fwd_kernel(
 
 
 @triton.jit
-def jagged_attention_bwd_preprocess_kernel(
-    o_ptr, do_ptr, offsets_ptr,
-    num_tokens,
+def attention_bwd_preprocess_kernel(
+    o_ptr, do_ptr,
+    tokens, token_stride, head_stride,
     delta_ptr,
-    NUM_HEADS: tl.constexpr, MAX_SEQ_LEN: tl.constexpr, D: tl.constexpr, HEAD_MAJOR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, OUT_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
 ):
-    """delta = rowsum(o * do), in float32, for one block of BLOCK_M tokens."""
-    batch, head, block = _program_ids(NUM_HEADS)
-    seq_start, seq_len = _sequence(offsets_ptr, batch, num_tokens, MAX_SEQ_LEN)
-    row_start = block * BLOCK_M
-    if row_start >= seq_len:
-        return
-    TOKEN_STRIDE: tl.constexpr = D if HEAD_MAJOR else NUM_HEADS * D
-    first_row = _first_row(head, seq_start, num_tokens, NUM_HEADS, HEAD_MAJOR)
+    """delta = rowsum(o * do) / OUT_SCALE in float32 for BLOCK_M tokens (axis 0) of one segment and head
+    (axis 1). Every token: unattended ones have o = 0, hence delta = 0."""
+    segment = tl.program_id(1) // NUM_HEADS
+    head = tl.program_id(1) % NUM_HEADS
+    token_stride = _aligned(token_stride, STRIDE_ALIGN)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    o = _load_tile(o_ptr + first_row * D, rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, True)
-    do = _load_tile(do_ptr + first_row * D, rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, True)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(delta_ptr + head.to(tl.int64) * num_tokens + seq_start + rows, delta, mask=rows < seq_len)
+    o = _load(_rows(o_ptr, segment, head, 0, tokens, token_stride, head_stride), rows, cols, tokens,
+              token_stride, D, BLOCK_D, True)
+    do = _load(_rows(do_ptr, segment, head, 0, tokens, token_stride, head_stride), rows, cols, tokens,
+               token_stride, D, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1) * (1.0 / OUT_SCALE)
+    tl.store(_stats(delta_ptr, segment, head, 0, tokens, NUM_HEADS) + rows, delta, mask=rows < tokens)
 
 
 @triton.jit
-def _dkdv_query_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, query_start, key_rows, cols,
-                      seq_len, MAX_SEQ_LEN: tl.constexpr, TOKEN_STRIDE: tl.constexpr, D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                      MASK_QUERIES: tl.constexpr):
-    """Accumulate into dk, dv (unscaled by 1/MAX_SEQ_LEN) the queries [query_start, +BLOCK_M).
+def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, query_start, key_rows, cols,
+                n_q, shift, q_token_stride, QK_SCALE: tl.constexpr, D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Accumulate into dk, dv (unscaled) the queries [query_start, +BLOCK_M) of one query head.
 
     Works on transposed scores [keys, queries], so that no operand of dk and dv needs a transpose.
+    Queries past n_q read a log-sum-exp of +inf, hence probability 0.
     """
     query_rows = query_start + tl.arange(0, BLOCK_M)
-    q = _load_tile(q_base, query_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, MASK_QUERIES)
-    do = _load_tile(do_base, query_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, MASK_QUERIES)
-    if MASK_QUERIES:
-        query_mask = query_rows < seq_len
-        lse = tl.load(lse_base + query_rows, mask=query_mask, other=0.0)
-        delta = tl.load(delta_base + query_rows, mask=query_mask, other=0.0)
+    q = _load(q_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, MASKED)
+    do = _load(do_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, MASKED)
+    if MASKED:
+        lse = tl.load(lse_base + query_rows, mask=query_rows < n_q, other=INF)
+        delta = tl.load(delta_base + query_rows, mask=query_rows < n_q, other=0.0)
     else:
         lse = tl.load(lse_base + query_rows)
         delta = tl.load(delta_base + query_rows)
-    # Scaled once per block of queries, so that the [BLOCK_N, BLOCK_M] tiles below take one FMA each.
-    lse_log2 = lse * LOG2E
-    delta_scaled = delta * MAX_SEQ_LEN
     scores_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
-    p_t = tl.math.exp2(scores_t * LOG2E - lse_log2[None, :])
-    if MASK_QUERIES:
-        p_t = tl.where(query_mask[None, :], p_t, 0.0)
+    p_t = tl.math.exp2(scores_t * QK_SCALE - lse[None, :])
+    if MASKED and CAUSAL:
+        p_t = tl.where(key_rows[:, None] <= query_rows[None, :] + shift, p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
-    # d(scores) = P * (dO V^T / L - delta) = P * (dO V^T - L * delta) / L; the 1/L is applied at the end.
-    ds_t = p_t * (dp_t - delta_scaled[None, :])
+    ds_t = p_t * (dp_t - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
     return dk, dv
 
 
 @triton.jit
-def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, head, seq_start,
-                  seq_len, first_row, num_tokens, key_start, MAX_SEQ_LEN: tl.constexpr,
-                  TOKEN_STRIDE: tl.constexpr, D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dk and dv of the keys [key_start, key_start + BLOCK_N), walking every query block."""
+def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_offsets_ptr,
+                  kv_offsets_ptr, segment, sequence, kv_head, key_start, q_tokens, kv_tokens,
+                  q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
+                  NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr,
+                  BLOCK_D: tl.constexpr, Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr,
+                  CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr, DS_SCALE: tl.constexpr,
+                  OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """dk and dv of keys [key_start, +BLOCK_N) of one kv head: every query block of every query head
+    of its group, in order (deterministic)."""
+    kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
+    if key_start >= n_k:
+        return
+    q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
     cols = tl.arange(0, BLOCK_D)
     key_rows = key_start + tl.arange(0, BLOCK_N)
-    # Keys past the sequence load as 0; their dk, dv rows are computed but never stored.
-    k = _load_tile(k_ptr + first_row * D, key_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, True)
-    v = _load_tile(v_ptr + first_row * D, key_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, True)
-    q_base = q_ptr + first_row * D
-    do_base = do_ptr + first_row * D
-    lse_base = lse_ptr + head.to(tl.int64) * num_tokens + seq_start
-    delta_base = delta_ptr + head.to(tl.int64) * num_tokens + seq_start
+    k_base = _rows(k_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    v_base = _rows(v_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    # Keys past n_k load as 0; their rows of dk, dv are computed but never stored.
+    k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, True)
+    v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-
-    full_queries = seq_len - seq_len % BLOCK_M
-    for query_start in range(0, full_queries, BLOCK_M):
-        dk, dv = _dkdv_query_block(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, query_start, key_rows, cols, seq_len,
-            MAX_SEQ_LEN, TOKEN_STRIDE, D, BLOCK_M, BLOCK_D, INPUT_PRECISION, False)
-    if full_queries < seq_len:
-        dk, dv = _dkdv_query_block(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, full_queries, key_rows, cols, seq_len,
-            MAX_SEQ_LEN, TOKEN_STRIDE, D, BLOCK_M, BLOCK_D, INPUT_PRECISION, True)
-
-    _store_tile(dk_ptr + first_row * D, key_rows, cols, seq_len, dk * (1.0 / MAX_SEQ_LEN),
-                TOKEN_STRIDE, D, BLOCK_D)
-    _store_tile(dv_ptr + first_row * D, key_rows, cols, seq_len, dv * (1.0 / MAX_SEQ_LEN),
-                TOKEN_STRIDE, D, BLOCK_D)
+    shift = _causal_shift(n_q, n_k, CAUSAL)
+    start, clean_start, clean_end = _query_ranges(key_start, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for member in range(0, KV_GROUP):
+        head = kv_head * KV_GROUP + member
+        q_base = _rows(q_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
+        do_base = _rows(do_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
+        lse_base = _stats(lse_ptr, segment, head, q_start, q_tokens, NUM_HEADS)
+        delta_base = _stats(delta_ptr, segment, head, q_start, q_tokens, NUM_HEADS)
+        for query_start in range(start, clean_start, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, query_start,
+                                 key_rows, cols, n_q, shift, q_token_stride, QK_SCALE, D, BLOCK_M,
+                                 BLOCK_D, INPUT_PRECISION, MASKED=True, CAUSAL=CAUSAL)
+        for query_start in range(clean_start, clean_end, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, query_start,
+                                 key_rows, cols, n_q, shift, q_token_stride, QK_SCALE, D, BLOCK_M,
+                                 BLOCK_D, INPUT_PRECISION, MASKED=False, CAUSAL=CAUSAL)
+        for query_start in range(clean_end, n_q, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, query_start,
+                                 key_rows, cols, n_q, shift, q_token_stride, QK_SCALE, D, BLOCK_M,
+                                 BLOCK_D, INPUT_PRECISION, MASKED=True, CAUSAL=CAUSAL)
+    dk_base = _rows(dk_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    dv_base = _rows(dv_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    _store(dk_base, key_rows, cols, n_k, dk * DS_SCALE, kv_token_stride, D, BLOCK_D)
+    _store(dv_base, key_rows, cols, n_k, dv * OUT_SCALE, kv_token_stride, D, BLOCK_D)
 
 
 @triton.jit
-def _dq_key_block(dq, q, do, lse_log2, delta_scaled, k_base, v_base, key_start, cols, seq_len,
-                  TOKEN_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASK_KEYS: tl.constexpr):
-    """Accumulate into dq (unscaled by 1/MAX_SEQ_LEN) the keys [key_start, key_start + BLOCK_N)."""
+def _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start, query_rows, cols, n_k, shift,
+              kv_token_stride, QK_SCALE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+              CAUSAL: tl.constexpr):
+    """Accumulate into dq (unscaled) the keys [key_start, key_start + BLOCK_N)."""
     key_rows = key_start + tl.arange(0, BLOCK_N)
-    k = _load_tile(k_base, key_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, MASK_KEYS)
-    v = _load_tile(v_base, key_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, MASK_KEYS)
+    k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
+    v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
     scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-    p = tl.math.exp2(scores * LOG2E - lse_log2[:, None])
-    if MASK_KEYS:
-        p = tl.where(key_rows[None, :] < seq_len, p, 0.0)
+    p = tl.math.exp2(scores * QK_SCALE - lse[:, None])
+    if MASKED:
+        keep = key_rows[None, :] < n_k
+        if CAUSAL:
+            keep = keep & (key_rows[None, :] <= query_rows[:, None] + shift)
+        p = tl.where(keep, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-    ds = p * (dp - delta_scaled[:, None])
+    ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
 
 
 @triton.jit
-def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, head, seq_start, seq_len,
-                first_row, num_tokens, query_start, MAX_SEQ_LEN: tl.constexpr,
-                TOKEN_STRIDE: tl.constexpr, D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dq of the queries [query_start, query_start + BLOCK_M), walking every key block."""
+def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr,
+                kv_offsets_ptr, segment, sequence, head, query_start, q_tokens, kv_tokens,
+                q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
+                NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr,
+                BLOCK_D: tl.constexpr, Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr,
+                CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr, DS_SCALE: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dq of the queries [query_start, query_start + BLOCK_M), walking their key blocks."""
+    q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+    if query_start >= n_q:
+        return
+    kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
+    kv_head = head // KV_GROUP
     cols = tl.arange(0, BLOCK_D)
     query_rows = query_start + tl.arange(0, BLOCK_M)
-    query_mask = query_rows < seq_len
-    q = _load_tile(q_ptr + first_row * D, query_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, True)
-    do = _load_tile(do_ptr + first_row * D, query_rows, cols, seq_len, TOKEN_STRIDE, D, BLOCK_D, True)
-    stats_offset = head.to(tl.int64) * num_tokens + seq_start + query_rows
-    lse_log2 = tl.load(lse_ptr + stats_offset, mask=query_mask, other=0.0) * LOG2E
-    delta_scaled = tl.load(delta_ptr + stats_offset, mask=query_mask, other=0.0) * MAX_SEQ_LEN
-    k_base = k_ptr + first_row * D
-    v_base = v_ptr + first_row * D
+    q_base = _rows(q_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
+    do_base = _rows(do_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
+    q = _load(q_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, True)
+    do = _load(do_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, True)
+    query_valid = query_rows < n_q
+    lse = tl.load(_stats(lse_ptr, segment, head, q_start, q_tokens, NUM_HEADS) + query_rows,
+                  mask=query_valid, other=INF)
+    delta = tl.load(_stats(delta_ptr, segment, head, q_start, q_tokens, NUM_HEADS) + query_rows,
+                    mask=query_valid, other=0.0)
+    k_base = _rows(k_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    v_base = _rows(v_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    full_keys = seq_len - seq_len % BLOCK_N
-    for key_start in range(0, full_keys, BLOCK_N):
-        dq = _dq_key_block(dq, q, do, lse_log2, delta_scaled, k_base, v_base, key_start, cols, seq_len,
-                           TOKEN_STRIDE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, False)
-    if full_keys < seq_len:
-        dq = _dq_key_block(dq, q, do, lse_log2, delta_scaled, k_base, v_base, full_keys, cols, seq_len,
-                           TOKEN_STRIDE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, True)
-
-    _store_tile(dq_ptr + first_row * D, query_rows, cols, seq_len, dq * (1.0 / MAX_SEQ_LEN),
-                TOKEN_STRIDE, D, BLOCK_D)
+    shift = _causal_shift(n_q, n_k, CAUSAL)
+    clean_end, end = _key_ranges(query_start, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for key_start in range(0, clean_end, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start, query_rows, cols, n_k, shift,
+                       kv_token_stride, QK_SCALE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, MASKED=False,
+                       CAUSAL=CAUSAL)
+    for key_start in range(clean_end, end, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start, query_rows, cols, n_k, shift,
+                       kv_token_stride, QK_SCALE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, MASKED=True,
+                       CAUSAL=CAUSAL)
+    dq_base = _rows(dq_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
+    _store(dq_base, query_rows, cols, n_q, dq * DS_SCALE, q_token_stride, D, BLOCK_D)
 
 
 @triton.jit
-def jagged_attention_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, offsets_ptr,
-    num_tokens,
+def attention_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr,
+    batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
+    q_offsets_stride, kv_offsets_stride, q_fill_chunk, kv_fill_chunk, q_search_steps,
+    kv_search_steps,
     dq_ptr, dk_ptr, dv_ptr,
-    NUM_HEADS: tl.constexpr, MAX_SEQ_LEN: tl.constexpr, D: tl.constexpr, HEAD_MAJOR: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr,
-    DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
+    DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
+    DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
-    """dq, dk and dv in one launch: even blocks are dk/dv programs (one block of DKDV_BLOCK_N keys),
-    odd blocks dq programs (one block of DQ_BLOCK_M queries).
+    """dq, dk and dv in one launch: even blocks are dq programs (DQ_BLOCK_M queries of one head), odd
+    blocks dk/dv programs (DKDV_BLOCK_N keys of one kv head; only the first head of each group runs
+    one). The zero-fill programs clear dq (even) and dk, dv (odd) where no sequence attends.
 
-    The two kinds are independent (each output element has one writer, no atomics, deterministic);
-    sharing a launch lets them fill the GPU together and saves a launch on small batches. dq has its
-    own tiles, so nothing assumes DQ_BLOCK_M == DKDV_BLOCK_N (the seed did).
+    Every output element has one writer and there are no atomics: the result is deterministic.
     """
-    batch, head, block = _program_ids(NUM_HEADS)
-    seq_start, seq_len = _sequence(offsets_ptr, batch, num_tokens, MAX_SEQ_LEN)
-    TOKEN_STRIDE: tl.constexpr = D if HEAD_MAJOR else NUM_HEADS * D
-    first_row = _first_row(head, seq_start, num_tokens, NUM_HEADS, HEAD_MAJOR)
-    if block % 2 == 0:
-        key_start = (block // 2) * DKDV_BLOCK_N
-        if key_start < seq_len:
-            _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, head,
-                          seq_start, seq_len, first_row, num_tokens, key_start, MAX_SEQ_LEN,
-                          TOKEN_STRIDE, D, INPUT_PRECISION, DKDV_BLOCK_M, DKDV_BLOCK_N, BLOCK_D)
-    else:
-        query_start = (block // 2) * DQ_BLOCK_M
-        if query_start < seq_len:
-            _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, head, seq_start,
-                        seq_len, first_row, num_tokens, query_start, MAX_SEQ_LEN, TOKEN_STRIDE, D,
-                        INPUT_PRECISION, DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D)
+    segment, sequence, head, block = _program(batch, NUM_HEADS)
+    q_token_stride = _aligned(q_token_stride, STRIDE_ALIGN)
+    kv_token_stride = _aligned(kv_token_stride, STRIDE_ALIGN)
+    q_offsets_ptr += segment * q_offsets_stride
+    kv_offsets_ptr += segment * kv_offsets_stride
+    is_dq = block % 2 == 0
+    if sequence == batch:
+        if is_dq:
+            _zero_unattended(dq_ptr, dq_ptr, q_offsets_ptr, batch, segment, head, block // 2,
+                             q_fill_chunk, q_tokens, q_token_stride, q_head_stride, q_search_steps,
+                             Q_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=False)
+        elif head % KV_GROUP == 0:
+            _zero_unattended(dk_ptr, dv_ptr, kv_offsets_ptr, batch, segment, head // KV_GROUP,
+                             block // 2, kv_fill_chunk, kv_tokens, kv_token_stride, kv_head_stride,
+                             kv_search_steps, KV_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=True)
+    elif is_dq:
+        _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr,
+                    kv_offsets_ptr, segment, sequence, head, (block // 2) * DQ_BLOCK_M, q_tokens,
+                    kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
+                    NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, QK_SCALE,
+                    DS_SCALE, INPUT_PRECISION, DQ_BLOCK_M, DQ_BLOCK_N)
+    elif head % KV_GROUP == 0:
+        _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_offsets_ptr,
+                      kv_offsets_ptr, segment, sequence, head // KV_GROUP, (block // 2) * DKDV_BLOCK_N,
+                      q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
+                      kv_head_stride, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL,
+                      QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M, DKDV_BLOCK_N)

@@ -1,7 +1,13 @@
-"""Pure-JAX jagged attention: the `xla` backend, and the second opinion of tests and benchmarks.
+"""Pure-JAX jagged attention: the blockwise `xla` backend, and a small dense reference.
 
-It pads the batch to [B, H, max_seq_len, D], runs masked softmax attention and scatters back, so it
-costs O(B * max_seq_len^2) memory; JAX differentiates it itself.
+`forward` and `backward` are the `xla` backend, with the kernels' semantics and residuals: flash-style,
+they cut each sequence into blocks of queries (keys) and scan over its blocks of keys (queries) with a
+running max and sum, so memory is O(T*H*D + T*H*block) whatever the lengths; nothing is padded to
+[B, L, L]. Work is about one block per step for every query block, so a batch whose lengths differ much
+does some masked work. They run on any device (CPU, GPU, TPU).
+
+`jagged_attention_reference` is the dense version (O(B*H*L^2) memory) that JAX differentiates itself,
+in both modes: for checking, small problems, and forward-mode autodiff.
 """
 
 from __future__ import annotations
@@ -10,30 +16,236 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .jagged import jagged_to_padded, padded_to_jagged, sequence_bounds
+from ._compat import varying_axes
+from .jagged import sequence_bounds
+
+BLOCK = 64  # rows of a query or key block
 
 
-def jagged_attention_reference(q, k, v, offsets, max_seq_len: int, *, allow_tf32: bool = True,
-                               layout: str = "HTD") -> jax.Array:
-    """softmax(q k^T) v / max_seq_len per sequence and head; zero outside the attended tokens."""
-    if layout == "THD":
+def _canonical(x, p, tokens):
+    """[Z*T, H, D] or [H, Z*T, D] -> [Z, T, H, D] float32."""
+    if p.layout == "HTD":
+        x = jnp.swapaxes(x, 0, 1)
+    return x.reshape(p.num_segments, tokens, *x.shape[1:]).astype(jnp.float32)
+
+
+def _restore(x, p, dtype):
+    """[Z, T, H, D] -> the layout of the problem."""
+    x = x.reshape(-1, *x.shape[2:]).astype(dtype)
+    return jnp.swapaxes(x, 0, 1) if p.layout == "HTD" else x
+
+
+def _offsets_rows(offsets, p):
+    return jnp.broadcast_to(offsets, (p.num_segments, offsets.shape[-1]))
+
+
+def _varying_like(values, reference):
+    """Scan carries start varying over the manual mesh axes (inside shard_map) that `reference` does."""
+    axes = tuple(sorted(varying_axes(reference)))
+    return jax.tree.map(lambda x: lax.pcast(x, axes, to="varying") if axes else x, values)
+
+
+def _precision(p):
+    return lax.Precision.HIGHEST if p.input_precision == "ieee" else lax.Precision.DEFAULT
+
+
+class _Blocks:
+    """The blocks of `block` rows of every sequence, listed in a static number of slots
+    (ceil(T / block) + B, enough for any lengths); unused slots are masked."""
+
+    def __init__(self, offsets, tokens: int, max_len: int, block: int):
+        batch = offsets.shape[0] - 1
+        self.starts, self.lengths = sequence_bounds(offsets, tokens, max_len)
+        counts = -(-self.lengths // block)
+        ends = jnp.cumsum(counts)
+        slots = jnp.arange(-(-tokens // block) + batch)
+        self.valid = slots < ends[-1] if batch else jnp.zeros(slots.shape, bool)
+        self.sequence = jnp.minimum(jnp.searchsorted(ends, slots, side="right"), max(batch - 1, 0))
+        self.first_row = (slots - (ends - counts)[self.sequence]) * block  # within its sequence
+        self.rows = self.first_row[:, None] + jnp.arange(block)  # [N, block] positions in the sequence
+        self.row_valid = self.valid[:, None] & (self.rows < self.lengths[self.sequence][:, None])
+        self.tokens = jnp.where(self.row_valid, self.starts[self.sequence][:, None] + self.rows, tokens)
+
+    def gather(self, x):
+        """x [T, ...] -> [N, block, ...]; rows outside read 0."""
+        return jnp.take(x, self.tokens, axis=0, mode="fill", fill_value=0)
+
+    def scatter(self, values, tokens: int, fill=0.0):
+        """[N, block, ...] -> [T, ...], `fill` outside."""
+        out = jnp.full((tokens, *values.shape[2:]), fill, values.dtype)
+        return out.at[self.tokens].set(values, mode="drop")
+
+
+def _other_side(blocks: _Blocks, offsets, tokens: int, max_len: int):
+    """(first token, length) [N] of the other side's sequence of each block."""
+    starts, lengths = sequence_bounds(offsets, tokens, max_len)
+    return starts[blocks.sequence], lengths[blocks.sequence]
+
+
+def _allowed(query_rows, key_rows, n_q, n_k, causal):
+    """[N, Q, K]: key j < n_k, and j <= i + n_k - n_q when causal (bottom-right aligned)."""
+    keep = key_rows[:, None, :] < n_k[:, None, None]
+    if causal:
+        keep &= key_rows[:, None, :] <= query_rows[:, :, None] + (n_k - n_q)[:, None, None]
+    return keep
+
+
+def _segment_forward(p, q, k, v, q_offsets, kv_offsets):
+    """One segment: q [T_q, H, D], k, v [T_kv, Hk, D] float32 -> o [T_q, H, D], lse [H, T_q]."""
+    group = p.num_heads // p.num_kv_heads
+    blocks = _Blocks(q_offsets, p.q_tokens, p.max_seq_len, BLOCK)
+    kv_start, n_k = _other_side(blocks, kv_offsets, p.kv_tokens, p.kv_max_seq_len)
+    n_q = blocks.lengths[blocks.sequence]
+    qb = blocks.gather(q).reshape(*blocks.tokens.shape, p.num_kv_heads, group, p.head_dim)
+    shape = (*blocks.tokens.shape, p.num_kv_heads, group)  # [N, Q, G, R]
+
+    def step(carry, key_block):
+        acc, row_sum, row_max = carry
+        key_rows = key_block * BLOCK + jnp.arange(BLOCK)
+        index = kv_start[:, None] + key_rows
+        kb, vb = (jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (k, v))
+        scores = p.scale * jnp.einsum("nqgrd,nkgd->nqgrk", qb, kb, precision=_precision(p))
+        keep = _allowed(blocks.rows, key_rows[None], n_q, n_k, p.causal)[:, :, None, None, :]
+        scores = jnp.where(keep, scores, -jnp.inf)
+        new_max = jnp.maximum(row_max, scores.max(-1))
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        weights = jnp.exp(scores - safe_max[..., None])
+        correction = jnp.exp(row_max - safe_max)
+        row_sum = row_sum * correction + weights.sum(-1)
+        acc = acc * correction[..., None] + jnp.einsum("nqgrk,nkgd->nqgrd", weights, vb,
+                                                       precision=_precision(p))
+        return (acc, row_sum, new_max), None
+
+    init = _varying_like((jnp.zeros((*shape, p.head_dim)), jnp.zeros(shape), jnp.full(shape, -jnp.inf)), qb)
+    key_blocks = -(-min(p.kv_max_seq_len, p.kv_tokens) // BLOCK)
+    (acc, row_sum, row_max), _ = lax.scan(step, init, jnp.arange(key_blocks))
+    seen = row_sum > 0
+    o = acc * (p.out_scale / jnp.where(seen, row_sum, 1.0))[..., None]
+    lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), jnp.inf)
+    o = blocks.scatter(o.reshape(*blocks.tokens.shape, p.num_heads, p.head_dim), p.q_tokens)
+    lse = blocks.scatter(lse.reshape(*blocks.tokens.shape, p.num_heads), p.q_tokens, jnp.inf)
+    return o, lse.T
+
+
+def _segment_dq(p, q, k, v, do, lse, delta, q_offsets, kv_offsets):
+    group = p.num_heads // p.num_kv_heads
+    blocks = _Blocks(q_offsets, p.q_tokens, p.max_seq_len, BLOCK)
+    kv_start, n_k = _other_side(blocks, kv_offsets, p.kv_tokens, p.kv_max_seq_len)
+    n_q = blocks.lengths[blocks.sequence]
+    split = (*blocks.tokens.shape, p.num_kv_heads, group)
+    qb, dob = (blocks.gather(x).reshape(*split, p.head_dim) for x in (q, do))
+    lseb, deltab = (jnp.take(x.T, blocks.tokens, axis=0, mode="fill", fill_value=fill).reshape(split)
+                    for x, fill in ((lse, jnp.inf), (delta, 0.0)))
+
+    def step(dq, key_block):
+        key_rows = key_block * BLOCK + jnp.arange(BLOCK)
+        index = kv_start[:, None] + key_rows
+        kb, vb = (jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (k, v))
+        scores = p.scale * jnp.einsum("nqgrd,nkgd->nqgrk", qb, kb, precision=_precision(p))
+        keep = _allowed(blocks.rows, key_rows[None], n_q, n_k, p.causal)[:, :, None, None, :]
+        probs = jnp.where(keep, jnp.exp(scores - lseb[..., None]), 0.0)
+        dp = p.out_scale * jnp.einsum("nqgrd,nkgd->nqgrk", dob, vb, precision=_precision(p))
+        ds = probs * (dp - deltab[..., None])
+        return dq + jnp.einsum("nqgrk,nkgd->nqgrd", ds, kb, precision=_precision(p)), None
+
+    key_blocks = -(-min(p.kv_max_seq_len, p.kv_tokens) // BLOCK)
+    dq, _ = lax.scan(step, _varying_like(jnp.zeros(qb.shape), qb), jnp.arange(key_blocks))
+    return blocks.scatter(p.scale * dq.reshape(*blocks.tokens.shape, p.num_heads, p.head_dim), p.q_tokens)
+
+
+def _segment_dkdv(p, q, k, v, do, lse, delta, q_offsets, kv_offsets):
+    group = p.num_heads // p.num_kv_heads
+    blocks = _Blocks(kv_offsets, p.kv_tokens, p.kv_max_seq_len, BLOCK)
+    q_start, n_q = _other_side(blocks, q_offsets, p.q_tokens, p.max_seq_len)
+    n_k = blocks.lengths[blocks.sequence]
+    kb, vb = blocks.gather(k), blocks.gather(v)  # [N, K, G, D]
+    split = (p.q_tokens, p.num_kv_heads, group)
+    q, do = q.reshape(*split, p.head_dim), do.reshape(*split, p.head_dim)
+    lse, delta = lse.T.reshape(split), delta.T.reshape(split)
+
+    def step(carry, query_block):
+        dk, dv = carry
+        query_rows = query_block * BLOCK + jnp.arange(BLOCK)
+        index = q_start[:, None] + query_rows
+        valid = query_rows[None, :] < n_q[:, None]
+        qb, dob = (jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (q, do))
+        lseb = jnp.take(lse, index, axis=0, mode="fill", fill_value=0)
+        lseb = jnp.where(valid[..., None, None], lseb, jnp.inf)
+        deltab = jnp.take(delta, index, axis=0, mode="fill", fill_value=0)
+        scores = p.scale * jnp.einsum("nqgrd,nkgd->nqgrk", qb, kb, precision=_precision(p))
+        keep = _allowed(query_rows[None], blocks.rows, n_q, n_k, p.causal)
+        keep = keep[:, :, None, None, :] & valid[:, :, None, None, None]
+        probs = jnp.where(keep, jnp.exp(scores - lseb[..., None]), 0.0)
+        dv = dv + p.out_scale * jnp.einsum("nqgrk,nqgrd->nkgd", probs, dob, precision=_precision(p))
+        dp = p.out_scale * jnp.einsum("nqgrd,nkgd->nqgrk", dob, vb, precision=_precision(p))
+        ds = probs * (dp - deltab[..., None])
+        dk = dk + p.scale * jnp.einsum("nqgrk,nqgrd->nkgd", ds, qb, precision=_precision(p))
+        return (dk, dv), None
+
+    query_blocks = -(-min(p.max_seq_len, p.q_tokens) // BLOCK)
+    init = _varying_like((jnp.zeros(kb.shape), jnp.zeros(vb.shape)), kb)
+    (dk, dv), _ = lax.scan(step, init, jnp.arange(query_blocks))
+    return blocks.scatter(dk, p.kv_tokens), blocks.scatter(dv, p.kv_tokens)
+
+
+def forward(p, q, k, v, q_offsets, kv_offsets):
+    """The `xla` backend's forward: o and the log-sum-exp [Z, H, T_q] (natural log, +inf where no key)."""
+    if p.empty or p.kv_tokens == 0 or p.batch == 0:
+        return jnp.zeros(p.q_shape, q.dtype), jnp.full(p.stats_shape, jnp.inf, jnp.float32)
+    q32, k32, v32 = _canonical(q, p, p.q_tokens), _canonical(k, p, p.kv_tokens), _canonical(v, p, p.kv_tokens)
+    o, lse = jax.vmap(lambda *a: _segment_forward(p, *a))(
+        q32, k32, v32, _offsets_rows(q_offsets, p), _offsets_rows(kv_offsets, p))
+    return _restore(o, p, q.dtype), lse
+
+
+def backward(p, q, k, v, q_offsets, kv_offsets, o, lse, do):
+    """The `xla` backend's backward: dq, dk, dv from the residuals of `forward`."""
+    if p.empty or p.kv_tokens == 0 or p.batch == 0:
+        return jnp.zeros(p.q_shape, q.dtype), jnp.zeros(p.kv_shape, k.dtype), jnp.zeros(p.kv_shape, v.dtype)
+    q32, do32, o32 = (_canonical(x, p, p.q_tokens) for x in (q, do, o))
+    k32, v32 = _canonical(k, p, p.kv_tokens), _canonical(v, p, p.kv_tokens)
+    delta = jnp.swapaxes(jnp.sum(o32 * do32, axis=-1), 1, 2)  # [Z, H, T_q]
+    offsets = (_offsets_rows(q_offsets, p), _offsets_rows(kv_offsets, p))
+    args = (q32, k32, v32, do32, lse, delta, *offsets)
+    dq = jax.vmap(lambda *a: _segment_dq(p, *a))(*args)
+    dk, dv = jax.vmap(lambda *a: _segment_dkdv(p, *a))(*args)
+    return _restore(dq, p, q.dtype), _restore(dk, p, k.dtype), _restore(dv, p, v.dtype)
+
+
+def jagged_attention_reference(q, k, v, offsets, max_seq_len: int, *, kv_offsets=None,
+                               kv_max_seq_len: int | None = None, scale: float | None = None,
+                               causal: bool = False, layout: str = "THD", out_scale: float = 1.0):
+    """Dense pure-JAX jagged attention with `jagged_attention`'s semantics (O(B * H * L^2) memory).
+
+    Pads every sequence to [B, L, H, D], masks, and lets JAX differentiate (reverse and forward mode).
+    `out_scale` multiplies the output (FBGEMM's semantics: scale=1.0, out_scale=1 / max_seq_len).
+    """
+    if layout == "HTD":
         q, k, v = (jnp.swapaxes(x, 0, 1) for x in (q, k, v))
-    heads, total, dim = q.shape
-    high = q.dtype == jnp.float32 and not allow_tf32
-    precision = lax.Precision.HIGHEST if high else lax.Precision.DEFAULT
-    qp, kp, vp = (jagged_to_padded(x, offsets, max_seq_len) for x in (q, k, v))
-    _, lengths = sequence_bounds(offsets, total, max_seq_len)
-    key_valid = jnp.arange(max_seq_len)[None, :] < lengths[:, None]  # [B, L]
+    kv_offsets = offsets if kv_offsets is None else kv_offsets
+    kv_max_seq_len = max_seq_len if kv_max_seq_len is None else kv_max_seq_len
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[1] // k.shape[1]
 
-    scores = jnp.einsum("bhid,bhjd->bhij", qp, kp, precision=precision,
-                        preferred_element_type=jnp.float32)
-    scores = jnp.where(key_valid[:, None, None, :], scores, -jnp.inf)
-    row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # rows of empty sequences
-    weights = jnp.exp(scores - row_max)
-    total_weight = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = weights / jnp.where(total_weight > 0, total_weight, 1.0)
-    out = jnp.einsum("bhij,bhjd->bhid", probs.astype(v.dtype), vp, precision=precision,
-                     preferred_element_type=jnp.float32) / max_seq_len
-    out = padded_to_jagged(out.astype(q.dtype), offsets, total)
-    return jnp.swapaxes(out, 0, 1) if layout == "THD" else out
+    def pad(x, offs, length):
+        starts, lengths = sequence_bounds(offs, x.shape[0], length)
+        rows = jnp.arange(length)
+        valid = rows[None] < lengths[:, None]
+        index = jnp.where(valid, starts[:, None] + rows, x.shape[0])
+        return jnp.take(x, index, axis=0, mode="fill", fill_value=0), valid, index
+
+    qp, q_valid, q_index = pad(q.astype(jnp.float32), offsets, max_seq_len)  # [B, L, H, D]
+    kp, k_valid, _ = pad(jnp.repeat(k, group, axis=1).astype(jnp.float32), kv_offsets, kv_max_seq_len)
+    vp, _, _ = pad(jnp.repeat(v, group, axis=1).astype(jnp.float32), kv_offsets, kv_max_seq_len)
+    n_q, n_k = q_valid.sum(1), k_valid.sum(1)
+    keep = _allowed(jnp.broadcast_to(jnp.arange(max_seq_len), q_valid.shape),
+                    jnp.broadcast_to(jnp.arange(kv_max_seq_len), k_valid.shape), n_q, n_k, causal)
+    scores = scale * jnp.einsum("bqhd,bkhd->bhqk", qp, kp, precision=lax.Precision.HIGHEST)
+    scores = jnp.where(keep[:, None], scores, -jnp.inf)
+    row_max = lax.stop_gradient(scores.max(-1, keepdims=True))
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    total = weights.sum(-1, keepdims=True)
+    probs = weights / jnp.where(total > 0, total, 1.0)
+    out = out_scale * jnp.einsum("bhqk,bkhd->bqhd", probs, vp, precision=lax.Precision.HIGHEST)
+    o = jnp.zeros(q.shape, jnp.float32).at[q_index].set(out, mode="drop").astype(q.dtype)
+    return jnp.swapaxes(o, 0, 1) if layout == "HTD" else o

@@ -1,4 +1,5 @@
-"""The public API around the kernels: errors on bad input, jit/grad composition, helpers, memory safety."""
+"""The public API around the kernels: errors on bad input (at trace time, naming the argument), jit
+and grad composition without retracing, and the helpers (offsets, padding, data-parallel packing)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GPU_AVAILABLE, JaggedBatch, backend_params
+from helpers import GPU_AVAILABLE, Batch, backend_params, reference, relative_error, to_numpy
 
 import jagged_flash_jax as jfa
-from jagged_flash_jax import multi_head_jagged_flash_attention as attention
+from jagged_flash_jax import jagged_attention, multi_head_jagged_flash_attention
 
-H, T, D = 2, 24, 8
+T, H, D = 24, 2, 8
+OFFSETS = jnp.asarray([0, 5, 5, 20], jnp.int32)
 
 
-def arrays(shape=(H, T, D), dtype=jnp.float32, seed=0):
+def arrays(shape=(T, H, D), dtype=jnp.float32, seed=0):
     rng = np.random.default_rng(seed)
     return [jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(3)]
-
-
-OFFSETS = jnp.asarray([0, 5, 5, 20], jnp.int32)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -30,43 +29,64 @@ OFFSETS = jnp.asarray([0, 5, 5, 20], jnp.int32)
 def bad_calls():
     q, k, v = arrays()
     q4 = q[None]
-    return [
-        ("rank", lambda: attention(q4, q4, q4, OFFSETS, 8), ValueError, "q must have rank 3"),
-        ("k shape", lambda: attention(q, k[:, :-1], v, OFFSETS, 8), ValueError, "k must have the shape"),
-        ("v dtype", lambda: attention(q, k, v.astype(jnp.bfloat16), OFFSETS, 8), TypeError,
-         "v must have the dtype"),
-        ("dtype", lambda: attention(*(x.astype(jnp.int32) for x in (q, k, v)), OFFSETS, 8), TypeError,
-         "float32, bfloat16 or float16"),
-        ("not array", lambda: attention([[1.0]], k, v, OFFSETS, 8), TypeError, "q must be an array"),
-        ("offsets 2-D", lambda: attention(q, k, v, OFFSETS[None], 8), ValueError, "offsets must be 1-D"),
-        ("offsets empty", lambda: attention(q, k, v, OFFSETS[:0], 8), ValueError, "offsets must be 1-D"),
-        ("offsets float", lambda: attention(q, k, v, OFFSETS.astype(jnp.float32), 8), TypeError,
-         "offsets must be int32 or int64"),
-        ("max_seq_len 0", lambda: attention(q, k, v, OFFSETS, 0), ValueError, "max_seq_len must be >= 1"),
-        ("max_seq_len float", lambda: attention(q, k, v, OFFSETS, 8.0), TypeError,
-         "max_seq_len must be a static Python int"),
-        ("max_seq_len traced", lambda: jax.jit(lambda n: attention(q, k, v, OFFSETS, n))(8), TypeError,
-         "max_seq_len must be a static Python int"),
-        ("head dim", lambda: attention(*arrays((1, 4, 257)), OFFSETS[:2] * 0, 8), ValueError,
-         "at most 256"),
-        ("backend", lambda: attention(q, k, v, OFFSETS, 8, backend="cuda"), ValueError,
-         "backend must be one of"),
-        ("layout", lambda: attention(q, k, v, OFFSETS, 8, layout="BTHD"), ValueError,
-         "layout must be one of"),
-        ("allow_tf32", lambda: attention(q, k, v, OFFSETS, 8, allow_tf32="yes"), TypeError,
-         "allow_tf32 must be a bool"),
-        ("block_sizes", lambda: attention(q, k, v, OFFSETS, 8, block_sizes=(64, 64)), TypeError,
-         "block_sizes must be a BlockSizes"),
-        ("tile", lambda: jfa.KernelConfig(48, 64), ValueError, "power of two"),
-        ("grid", lambda: attention(*arrays((1, 2**21, 16)), jnp.asarray([0, 2**21]), 2**21,
-                                   backend="interpret",
-                                   block_sizes=jfa.BlockSizes(*[jfa.KernelConfig(16, 16)] * 3)),
-         ValueError, "blocks of 16 rows per sequence"),
-    ]
+    std, fb = jagged_attention, multi_head_jagged_flash_attention
+    return {
+        "rank": (lambda: std(q4, q4, q4, OFFSETS, 8), ValueError, r"q must have rank 3 \[T, H, D\]"),
+        "fbgemm k shape": (lambda: fb(q, k[:, :-1], v, OFFSETS, 8), ValueError, "k must have the shape of q"),
+        "v shape": (lambda: std(q, k, v[:-1], OFFSETS, 8, kv_offsets=OFFSETS), ValueError,
+                    "v must have the shape of k"),
+        "v dtype": (lambda: std(q, k, v.astype(jnp.bfloat16), OFFSETS, 8), TypeError,
+                    "v must have the dtype"),
+        "dtype": (lambda: std(*(x.astype(jnp.int32) for x in (q, k, v)), OFFSETS, 8), TypeError,
+                  "float32, bfloat16 or float16"),
+        "not array": (lambda: std([[1.0]], k, v, OFFSETS, 8), TypeError, "q must be an array"),
+        "heads": (lambda: std(q, *arrays((T, 3, D))[:2], OFFSETS, 8), ValueError,
+                  "multiple of the number of kv"),
+        "head dim mismatch": (lambda: std(q, *arrays((T, H, 4))[:2], OFFSETS, 8), ValueError,
+                              "head dimension of q"),
+        "self tokens": (lambda: std(q, k[:-2], v[:-2], OFFSETS, 8), ValueError, "pass kv_offsets"),
+        "offsets 3-D": (lambda: std(q, k, v, OFFSETS[None, None], 8), ValueError, "offsets must be"),
+        "offsets empty": (lambda: std(q, k, v, OFFSETS[:0], 8), ValueError, "offsets must be"),
+        "offsets float": (lambda: std(q, k, v, OFFSETS.astype(jnp.float32), 8), TypeError,
+                          "offsets must be an integer array"),
+        "offsets float list": (lambda: std(q, k, v, [0.0, 5.0], 8), TypeError,
+                               "offsets must be an integer"),
+        "offsets bool": (lambda: std(q, k, v, np.array([True, False]), 8), TypeError, "offsets must be an"),
+        "kv_offsets shape": (lambda: std(q, k, v, OFFSETS, 8, kv_offsets=OFFSETS[:2]), ValueError,
+                             "kv_offsets must have the shape of offsets"),
+        "shards": (lambda: std(q, k, v, jnp.zeros((5, 3), jnp.int32), 8), ValueError, "5 equal shards"),
+        "max_seq_len 0": (lambda: std(q, k, v, OFFSETS, 0), ValueError, "max_seq_len must be >= 1"),
+        "max_seq_len float": (lambda: std(q, k, v, OFFSETS, 8.0), TypeError, "max_seq_len must be a static"),
+        "max_seq_len bool": (lambda: fb(q, k, v, OFFSETS, True), TypeError, "max_seq_len must be a static"),
+        "max_seq_len traced": (lambda: jax.jit(lambda n: std(q, k, v, OFFSETS, n))(8), TypeError,
+                               "max_seq_len must be a static"),
+        "kv_max_seq_len": (lambda: std(q, k, v, OFFSETS, 8, kv_max_seq_len=-1), ValueError,
+                           "kv_max_seq_len must be >= 1"),
+        "scale traced": (lambda: jax.jit(lambda s: std(q, k, v, OFFSETS, 8, scale=s))(1.0), TypeError,
+                         "scale must be a static Python float"),
+        "scale inf": (lambda: std(q, k, v, OFFSETS, 8, scale=float("inf")), ValueError,
+                      "scale must be finite and positive"),
+        "causal": (lambda: std(q, k, v, OFFSETS, 8, causal="yes"), TypeError, "causal must be a bool"),
+        "head dim": (lambda: std(*arrays((4, 1, 257)), OFFSETS[:2] * 0, 8), ValueError, "at most 256"),
+        "backend": (lambda: std(q, k, v, OFFSETS, 8, backend="cuda"), ValueError, "backend must be one of"),
+        "layout": (lambda: std(q, k, v, OFFSETS, 8, layout="BTHD"), ValueError, "layout must be one of"),
+        "allow_tf32": (lambda: fb(q, k, v, OFFSETS, 8, allow_tf32="yes"), TypeError,
+                       "allow_tf32 must be a bool"),
+        "block_sizes": (lambda: std(q, k, v, OFFSETS, 8, block_sizes=(64, 64)), TypeError,
+                        "block_sizes must be a BlockSizes"),
+        "tile": (lambda: jfa.KernelConfig(48, 64), ValueError, "power of two"),
+        "grid": (lambda: std(*arrays((2**21, 1, 16)), jnp.asarray([0, 2**21]), 2**21, backend="interpret",
+                             block_sizes=jfa.BlockSizes(*[jfa.KernelConfig(16, 16)] * 3)),
+                 ValueError, "blocks of 16 rows"),
+    }
 
 
-@pytest.mark.parametrize("name,call,error,match", bad_calls(), ids=[c[0] for c in bad_calls()])
-def test_bad_input_raises(name, call, error, match):
+BAD = bad_calls()
+
+
+@pytest.mark.parametrize("name", BAD, ids=str)
+def test_bad_input_raises(name):
+    call, error, match = BAD[name]
     with pytest.raises(error, match=match):
         call()
 
@@ -75,11 +95,14 @@ def test_bad_input_raises(name, call, error, match):
 def test_triton_backend_without_gpu_says_how_to_install():
     q, k, v = arrays()
     with pytest.raises(ValueError, match=r"needs a GPU.*pip install 'jagged-flash-jax\[cuda13\]'"):
-        attention(q, k, v, OFFSETS, 8, backend="triton")
+        jagged_attention(q, k, v, OFFSETS, 8, backend="triton")
 
 
-def test_auto_backend_choice():
-    assert jfa.api.default_backend() == ("triton" if GPU_AVAILABLE else "xla")
+def test_offsets_as_list_or_numpy():
+    q, k, v = arrays(seed=1)
+    want = jagged_attention(q, k, v, OFFSETS, 8, backend="xla")
+    for offsets in ([0, 5, 5, 20], np.array([0, 5, 5, 20], np.int16), np.array([0, 5, 5, 20], np.uint8)):
+        np.testing.assert_array_equal(jagged_attention(q, k, v, offsets, 8, backend="xla"), want)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,29 +111,29 @@ def test_auto_backend_choice():
 
 @pytest.mark.parametrize("backend", backend_params())
 def test_jit_and_grad_compose_without_retracing(backend):
-    batch = JaggedBatch([7, 0, 19, 3], H, D, extra=2, seed=2, scale=0.6)
+    batch = Batch.make([7, 0, 19, 3], H, D, extra=2, seed=2, scale=0.6)
     offsets = jnp.asarray(batch.offsets, jnp.int32)
 
     @jax.jit
     @chex.assert_max_traces(n=1)
     def loss_and_grads(q, k, v, offsets):
         def loss(q, k, v):
-            o = attention(q, k, v, offsets, 16, backend=backend, allow_tf32=False)
+            o = jagged_attention(q, k, v, offsets, 16, backend=backend, allow_tf32=False, causal=True)
             return jnp.sum(o * o)
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     q, k, v, _ = batch.arrays(jnp.float32)
     value, grads = loss_and_grads(q, k, v, offsets)
-    other = JaggedBatch([7, 0, 19, 3], H, D, extra=2, seed=3, scale=0.6)
-    q2, k2, v2, _ = other.arrays(jnp.float32)
-    value2, grads2 = loss_and_grads(q2, k2, v2, offsets)  # same shapes: no retrace
+    other = Batch.make([7, 0, 19, 3], H, D, extra=2, seed=3, scale=0.6)
+    value2, _ = loss_and_grads(*other.arrays(jnp.float32)[:3], offsets)  # same shapes: no retrace
     assert value != value2
-    # Gradients of the jitted op equal those of the pure-JAX reference, differentiated by JAX.
-    ref = jax.grad(lambda q, k, v: jnp.sum(jfa.jagged_attention_reference(
-        q, k, v, offsets, 16, allow_tf32=False) ** 2), argnums=(0, 1, 2))(q, k, v)
-    for g, r in zip(grads, ref):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+    # d(sum o^2) = vjp with cotangent 2 o, against the float64 reference.
+    o, *_ = reference(batch.q, batch.k, batch.v, batch.q, batch.offsets, 16, scale=D**-0.5, causal=True)
+    _, *expected = reference(to_numpy(q), to_numpy(k), to_numpy(v), 2 * o, batch.offsets, 16,
+                             scale=D**-0.5, causal=True)
+    for g, e in zip(grads, expected):
+        assert relative_error(g, e) < 1e-5
     chex.clear_trace_counter()
 
 
@@ -119,67 +142,28 @@ def test_offsets_get_no_gradient_and_grad_of_jit(backend):
     q, k, v = arrays(seed=4)
 
     def loss(q, offsets):
-        return jnp.sum(attention(q, k, v, offsets, 16, backend=backend) ** 2)
+        return jnp.sum(jagged_attention(q, k, v, offsets, 16, backend=backend) ** 2)
 
     dq = jax.jit(jax.grad(loss))(q, OFFSETS)
     assert dq.shape == q.shape and bool(jnp.all(jnp.isfinite(dq)))
-    assert float(jnp.max(jnp.abs(dq[:, 20:]))) == 0.0  # tokens past offsets[-1]
-    assert float(jnp.max(jnp.abs(dq[:, :20]))) > 0.0
+    assert float(jnp.max(jnp.abs(dq[20:]))) == 0.0  # tokens past offsets[-1]
+    assert float(jnp.max(jnp.abs(dq[:20]))) > 0.0
     with pytest.raises(TypeError):
         jax.grad(loss, argnums=1)(q, OFFSETS)  # integer offsets are not differentiable
 
 
-def test_empty_batch_and_no_tokens():
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+def test_empty_batch_and_no_tokens(backend):
     q, k, v = arrays()
-    for backend in ("interpret", "xla"):
-        o = attention(q, k, v, jnp.asarray([0], jnp.int32), 8, backend=backend)
-        assert o.shape == q.shape and not bool(jnp.any(o))
-        empty = [x[:, :0] for x in (q, k, v)]
-        o = attention(*empty, jnp.asarray([0, 0], jnp.int32), 8, backend=backend)
-        assert o.shape == (H, 0, D)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Memory safety: any offsets content
-# ---------------------------------------------------------------------------------------------------
-
-ADVERSARIAL_OFFSETS = [
-    [-5, 3, 10],
-    [10, 3, 20],
-    [0, 2**31 - 1, 5],
-    [-(2**31), 0, 24],
-    [20, 30, 40],
-    [24, 24, 0],
-    [0, 24, 24, -1, 12],
-]
-
-
-@pytest.mark.parametrize("offsets", ADVERSARIAL_OFFSETS, ids=str)
-def test_any_offsets_are_memory_safe(offsets):
-    """The interpreter embeds every array between NaN guard zones and raises if a kernel wrote there; a
-    read there would put NaN into the outputs. Neither may happen, whatever the offsets hold."""
-    q, k, v = arrays(seed=5)
-    offsets = jnp.asarray(offsets, jnp.int32)
-    o, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, offsets, 16, backend="interpret"), q, k, v)
-    for x in (o, *vjp(jnp.ones_like(o))):
-        assert bool(jnp.all(jnp.isfinite(x)))
-
-
-def test_huge_int64_offsets_are_memory_safe():
-    q, k, v = arrays(seed=6)
-    with jax.enable_x64(True):
-        offsets = jnp.asarray([-(2**62), 7, 2**62, 3], jnp.int64)
-        o = attention(q, k, v, offsets, 16, backend="interpret")
-    assert bool(jnp.all(jnp.isfinite(o)))
-
-
-def test_malformed_offsets_give_the_same_result_on_every_backend():
-    """Offsets are clamped the same way by the kernels and the reference."""
-    q, k, v = arrays(seed=8)
-    offsets = jnp.asarray([-3, 6, 40], jnp.int32)
-    kernel = attention(q, k, v, offsets, 16, backend="interpret", allow_tf32=False)
-    reference = attention(q, k, v, offsets, 16, backend="xla", allow_tf32=False)
-    np.testing.assert_allclose(kernel, reference, rtol=1e-5, atol=1e-6)
+    o = jagged_attention(q, k, v, jnp.asarray([0], jnp.int32), 8, backend=backend)
+    assert o.shape == q.shape and not bool(jnp.any(o))
+    empty = [x[:0] for x in (q, k, v)]
+    o, vjp = jax.vjp(lambda q, k, v: jagged_attention(q, k, v, jnp.asarray([0, 0], jnp.int32), 8,
+                                                      backend=backend), *empty)
+    assert o.shape == (0, H, D) and all(g.shape == (0, H, D) for g in vjp(o))
+    # Queries but no keys at all: every output is 0.
+    o = jagged_attention(q, k[:0], v[:0], OFFSETS, 8, kv_offsets=jnp.zeros(4, jnp.int32), backend=backend)
+    assert not bool(jnp.any(o))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -190,6 +174,7 @@ def test_offsets_from_lengths():
     offsets = jfa.offsets_from_lengths(jnp.asarray([3, 0, 5]))
     assert offsets.dtype == jnp.int32
     np.testing.assert_array_equal(offsets, [0, 3, 3, 8])
+    np.testing.assert_array_equal(jfa.offsets_from_lengths([2, 2]), [0, 2, 4])
     with pytest.raises(ValueError, match="lengths must be >= 0"):
         jfa.offsets_from_lengths(jnp.asarray([3, -1]))
     with pytest.raises(ValueError, match="lengths must be a 1-D integer array"):
@@ -197,23 +182,36 @@ def test_offsets_from_lengths():
     np.testing.assert_array_equal(jax.jit(jfa.offsets_from_lengths)(jnp.asarray([2, 2])), [0, 2, 4])
 
 
-def test_padding_round_trip():
+@pytest.mark.parametrize("shape,layout", [((17, 3), None), ((17, 2, 3), "THD"), ((2, 17, 3), "HTD")])
+def test_padding_round_trip(shape, layout):
     rng = np.random.default_rng(9)
     lengths = [4, 0, 9, 2]
-    offsets = jfa.offsets_from_lengths(jnp.asarray(lengths))
-    x = jnp.asarray(rng.standard_normal((2, 17, 3)), jnp.float32)
-    padded = jfa.jagged_to_padded(x, offsets, 6, padding_value=-7.0)
-    assert padded.shape == (4, 2, 6, 3)
-    for b, n in enumerate(lengths):
-        n_kept = min(n, 6)
-        np.testing.assert_array_equal(padded[b, :, :n_kept], x[:, int(offsets[b]):int(offsets[b]) + n_kept])
-        assert bool(jnp.all(padded[b, :, n_kept:] == -7.0))
-    back = jfa.padded_to_jagged(padded, offsets, 17)
+    offsets = [0, 4, 4, 13, 15]  # a list works too
+    x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    token_axis = 1 if layout == "HTD" else 0
+    padded = jfa.jagged_to_padded(x, offsets, 6, padding_value=-7.0, layout=layout)
+    xt = np.moveaxis(np.asarray(x), token_axis, 0)  # [T, ...]
+    pt = np.moveaxis(np.asarray(padded), 2, 1) if layout == "HTD" else np.asarray(padded)  # [B, L, ...]
+    assert pt.shape == (4, 6, *xt.shape[1:])
     kept = np.zeros(17, bool)
     for b, n in enumerate(lengths):
-        kept[int(offsets[b]):int(offsets[b]) + min(n, 6)] = True
-    np.testing.assert_array_equal(back[:, kept], x[:, kept])
-    assert not bool(jnp.any(back[:, ~kept]))
+        n_kept = min(n, 6)
+        np.testing.assert_array_equal(pt[b, :n_kept], xt[offsets[b]:offsets[b] + n_kept])
+        assert np.all(pt[b, n_kept:] == -7.0)
+        kept[offsets[b]:offsets[b] + n_kept] = True
+    back = np.moveaxis(np.asarray(jfa.padded_to_jagged(padded, offsets, 17, layout=layout)), token_axis, 0)
+    np.testing.assert_array_equal(back[kept], xt[kept])
+    assert not back[~kept].any()
+
+
+def test_padding_needs_a_layout_for_rank_3():
+    x = jnp.zeros((17, 2, 3))
+    with pytest.raises(ValueError, match="pass layout='THD'"):
+        jfa.jagged_to_padded(x, [0, 17], 4)
+    with pytest.raises(ValueError, match=r"\[T, F\]"):
+        jfa.jagged_to_padded(jnp.zeros(17), [0, 17], 4)
+    with pytest.raises(ValueError, match=r"\[B, L, F\]"):
+        jfa.padded_to_jagged(jnp.zeros((1, 4, 2, 3)), [0, 4], 4)
 
 
 @pytest.mark.parametrize("offsets,total,match", [
@@ -232,3 +230,21 @@ def test_check_offsets_accepts_and_refuses_tracers():
     jfa.check_offsets(jnp.asarray([0, 0, 3, 5]), 7)
     with pytest.raises(TypeError, match="outside jax.jit"):
         jax.jit(lambda o: jfa.check_offsets(o, 7))(jnp.asarray([0, 1]))
+
+
+def test_pack_data_parallel():
+    lengths = [5, 0, 7, 3, 9]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    x = jnp.arange(30.0)[:, None] * jnp.ones((1, 2))  # 6 uncovered tokens at the end
+    packed = jfa.pack_data_parallel(x, offsets, 2)
+    # Shards take sequences [0, 3) and [3, 5): 12 tokens each, padded to 16.
+    assert packed.values[0].shape == (32, 2)
+    np.testing.assert_array_equal(packed.offsets, [[0, 5, 5, 12], [0, 3, 12, 12]])
+    np.testing.assert_array_equal(packed.token_index[:13], list(range(12)) + [-1])
+    np.testing.assert_array_equal(packed.values[0][16:28, 0], np.arange(12, 24))
+    assert not packed.values[0][12:16].any()
+    np.testing.assert_array_equal(packed.unpack(packed.values[0], 30)[:24], x[:24])
+    with pytest.raises(ValueError, match="less than the 12 tokens"):
+        jfa.pack_data_parallel(x, offsets, 2, tokens_per_shard=10)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        jfa.pack_data_parallel(x, [0, 5, 3], 2)

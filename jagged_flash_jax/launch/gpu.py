@@ -29,20 +29,24 @@ def jax_triton_module():
     return jax_triton
 
 
-def available() -> bool:
-    """Whether the triton backend can run here: a GPU is JAX's default backend and jax-triton imports."""
-    if jax.default_backend() not in ("gpu", "cuda"):
-        return False
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why jax-triton cannot be used here (any exception its import raises), or None."""
     try:
         jax_triton_module()
-    except ImportError:
-        return False
-    return True
+    except Exception as err:  # not only ImportError: a broken install can raise anything
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def available() -> bool:
+    """Whether the triton backend can run here: a GPU is JAX's default backend and jax-triton imports."""
+    return jax.default_backend() in ("gpu", "cuda") and unavailable_reason() is None
 
 
 def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     outputs = jax_triton_module().triton_call(
-        *arrays, call.num_tokens,
+        *arrays, *call.scalars,
         kernel=call.kernel, out_shape=call.out_shapes, grid=call.grid,
         num_warps=call.num_warps, num_stages=call.num_stages,
         zeroed_outputs=call.zeroed_outputs, **call.constants)

@@ -1,13 +1,18 @@
-"""Which kernels the forward and backward run, on which grid, with which outputs: shared by launchers.
+"""Which kernels the forward and backward run, on which grid, with which arguments: shared by launchers.
 
 A launcher is a function `run(call, arrays) -> outputs` that executes one `KernelCall`; gpu.py does it
-with jax-triton, interpret.py with Triton's interpreter. The kernels' parameters are the arrays of the
-call, then `num_tokens`, then the outputs, then `constants`.
+with jax-triton, interpret.py with Triton's interpreter. A kernel's parameters are the call's arrays,
+its `scalars`, its outputs, then `constants` by keyword.
+
+Arrays at this level: q, o, do, dq are [Z*T_q, H, D] ("THD") or [H, Z*T_q, D] ("HTD"), k, v, dk, dv
+the same with H_kv and T_kv: Z segments of T tokens each along the token axis, every segment with its
+own row of offsets (or all with one shared row). The log-sum-exp is float32 [Z, H, T_q].
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,41 +20,74 @@ import jax
 import jax.numpy as jnp
 
 from .. import kernels
-from ..configs import BlockSizes, KernelConfig, head_block
+from ..configs import BlockSizes, head_block
 
-# CUDA's limit on the second grid dimension, which enumerates blocks of one sequence.
+# CUDA's limit on the second grid dimension, which enumerates the blocks of one sequence.
 MAX_GRID_Y = 65535
+# Tokens the zero-fill programs clear at a time.
+FILL_BLOCK = 32
+LOG2E = 1.4426950408889634
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """The static description of one attention call (hashable: it is a custom_vjp static argument)."""
+    """The static description of one kernel-level call (hashable: a static argument of custom_vjp,
+    custom_vmap and custom_partitioning)."""
 
+    layout: str  # "THD" or "HTD"
     num_heads: int
-    num_tokens: int
+    num_kv_heads: int
     head_dim: int
     batch: int
+    num_segments: int
+    q_tokens: int  # per segment
+    kv_tokens: int
+    q_offsets_rows: int  # 1 (shared by every segment) or num_segments
+    kv_offsets_rows: int
     max_seq_len: int
-    head_major: bool
+    kv_max_seq_len: int
+    causal: bool
+    scale: float
+    out_scale: float
     input_precision: str
     block_sizes: BlockSizes
     launcher: str
 
-    def grid(self, block: int) -> tuple[int, int]:
-        # A sequence has at most min(max_seq_len, T) attended tokens.
-        return (self.batch * self.num_heads, -(-min(self.max_seq_len, self.num_tokens) // block))
+    # -- shapes ------------------------------------------------------------------------------------
+    def shape(self, heads: int, tokens: int) -> tuple[int, int, int]:
+        total = self.num_segments * tokens
+        return (total, heads, self.head_dim) if self.layout == "THD" else (heads, total, self.head_dim)
 
-    def constants(self, config: KernelConfig | None = None, **extra) -> dict[str, Any]:
-        consts = dict(NUM_HEADS=self.num_heads, MAX_SEQ_LEN=self.max_seq_len, D=self.head_dim,
-                      HEAD_MAJOR=self.head_major, BLOCK_D=head_block(self.head_dim), **extra)
-        if config is not None:
-            consts.update(INPUT_PRECISION=self.input_precision, BLOCK_M=config.block_m,
-                          BLOCK_N=config.block_n)
-        return consts
+    @property
+    def q_shape(self) -> tuple[int, int, int]:
+        return self.shape(self.num_heads, self.q_tokens)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        return self.shape(self.num_kv_heads, self.kv_tokens)
+
+    @property
+    def stats_shape(self) -> tuple[int, int, int]:
+        return (self.num_segments, self.num_heads, self.q_tokens)
+
+    def strides(self, heads: int, tokens: int) -> tuple[int, int]:
+        """(token stride, head stride) in elements."""
+        d = self.head_dim
+        if self.layout == "THD":
+            return heads * d, d
+        return d, self.num_segments * tokens * d
+
+    # -- grid ----------------------------------------------------------------------------------------
+    def blocks(self, rows: int, tokens: int, max_len: int) -> int:
+        """Blocks of `rows` covering the longest attended sequence (at most min(max_len, tokens))."""
+        return -(-min(max_len, tokens) // rows)
 
     @property
     def empty(self) -> bool:
-        return self.batch * self.num_heads * self.num_tokens * self.head_dim == 0
+        return self.num_segments * self.num_heads * self.q_tokens * self.head_dim == 0
+
+    def with_(self, **changes) -> Problem:
+        return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,64 +95,105 @@ class KernelCall:
     kernel: Any  # a @triton.jit function of kernels.py
     grid: tuple[int, int]
     out_shapes: tuple[jax.ShapeDtypeStruct, ...]
-    zeroed_outputs: tuple[int, ...]
-    num_tokens: int
+    scalars: tuple[int, ...]
     constants: dict[str, Any]
     num_warps: int = 4
     num_stages: int = 2
+    # Outputs a launcher must zero first (none: the kernels write every element they own).
+    zeroed_outputs: tuple[int, ...] = ()
 
 
 Runner = Callable[[KernelCall, Sequence[jax.Array]], Sequence[jax.Array]]
 
 
-def _stats_shape(p: Problem) -> jax.ShapeDtypeStruct:
-    # The log-sum-exp and delta stay float32 whatever the input dtype.
-    return jax.ShapeDtypeStruct((p.num_heads, p.num_tokens), jnp.float32)
+def _stride_align(*strides: int) -> int:
+    """The largest power of two up to 16 dividing every stride: a divisibility hint for the kernels."""
+    return math.gcd(16, *strides)
 
 
-def forward(run: Runner, p: Problem, q, k, v, offsets):
-    """o (zero outside the attended tokens) and the float32 log-sum-exp [H, T]."""
+def _common(p: Problem):
+    q_strides = p.strides(p.num_heads, p.q_tokens)
+    kv_strides = p.strides(p.num_kv_heads, p.kv_tokens)
+    scalars = (p.batch, p.q_tokens, p.kv_tokens, *q_strides, *kv_strides,
+               0 if p.q_offsets_rows == 1 else p.batch + 1,
+               0 if p.kv_offsets_rows == 1 else p.batch + 1)
+    constants = dict(
+        NUM_HEADS=p.num_heads, KV_GROUP=p.num_heads // p.num_kv_heads, D=p.head_dim,
+        BLOCK_D=head_block(p.head_dim), Q_MAX_LEN=p.max_seq_len, KV_MAX_LEN=p.kv_max_seq_len,
+        CAUSAL=p.causal, QK_SCALE=p.scale * LOG2E, INPUT_PRECISION=p.input_precision,
+        STRIDE_ALIGN=_stride_align(*q_strides, *kv_strides), FILL_BLOCK=FILL_BLOCK)
+    return scalars, constants
+
+
+def _search_steps(batch: int) -> int:
+    return max(1, batch.bit_length())
+
+
+def _fill_chunk(tokens: int, programs: int) -> int:
+    return max(1, -(-tokens // programs))
+
+
+def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
+    """o (zero where no query is attended) and the float32 base-2 log-sum-exp [Z, H, T_q]."""
     if p.empty:
-        return jnp.zeros_like(q), jnp.zeros((p.num_heads, p.num_tokens), jnp.float32)
+        return jnp.zeros(p.q_shape, q.dtype), jnp.full(p.stats_shape, jnp.inf, jnp.float32)
     cfg = p.block_sizes.fwd
+    scalars, constants = _common(p)
+    blocks = max(1, p.blocks(cfg.block_m, p.q_tokens, p.max_seq_len))
     call = KernelCall(
-        kernels.jagged_attention_fwd_kernel, p.grid(cfg.block_m),
-        out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype), _stats_shape(p)),
-        zeroed_outputs=(0,), num_tokens=p.num_tokens, constants=p.constants(cfg),
+        kernels.attention_fwd_kernel,
+        grid=(p.num_segments * (p.batch + 1) * p.num_heads, blocks),
+        out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
+                    jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
+        scalars=(*scalars, _fill_chunk(p.q_tokens, blocks), _search_steps(p.batch)),
+        constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    o, lse = run(call, (q, k, v, offsets))
+    o, lse = run(call, (q, k, v, q_offsets, kv_offsets))
     return o, lse
 
 
-def backward(run: Runner, p: Problem, q, k, v, offsets, o, lse, do):
-    """dq, dk, dv: the preprocess (delta = rowsum(o * do)), then one launch of dk/dv and dq programs."""
+def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
+    """dq, dk, dv: the preprocess (delta = rowsum(o * do)), then one launch of dq and dk/dv programs."""
     if p.empty:
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+        return jnp.zeros(p.q_shape, q.dtype), jnp.zeros(p.kv_shape, k.dtype), jnp.zeros(p.kv_shape, v.dtype)
     bs = p.block_sizes
+    scalars, constants = _common(p)
+    token_stride, head_stride = p.strides(p.num_heads, p.q_tokens)
     (delta,) = run(KernelCall(
-        kernels.jagged_attention_bwd_preprocess_kernel, p.grid(bs.preprocess_block_m),
-        out_shapes=(_stats_shape(p),), zeroed_outputs=(), num_tokens=p.num_tokens,
-        constants=p.constants(BLOCK_M=bs.preprocess_block_m)), (o, do, offsets))
-    # dk/dv programs take the even blocks, dq programs the odd ones (see the kernel's docstring).
-    blocks = max(p.grid(bs.dkdv.block_n)[1], p.grid(bs.dq.block_m)[1])
+        kernels.attention_bwd_preprocess_kernel,
+        grid=(-(-p.q_tokens // bs.preprocess_block_m), p.num_segments * p.num_heads),
+        out_shapes=(jax.ShapeDtypeStruct(p.stats_shape, jnp.float32),),
+        scalars=(p.q_tokens, token_stride, head_stride),
+        constants=dict(NUM_HEADS=p.num_heads, D=p.head_dim, BLOCK_D=constants["BLOCK_D"],
+                       OUT_SCALE=p.out_scale, BLOCK_M=bs.preprocess_block_m,
+                       STRIDE_ALIGN=_stride_align(token_stride, head_stride))), (o, do))
+    # dq programs take the even blocks, dk/dv programs the odd ones (see the kernel's docstring).
+    blocks = max(1, p.blocks(bs.dq.block_m, p.q_tokens, p.max_seq_len),
+                 p.blocks(bs.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len))
     dq, dk, dv = run(KernelCall(
-        kernels.jagged_attention_bwd_kernel, (p.batch * p.num_heads, 2 * blocks),
-        out_shapes=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
-        zeroed_outputs=(0, 1, 2), num_tokens=p.num_tokens,
-        constants=p.constants(INPUT_PRECISION=p.input_precision, DKDV_BLOCK_M=bs.dkdv.block_m,
-                              DKDV_BLOCK_N=bs.dkdv.block_n, DQ_BLOCK_M=bs.dq.block_m,
-                              DQ_BLOCK_N=bs.dq.block_n),
-        num_warps=bs.dkdv.num_warps, num_stages=bs.dkdv.num_stages), (q, k, v, do, lse, delta, offsets))
+        kernels.attention_bwd_kernel,
+        grid=(p.num_segments * (p.batch + 1) * p.num_heads, 2 * blocks),
+        out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype), jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
+                    jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
+        scalars=(*scalars, _fill_chunk(p.q_tokens, blocks), _fill_chunk(p.kv_tokens, blocks),
+                 _search_steps(p.batch), _search_steps(p.batch)),
+        constants=dict(constants, OUT_SCALE=p.out_scale, DS_SCALE=p.scale * p.out_scale,
+                       DKDV_BLOCK_M=bs.dkdv.block_m, DKDV_BLOCK_N=bs.dkdv.block_n,
+                       DQ_BLOCK_M=bs.dq.block_m, DQ_BLOCK_N=bs.dq.block_n),
+        num_warps=bs.dkdv.num_warps, num_stages=bs.dkdv.num_stages),
+        (q, k, v, do, lse, delta, q_offsets, kv_offsets))
     return dq, dk, dv
 
 
 def check_grid(p: Problem) -> None:
     """Raise ValueError when a sequence would need more blocks than CUDA's grid allows."""
     bs = p.block_sizes
-    for block, factor in ((bs.fwd.block_m, 1), (bs.dkdv.block_n, 2), (bs.dq.block_m, 2),
-                          (bs.preprocess_block_m, 1)):
-        blocks = factor * p.grid(block)[1]
+    for rows, tokens, max_len, factor in (
+            (bs.fwd.block_m, p.q_tokens, p.max_seq_len, 1),
+            (bs.dq.block_m, p.q_tokens, p.max_seq_len, 2),
+            (bs.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len, 2)):
+        blocks = factor * p.blocks(rows, tokens, max_len)
         if blocks > MAX_GRID_Y:
             raise ValueError(
-                f"max_seq_len={p.max_seq_len} needs {blocks} blocks of {block} rows per sequence; "
+                f"a sequence of up to {min(max_len, tokens)} tokens needs {blocks} blocks of {rows} rows; "
                 f"at most {MAX_GRID_Y} are supported (use larger blocks or a smaller max_seq_len)")

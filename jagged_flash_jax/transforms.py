@@ -1,0 +1,325 @@
+"""The kernel-level forward and backward, with their batching and partitioning rules.
+
+Every backend runs through `forward` and `backward` here, below the one custom_vjp of api.py:
+
+- `jax.custom_batching.custom_vmap` folds a vmapped axis into the problem, so that vmap costs one
+  launch: into the heads for "HTD" with shared offsets (a free reshape), otherwise into the segments
+  of the token axis, each with its own row of offsets.
+- `jax.experimental.custom_partitioning` runs each device's heads, or each device's segments
+  (data parallel: offsets [shards, B+1]), locally under a sharded `jax.jit`, with no collective; any
+  other sharding raises an error that says what is supported.
+- Outputs are marked varying over the manual axes their inputs vary over, so that the op composes
+  with `shard_map` and its default `check_vma=True`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import launch, reference
+from ._compat import varying_axes
+from .launch.plan import Problem
+
+# ---------------------------------------------------------------------------------------------------
+# Running one problem on its backend
+# ---------------------------------------------------------------------------------------------------
+
+
+def _varying_like(outputs, inputs):
+    """Mark outputs varying over every manual mesh axis some input varies over (shard_map's check_vma)."""
+    axes = frozenset().union(*(varying_axes(x) for x in inputs))
+    return tuple(jax.lax.pcast(out, tuple(sorted(axes - varying_axes(out))), to="varying")
+                 for out in outputs)
+
+
+def _run_forward(p: Problem, q, k, v, q_offsets, kv_offsets):
+    if p.launcher == "xla":
+        outputs = reference.forward(p, q, k, v, q_offsets, kv_offsets)
+    else:
+        outputs = launch.plan.forward(launch.runner(p.launcher), p, q, k, v, q_offsets, kv_offsets)
+    return _varying_like(outputs, (q, k, v, q_offsets, kv_offsets))
+
+
+def _run_backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
+    args = (q, k, v, q_offsets, kv_offsets, o, lse, do)
+    if p.launcher == "xla":
+        outputs = reference.backward(p, *args)
+    else:
+        outputs = launch.plan.backward(launch.runner(p.launcher), p, *args)
+    return _varying_like(outputs, args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Partitioning: heads and segments stay where they are
+# ---------------------------------------------------------------------------------------------------
+
+
+def _axes(spec_entry) -> tuple[str, ...]:
+    if spec_entry is None:
+        return ()
+    return tuple(spec_entry) if isinstance(spec_entry, tuple) else (spec_entry,)
+
+
+def _dims(p: Problem):
+    """(token dim, head dim) of q/k/v-like arrays."""
+    return (0, 1) if p.layout == "THD" else (1, 0)
+
+
+def _sharding_rule(p: Problem, backward: bool):
+    """Shardy rule: the token axis is (segments, tokens), the query heads are (kv heads, group).
+
+    Factors that appear as a whole dimension somewhere (z and t in the statistics) get their size
+    from there; factors of size 1 cannot be part of a compound, so they are left out.
+    """
+    group = p.num_heads // p.num_kv_heads
+    z = p.num_segments > 1
+    sizes = {}
+    q_tokens, kv_tokens = ("(z t)", "(z s)") if z else ("t", "s")
+    if z:
+        sizes["s"] = p.kv_tokens
+    q_heads = "(g r)" if group > 1 else "g"
+    if group > 1:
+        sizes["r"] = group
+
+    def array(tokens, heads):
+        return f"{tokens} {heads} d" if p.layout == "THD" else f"{heads} {tokens} d"
+
+    q_like, kv_like = array(q_tokens, q_heads), array(kv_tokens, "g")
+    offsets = [("z b" if rows > 1 else f"o{i} b") for i, rows in
+               enumerate((p.q_offsets_rows, p.kv_offsets_rows))]
+    stats = f"{'z' if z else 'y'} {q_heads} t"
+    if backward:
+        operands = [q_like, kv_like, kv_like, *offsets, q_like, stats, q_like]
+        results = [q_like, kv_like, kv_like]
+    else:
+        operands = [q_like, kv_like, kv_like, *offsets]
+        results = [q_like, stats]
+    return f"{', '.join(operands)} -> {', '.join(results)}", sizes
+
+
+class _Plan:
+    """How a problem is split over the mesh: its heads over `head_axes`, its segments over
+    `segment_axes`. Built from the shardings XLA proposes; raises ValueError for anything else."""
+
+    def __init__(self, p: Problem, mesh, arg_shapes, backward: bool):
+        token_dim, head_dim = _dims(p)
+        arrays = [0, 1, 2] + ([5, 7] if backward else [])
+        names = ["q", "k", "v"] + (["o", "do"] if backward else [])
+        specs = {name: tuple(arg_shapes[i].sharding.spec) + (None,) * 3 for name, i in zip(names, arrays)}
+        head_axes = next((_axes(s[head_dim]) for s in specs.values() if _axes(s[head_dim])), ())
+        segment_axes = next((_axes(s[token_dim]) for s in specs.values() if _axes(s[token_dim])), ())
+        for name, spec in specs.items():
+            if _axes(spec[2]):
+                raise ValueError(f"jagged attention cannot split the head dimension D: {name} is sharded "
+                                 f"{P(*spec[:3])}; shard the heads axis or the token axis instead")
+            for dim, target, what in ((head_dim, head_axes, "heads"), (token_dim, segment_axes, "tokens")):
+                if _axes(spec[dim]) not in ((), target):
+                    raise ValueError(f"jagged attention needs q, k, v (and o, do) split alike: {name} is "
+                                     f"sharded {P(*spec[:3])} where another array splits the {what} axis "
+                                     f"over {target}")
+        self.head_shards = math.prod(mesh.shape[a] for a in head_axes)
+        self.segment_shards = math.prod(mesh.shape[a] for a in segment_axes)
+        if p.num_kv_heads % self.head_shards:
+            raise ValueError(f"sharding the heads over {head_axes} ({self.head_shards} shards) needs the "
+                             f"number of kv heads ({p.num_kv_heads}) to be a multiple of {self.head_shards}")
+        if p.num_segments % self.segment_shards:
+            raise ValueError(
+                f"q, k, v are sharded along their token axis over {segment_axes} ({self.segment_shards} "
+                f"shards), but the tokens are not split into that many independent segments: sequences "
+                f"cannot be cut between devices. Shard the heads axis, or pack each device's sequences "
+                f"with jagged_flash_jax.pack_data_parallel (offsets [devices, B+1]) and shard that")
+        for i, name in ((3, "offsets"), (4, "kv_offsets")):
+            spec = tuple(arg_shapes[i].sharding.spec) + (None, None)
+            rows = p.q_offsets_rows if i == 3 else p.kv_offsets_rows
+            if _axes(spec[1]) or (_axes(spec[0]) and (rows == 1 or _axes(spec[0]) != segment_axes)):
+                raise ValueError(f"{name} [{rows}, B+1] must be replicated, or split along its first axis "
+                                 f"exactly as the tokens of q, k, v are; got {P(*spec[:2])}")
+        if p.launcher == "interpret" and self.head_shards * self.segment_shards > 1:
+            # The interpreter is a Python callback, and JAX cannot call one from a partitioned
+            # custom_partitioning body (https://github.com/jax-ml/jax/issues/34349): it would crash.
+            raise ValueError("backend='interpret' cannot be partitioned by a sharded jax.jit; run it under "
+                             "jax.shard_map (or use backend='xla' or 'triton')")
+        self.mesh, self.head_axes, self.segment_axes = mesh, head_axes, segment_axes
+        self.layout = p.layout
+
+    def sharding(self, kind: str) -> NamedSharding:
+        heads = self.head_axes or None
+        segments = self.segment_axes or None
+        spec = {"array": P(segments, heads, None) if self.layout == "THD" else P(heads, segments, None),
+                "offsets": P(segments, None), "shared_offsets": P(None, None),
+                "stats": P(segments, heads, None)}[kind]
+        return NamedSharding(self.mesh, spec)
+
+    def local(self, p: Problem) -> Problem:
+        z = p.num_segments // self.segment_shards
+        return p.with_(num_heads=p.num_heads // self.head_shards,
+                       num_kv_heads=p.num_kv_heads // self.head_shards, num_segments=z,
+                       q_offsets_rows=1 if p.q_offsets_rows == 1 else z,
+                       kv_offsets_rows=1 if p.kv_offsets_rows == 1 else z)
+
+    def offsets_sharding(self, rows: int) -> NamedSharding:
+        return self.sharding("shared_offsets" if rows == 1 else "offsets")
+
+
+def _partitioned(p: Problem, run, backward: bool):
+    @custom_partitioning
+    def call(*args):
+        return run(p, *args)
+
+    def partition(mesh, arg_shapes, result_shape):
+        plan = _Plan(p, mesh, arg_shapes, backward)
+        array = plan.sharding("array")
+        offsets = (plan.offsets_sharding(p.q_offsets_rows), plan.offsets_sharding(p.kv_offsets_rows))
+        arg_shardings = (array, array, array, *offsets)
+        if backward:
+            arg_shardings += (array, plan.sharding("stats"), array)
+            result_shardings = (array, array, array)
+        else:
+            result_shardings = (array, plan.sharding("stats"))
+        local = plan.local(p)
+        return mesh, functools.partial(run, local), result_shardings, arg_shardings
+
+    call.def_partition(partition=partition,
+                       sharding_rule=lambda *_: _sharding_rule(p, backward))
+    return call
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batching: fold the vmapped axis into heads or segments
+# ---------------------------------------------------------------------------------------------------
+
+
+def _broadcast(x, batched: bool, size: int):
+    return x if batched else jnp.broadcast_to(x, (size, *x.shape))
+
+
+class _Fold:
+    """How a vmapped axis of size `size` joins the problem, and the array reshapes both ways."""
+
+    def __init__(self, p: Problem, size: int, offsets_batched: bool):
+        self.p, self.size = p, size
+        self.into_heads = p.layout == "HTD" and not offsets_batched
+        if self.into_heads:
+            self.problem = p.with_(num_heads=size * p.num_heads, num_kv_heads=size * p.num_kv_heads)
+        else:
+            self.problem = p.with_(num_segments=size * p.num_segments)
+
+    def array(self, x, batched: bool):
+        """[V, ...] -> the folded problem's array (HTD segments need a transpose: a copy)."""
+        x = _broadcast(x, batched, self.size)
+        if self.into_heads or self.p.layout == "THD":
+            return x.reshape(-1, *x.shape[2:])
+        x = jnp.moveaxis(x, 0, 1)
+        return x.reshape(x.shape[0], -1, x.shape[-1])
+
+    def unarray(self, x):
+        if self.into_heads or self.p.layout == "THD":
+            return x.reshape(self.size, -1, *x.shape[1:])
+        x = x.reshape(x.shape[0], self.size, -1, x.shape[-1])
+        return jnp.moveaxis(x, 1, 0)
+
+    def offsets(self, offsets, batched: bool, rows: int):
+        """[V, rows, B+1] -> [1 or V*Z, B+1], and the new row count."""
+        if self.into_heads or (not batched and rows == 1):
+            return offsets, rows
+        offsets = _broadcast(offsets, batched, self.size)
+        offsets = jnp.broadcast_to(offsets, (self.size, self.p.num_segments, offsets.shape[-1]))
+        return offsets.reshape(-1, offsets.shape[-1]), self.problem.num_segments
+
+    def stats(self, x, batched: bool):
+        """[V, Z, H, T] -> [Z, V*H, T] (heads) or [V*Z, H, T] (segments)."""
+        x = _broadcast(x, batched, self.size)
+        if self.into_heads:
+            return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[-1])
+        return x.reshape(-1, *x.shape[2:])
+
+    def unstats(self, x):
+        if self.into_heads:
+            return jnp.moveaxis(x.reshape(x.shape[0], self.size, -1, x.shape[-1]), 1, 0)
+        return x.reshape(self.size, -1, *x.shape[1:])
+
+    def fold_offsets(self, q_offsets, kv_offsets, q_batched, kv_batched):
+        q_offsets, q_rows = self.offsets(q_offsets, q_batched, self.p.q_offsets_rows)
+        kv_offsets, kv_rows = self.offsets(kv_offsets, kv_batched, self.p.kv_offsets_rows)
+        self.problem = self.problem.with_(q_offsets_rows=q_rows, kv_offsets_rows=kv_rows)
+        return q_offsets, kv_offsets
+
+
+@functools.cache
+def _forward_fn(p: Problem):
+    partitioned = _partitioned(p, _run_forward, backward=False)
+
+    @custom_vmap
+    def call(q, k, v, q_offsets, kv_offsets):
+        return partitioned(q, k, v, q_offsets, kv_offsets)
+
+    @call.def_vmap
+    def rule(size, batched, q, k, v, q_offsets, kv_offsets):
+        fold = _Fold(p, size, batched[3] or batched[4])
+        offsets = fold.fold_offsets(q_offsets, kv_offsets, batched[3], batched[4])
+        arrays = (fold.array(x, b) for x, b in zip((q, k, v), batched[:3]))
+        o, lse = _forward_fn(fold.problem)(*arrays, *offsets)
+        return (fold.unarray(o), fold.unstats(lse)), (True, True)
+
+    return call
+
+
+@functools.cache
+def _backward_fn(p: Problem):
+    partitioned = _partitioned(p, _run_backward, backward=True)
+
+    @custom_vmap
+    def call(q, k, v, q_offsets, kv_offsets, o, lse, do):
+        return partitioned(q, k, v, q_offsets, kv_offsets, o, lse, do)
+
+    @call.def_vmap
+    def rule(size, batched, q, k, v, q_offsets, kv_offsets, o, lse, do):
+        fold = _Fold(p, size, batched[3] or batched[4])
+        offsets = fold.fold_offsets(q_offsets, kv_offsets, batched[3], batched[4])
+        arrays = [fold.array(x, b) for x, b in zip((q, k, v), batched[:3])]
+        o, do = fold.array(o, batched[5]), fold.array(do, batched[7])
+        grads = _backward_fn(fold.problem)(*arrays, *offsets, o, fold.stats(lse, batched[6]), do)
+        return tuple(fold.unarray(g) for g in grads), (True, True, True)
+
+    return call
+
+
+def _explicit_mesh(x):
+    """The mesh of x's type when some of its axes are Explicit (sharding in types), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    return mesh if mesh is not None and not mesh.empty and mesh.explicit_axes else None
+
+
+def _with_auto_axes(p: Problem, fn, args, result_types, backward: bool):
+    """Run `fn` with explicit mesh axes turned into auto ones (custom_partitioning works with those),
+    checking the shardings at trace time, and give results the shardings of `result_types`."""
+    mesh = _explicit_mesh(args[0])
+    if mesh is None:
+        return fn(*args)
+    plan = _Plan(p, mesh, [jax.typeof(x) for x in args], backward)
+    out = tuple(plan.sharding("stats") if kind == "stats" else jax.typeof(like).sharding
+                for kind, like in result_types)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.auto_axes(fn, out_sharding=out)(*args)
+
+
+def forward(p: Problem, q, k, v, q_offsets, kv_offsets):
+    """o and the float32 log-sum-exp [Z, H, T_q] (the backend's own convention), on any backend."""
+    args = (q, k, v, q_offsets, kv_offsets)
+    return _with_auto_axes(p, _forward_fn(p), args, (("array", q), ("stats", None)), backward=False)
+
+
+def backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
+    """dq, dk, dv from the residuals of `forward`."""
+    args = (q, k, v, q_offsets, kv_offsets, o, lse, do)
+    return _with_auto_axes(p, _backward_fn(p), args, (("array", q), ("array", k), ("array", v)),
+                           backward=True)

@@ -1,0 +1,168 @@
+"""What every test shares: jagged batches built from lengths, the float64 numpy reference (output and
+gradients), a vjp runner for the public ops, and the one error metric.
+
+The reference is independent of the package: it reads offsets as written (they must be valid), one
+sequence and head at a time, with the textbook softmax-attention gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jagged_flash_jax as jfa
+from jagged_flash_jax.launch import gpu
+
+GPU_AVAILABLE = gpu.available()
+KERNEL_BACKENDS = ["interpret"] + (["triton"] if GPU_AVAILABLE else [])
+BACKENDS = KERNEL_BACKENDS + ["xla"]
+
+
+def backend_params(backends=None):
+    """pytest params for backends, the triton one marked `gpu`."""
+    return [pytest.param(b, marks=pytest.mark.gpu) if b == "triton" else b
+            for b in (backends or BACKENDS)]
+
+
+# (dtype, allow_tf32, tolerance of `relative_error`) by precision.
+TOLERANCES = {"fp32": (jnp.float32, False, 1e-5), "tf32": (jnp.float32, True, 2e-3),
+              "bf16": (jnp.bfloat16, True, 1e-2), "fp16": (jnp.float16, True, 1e-2)}
+
+
+def offsets_of(lengths, lead: int = 0) -> np.ndarray:
+    return lead + np.concatenate([[0], np.cumsum(np.asarray(lengths, np.int64))]).astype(np.int64)
+
+
+@dataclasses.dataclass
+class Batch:
+    """Random float64 q [T_q, H, D], k, v [T_kv, H_kv, D] and cotangent do for sequences of the given
+    lengths (kv_lengths for keys: None means self-attention over the same tokens), `lead` uncovered
+    tokens before the first sequence and `extra` after the last. Arrays are token-major ("THD")."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    do: np.ndarray
+    offsets: np.ndarray
+    kv_offsets: np.ndarray | None
+
+    @classmethod
+    def make(cls, lengths, heads, dim, *, kv_lengths=None, kv_heads=None, lead=0, extra=0, seed=0,
+             scale=1.0) -> Batch:
+        rng = np.random.default_rng(seed)
+        offsets = offsets_of(lengths, lead)
+        kv_offsets = None if kv_lengths is None else offsets_of(kv_lengths, lead)
+        total = int(offsets[-1]) + extra
+        kv_total = total if kv_offsets is None else int(kv_offsets[-1]) + extra
+        kv_heads = kv_heads or heads
+        q = rng.standard_normal((total, heads, dim)) * scale
+        k = rng.standard_normal((kv_total, kv_heads, dim)) * scale
+        v = rng.standard_normal((kv_total, kv_heads, dim))
+        do = rng.standard_normal((total, heads, dim))
+        return cls(q, k, v, do, offsets, kv_offsets)
+
+    @property
+    def key_offsets(self) -> np.ndarray:
+        return self.offsets if self.kv_offsets is None else self.kv_offsets
+
+    def arrays(self, dtype, layout="THD"):
+        """q, k, v, do as JAX arrays of `dtype` in `layout`."""
+        def cast(x):
+            return jnp.asarray(np.swapaxes(x, 0, 1) if layout == "HTD" else x, dtype)
+
+        return cast(self.q), cast(self.k), cast(self.v), cast(self.do)
+
+
+def attended_mask(offsets, total: int, max_seq_len: int) -> np.ndarray:
+    """Boolean [T]: whether token t is among the first max_seq_len tokens of some sequence."""
+    mask = np.zeros(total, bool)
+    for b in range(len(offsets) - 1):
+        start = int(offsets[b])
+        mask[start:start + min(int(offsets[b + 1]) - start, max_seq_len)] = True
+    return mask
+
+
+def reference(q, k, v, do, offsets, max_seq_len, *, kv_offsets=None, kv_max_seq_len=None, scale=1.0,
+              causal=False, out_scale=1.0):
+    """(o, dq, dk, dv) in float64 of out_scale * softmax(scale * q k^T) v per sequence, for token-major
+    q [T_q, H, D] and k, v [T_kv, H_kv, D]; zero outside the attended tokens."""
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    kv_offsets = offsets if kv_offsets is None else kv_offsets
+    kv_max_seq_len = max_seq_len if kv_max_seq_len is None else kv_max_seq_len
+    group = q.shape[1] // k.shape[1]
+    o, dq = np.zeros_like(q), np.zeros_like(q)
+    dk, dv = np.zeros_like(k), np.zeros_like(v)
+    for b in range(len(offsets) - 1):
+        qs, ks = int(offsets[b]), int(kv_offsets[b])
+        n_q = max(0, min(int(offsets[b + 1]) - qs, max_seq_len))
+        n_k = max(0, min(int(kv_offsets[b + 1]) - ks, kv_max_seq_len))
+        if n_q == 0 or n_k == 0:
+            continue
+        rows, keys = slice(qs, qs + n_q), slice(ks, ks + n_k)
+        allowed = np.ones((n_q, n_k), bool)
+        if causal:
+            allowed = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + n_k - n_q
+        seen = allowed.any(axis=1)  # queries with no key get 0
+        for h in range(q.shape[1]):
+            g = h // group
+            qh, kh, vh, doh = q[rows, h], k[keys, g], v[keys, g], do[rows, h]
+            s = np.where(allowed, scale * qh @ kh.T, -np.inf)
+            m = np.where(seen, s.max(axis=1), 0.0)
+            p = np.where(allowed, np.exp(s - m[:, None]), 0.0)
+            p /= np.where(seen, p.sum(axis=1), 1.0)[:, None]
+            o[rows, h] = out_scale * p @ vh
+            dv[keys, g] += out_scale * p.T @ doh
+            dp = out_scale * doh @ vh.T
+            ds = p * (dp - np.sum(dp * p, axis=1, keepdims=True))
+            dq[rows, h] = scale * ds @ kh
+            dk[keys, g] += scale * ds.T @ qh
+    return o, dq, dk, dv
+
+
+def relative_error(got, want, scale=None) -> float:
+    """||got - want|| / ||want|| (or / `scale`), in float64."""
+    got, want = (np.asarray(jnp.asarray(x, jnp.float32) if hasattr(x, "dtype") and x.dtype == jnp.bfloat16
+                            else x, np.float64) for x in (got, want))
+    denominator = np.linalg.norm(want) if scale is None else scale
+    return float(np.linalg.norm(got - want) / denominator)
+
+
+def to_numpy(x, layout="THD") -> np.ndarray:
+    """A JAX array of any float dtype as float64 numpy, token-major."""
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    return np.swapaxes(x, 0, 1) if layout == "HTD" else x
+
+
+def run_vjp(op, batch: Batch, dtype, *, layout="THD", offsets_dtype=np.int32, **kwargs):
+    """(q, k, v, do rounded to dtype, then o, dq, dk, dv), all float64 token-major, of one forward and
+    vjp of `op(q, k, v, offsets, ..., layout=layout, **kwargs)`."""
+    q, k, v, do = batch.arrays(dtype, layout)
+    offsets = jnp.asarray(batch.offsets.astype(offsets_dtype))
+    if batch.kv_offsets is not None:
+        kwargs["kv_offsets"] = jnp.asarray(batch.kv_offsets.astype(offsets_dtype))
+    o, vjp = jax.vjp(lambda q, k, v: op(q, k, v, offsets, layout=layout, **kwargs), q, k, v)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    return [to_numpy(x, layout) for x in (q, k, v, do, o, *vjp(do))]
+
+
+def assert_matches(results, expected, tol, *, attended_q=None, attended_kv=None):
+    """Each of o, dq, dk, dv finite, within `tol` of the reference, and zero where nothing attends."""
+    got = results[4:]
+    for i, (name, g, e) in enumerate(zip(("o", "dq", "dk", "dv"), got, expected)):
+        assert np.all(np.isfinite(g)), f"{name} has non-finite values"
+        attended = attended_q if i < 2 else attended_kv
+        if attended is not None:
+            assert np.all(g[~attended] == 0), f"{name} is not zero on unattended tokens"
+        # A gradient can be exactly zero (one key per sequence): measure it on the output's scale then.
+        scale = np.linalg.norm(e) or np.linalg.norm(expected[0])
+        assert scale > 0, "degenerate test: the reference output is zero"
+        err = relative_error(g, e, scale)
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+def fbgemm(q, k, v, offsets, max_seq_len, **kwargs):
+    return jfa.multi_head_jagged_flash_attention(q, k, v, offsets, max_seq_len, **kwargs)

@@ -1,0 +1,91 @@
+"""The standard op (`jagged_attention`) on every backend against the float64 reference: causal with
+n_q = n_k, n_q < n_k and n_q > n_k; GQA and MQA; distinct kv_offsets with empty query or key
+sequences; kv_max_seq_len truncation; scale; both layouts; int32 and int64 offsets."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TOLERANCES, Batch, assert_matches, attended_mask, backend_params, reference, run_vjp
+
+import jagged_flash_jax as jfa
+
+CASES = {
+    # n_q = n_k per sequence; one sequence longer than max_seq_len.
+    "self-causal": dict(lengths=[5, 0, 40, 1, 30], heads=4, dim=16, max_seq_len=32, causal=True),
+    # Target attention: fewer queries than keys, an empty key sequence (its query gets 0) and an empty
+    # query sequence (its keys get no gradient); GQA with groups of 2.
+    "cross-nq<nk-causal-gqa": dict(lengths=[3, 8, 1, 0, 6], kv_lengths=[9, 20, 0, 5, 30], heads=4,
+                                   kv_heads=2, dim=16, max_seq_len=32, kv_max_seq_len=24, causal=True),
+    # More queries than keys under causal: the first n_q - n_k queries see no key; MQA; keys cut by
+    # kv_max_seq_len.
+    "cross-nq>nk-causal-mqa": dict(lengths=[20, 9, 33], kv_lengths=[5, 9, 2], heads=3, kv_heads=1,
+                                   dim=8, max_seq_len=32, kv_max_seq_len=4, causal=True),
+    "cross-gqa-truncated": dict(lengths=[7, 0, 25], kv_lengths=[40, 3, 0], heads=4, kv_heads=2, dim=24,
+                                max_seq_len=16, kv_max_seq_len=32),
+    "self-scale-D40": dict(lengths=[17, 2, 9], heads=2, dim=40, max_seq_len=20, scale=0.7),
+}
+
+
+def check(case: str, backend: str, layout: str, precision="fp32", offsets_dtype=np.int32):
+    spec = dict(CASES[case])
+    dtype, allow_tf32, tol = TOLERANCES[precision]
+    batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
+                       kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None),
+                       lead=1, extra=2, seed=len(case), scale=0.6)
+    results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend=backend,
+                      allow_tf32=allow_tf32, offsets_dtype=offsets_dtype, **spec)
+    max_len, kv_max = spec["max_seq_len"], spec.get("kv_max_seq_len", spec["max_seq_len"])
+    scale = spec.get("scale", batch.q.shape[-1] ** -0.5)
+    expected = reference(*results[:4], batch.offsets, max_len, kv_offsets=batch.kv_offsets,
+                         kv_max_seq_len=kv_max, scale=scale, causal=spec.get("causal", False))
+    assert_matches(results, expected, tol,
+                   attended_q=attended_mask(batch.offsets, batch.q.shape[0], max_len),
+                   attended_kv=attended_mask(batch.key_offsets, batch.k.shape[0], kv_max))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_float64(case, layout, backend):
+    check(case, backend, layout)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("case", ["cross-nq<nk-causal-gqa", "cross-nq>nk-causal-mqa"])
+def test_int64_offsets(case, backend):
+    with jax.enable_x64(True):
+        check(case, backend, "THD", offsets_dtype=np.int64)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision(precision, backend):
+    check("cross-nq<nk-causal-gqa", backend, "THD", precision)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_causal_sees_only_the_past(backend):
+    """Changing a later token changes no earlier output under causal self-attention."""
+    batch = Batch.make([12, 7], 2, 8, seed=9)
+    q, k, v, _ = batch.arrays(jnp.float32)
+    offsets = jnp.asarray(batch.offsets, jnp.int32)
+    attention = lambda k, v: jfa.jagged_attention(q, k, v, offsets, 16, causal=True, backend=backend)
+    before = attention(k, v)
+    after = attention(k.at[8].add(5.0), v.at[8].add(5.0))  # token 8 of sequence 0
+    np.testing.assert_array_equal(before[:8], after[:8])
+    assert not np.array_equal(before[8:12], after[8:12])
+    np.testing.assert_array_equal(before[12:], after[12:])  # the other sequence
+
+
+def test_fbgemm_op_is_the_standard_op_rescaled():
+    """multi_head_jagged_flash_attention = jagged_attention(scale=1) / max_seq_len."""
+    batch = Batch.make([9, 0, 14], 2, 8, extra=2, seed=4, scale=0.5)
+    q, k, v, _ = batch.arrays(jnp.float32, "HTD")
+    offsets = jnp.asarray(batch.offsets, jnp.int32)
+    fbgemm = jfa.multi_head_jagged_flash_attention(q, k, v, offsets, 16, backend="xla", allow_tf32=False)
+    standard = jfa.jagged_attention(q, k, v, offsets, 16, scale=1.0, layout="HTD", backend="xla",
+                                    allow_tf32=False)
+    np.testing.assert_allclose(fbgemm, standard / 16, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,262 @@
+"""The ops under JAX's transformations: vmap (shared and batched offsets), vmap of grad and grad of
+vmap, remat names, forward mode's error, and sharding over 4 CPU devices: heads-sharded jit with no
+data-moving collective, data-parallel jit and shard_map (default check_vma), and clear errors."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import backend_params, relative_error
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jagged_flash_jax as jfa
+
+V, T, H, HK, D, MAX_LEN = 2, 40, 4, 2, 8, 16
+OFFSETS = np.array([0, 5, 5, 22, 33])  # 7 tokens after the last sequence are not covered
+ROWS = np.array([[0, 5, 5, 22, 33], [0, 3, 3, 30, 40]])  # per vmapped problem
+
+
+def attention(backend, layout="THD", **kw):
+    return lambda q, k, v, offsets: jfa.jagged_attention(q, k, v, offsets, MAX_LEN, causal=True,
+                                                         layout=layout, backend=backend, allow_tf32=False,
+                                                         **kw)
+
+
+def arrays(layout, seed=0, batch=(V,)):
+    rng = np.random.default_rng(seed)
+    shape = lambda h: (*batch, T, h, D) if layout == "THD" else (*batch, h, T, D)
+    return [jnp.asarray(rng.standard_normal(shape(h)) * 0.7, jnp.float32) for h in (H, HK, HK)]
+
+
+def close(got, want, tol=1e-5):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert relative_error(g, w) <= tol
+
+
+# ---------------------------------------------------------------------------------------------------
+# vmap
+# ---------------------------------------------------------------------------------------------------
+
+# The folding rules (into heads or segments) are shared by the backends: the kernels (interpret) are
+# checked on every path, the xla backend on one.
+VMAP_CASES = [pytest.param(backend, layout, batched, id=f"{backend}-{layout}-{batched}")
+              for backend, layout, batched in [("interpret", "THD", False), ("interpret", "THD", True),
+                                               ("interpret", "HTD", False), ("interpret", "HTD", True),
+                                               ("xla", "HTD", True)]]
+
+
+@pytest.mark.parametrize("backend,layout,offsets_batched", VMAP_CASES)
+def test_vmap_equals_a_loop(backend, layout, offsets_batched):
+    """Forward, vmap(grad) and grad(vmap) of a vmapped call equal a Python loop of single calls."""
+    q, k, v = arrays(layout)
+    offsets = jnp.asarray(ROWS if offsets_batched else OFFSETS, jnp.int32)
+    in_axes = (0, 0, 0, 0 if offsets_batched else None)
+    row = (lambda i: offsets[i]) if offsets_batched else (lambda i: offsets)
+    op = attention(backend, layout)
+    loss = lambda q, k, v, o: jnp.sum(jnp.sin(op(q, k, v, o)))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    loop = [grad(q[i], k[i], v[i], row(i)) for i in range(V)]
+    loop = [jnp.stack(g) for g in zip(*loop)]
+    close(jax.jit(jax.vmap(grad, in_axes))(q, k, v, offsets), loop)
+    batched_loss = lambda q, k, v: jnp.sum(jax.vmap(loss, in_axes)(q, k, v, offsets))
+    close(jax.jit(jax.grad(batched_loss, argnums=(0, 1, 2)))(q, k, v), loop)
+    forward = jax.jit(op)
+    close(jax.jit(jax.vmap(op, in_axes))(q, k, v, offsets),
+          jnp.stack([forward(q[i], k[i], v[i], row(i)) for i in range(V)]))
+
+
+def test_vmap_of_unbatched_keys_and_nested_vmap():
+    q, k, v = arrays("THD", batch=(2, V))
+    op = jax.jit(attention("xla"))
+    offsets = jnp.asarray(OFFSETS, jnp.int32)
+    got = jax.vmap(lambda q: op(q, k[0, 0], v[0, 0], offsets))(q[0])
+    close(got, jnp.stack([op(q[0, i], k[0, 0], v[0, 0], offsets) for i in range(V)]))
+    nested = jax.vmap(jax.vmap(op, (0, 0, 0, None)), (0, 0, 0, None))(q, k, v, offsets)
+    close(nested, jnp.stack([jnp.stack([op(q[a, b], k[a, b], v[a, b], offsets) for b in range(V)])
+                             for a in range(2)]))
+
+
+def test_vmap_folds_into_one_launch(monkeypatch):
+    """A vmapped call is one kernel launch (no loop): one callback in the compiled program, run on the
+    folded problem."""
+    from jagged_flash_jax.launch import plan
+
+    problems = []
+    original = plan.forward
+    monkeypatch.setattr(plan, "forward", lambda *a, **kw: problems.append(a[1]) or original(*a, **kw))
+
+    def launches(layout, offsets, in_axes):
+        problems.clear()
+        text = jax.jit(jax.vmap(attention("interpret", layout), in_axes)).lower(
+            *arrays(layout), jnp.asarray(offsets, jnp.int32)).as_text()
+        return len(re.findall(r"python_cpu_callback", text)), problems[-1]
+
+    count, problem = launches("HTD", OFFSETS, (0, 0, 0, None))
+    assert count == 1 and problem.num_heads == V * H  # shared offsets, HTD: folded into the heads
+    count, problem = launches("THD", ROWS, 0)
+    assert count == 1 and problem.num_segments == V  # batched offsets: folded into segments
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autodiff modes
+# ---------------------------------------------------------------------------------------------------
+
+def test_forward_mode_raises_a_clear_error():
+    q, k, v = arrays("THD", batch=())
+    op = lambda q: jfa.jagged_attention(q, k, v, OFFSETS, MAX_LEN, backend="xla")
+    with pytest.raises(TypeError, match="does not support forward-mode autodiff"):
+        jax.jvp(op, (q,), (q,))
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jacfwd(lambda q: op(q).sum())(q)
+
+
+def test_dense_reference_supports_forward_mode():
+    """jagged_attention_reference, the documented way to forward mode, agrees with the op's vjp."""
+    q, k, v = arrays("THD", batch=())
+    offsets = jnp.asarray(OFFSETS)
+    op = lambda q: jfa.jagged_attention(q, k, v, offsets, MAX_LEN, causal=True, backend="xla",
+                                        allow_tf32=False)
+    dense = lambda q: jfa.jagged_attention_reference(q, k, v, offsets, MAX_LEN, causal=True)
+    tangent = jnp.ones_like(q)
+    _, jvp = jax.jvp(dense, (q,), (tangent,))
+    cotangent = jnp.cos(q)
+    # <J t, c> = <t, J^T c>
+    np.testing.assert_allclose(jnp.vdot(jvp, cotangent), jnp.vdot(tangent, jax.vjp(op, q)[1](cotangent)[0]),
+                               rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_remat_policy_keeps_the_named_residuals(backend):
+    q, k, v = arrays("THD", batch=())
+    op = attention(backend)
+    offsets = jnp.asarray(OFFSETS)
+    loss = lambda q: jnp.sum(op(q, k, v, offsets) ** 2)
+    policy = jax.checkpoint_policies.save_only_these_names(*jfa.api.RESIDUAL_NAMES)
+    remat = jax.checkpoint(loss, policy=policy)
+    close(jax.grad(remat)(q), jax.grad(loss)(q))
+    # With the named residuals saved, the backward does not run the forward again.
+    text = str(jax.make_jaxpr(jax.grad(remat))(q))
+    assert text.count("name=jagged_attention_out") + text.count("jagged_attention_out") >= 1
+
+
+def test_residual_dtypes_are_float32():
+    """The log-sum-exp residual stays float32 whatever the input dtype."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in arrays("THD", batch=()))
+    _, residuals = jax.vjp(lambda q: attention("interpret")(q, k, v, jnp.asarray(OFFSETS)), q)
+    lse = [x for x in jax.tree.leaves(residuals) if x.ndim == 3 and x.shape[1:] == (H, T)]
+    assert lse and all(x.dtype == jnp.float32 for x in lse)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sharding over 4 CPU devices
+# ---------------------------------------------------------------------------------------------------
+
+DATA_MOVING = r"\b(all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\("
+
+
+def mesh(axis_types=AxisType.Auto):
+    return jax.make_mesh((2, 2), ("data", "model"), axis_types=(axis_types,) * 2)
+
+
+def train_step(backend, layout):
+    def loss(q, k, v, offsets):
+        out = attention(backend, layout)(q, k, v, offsets)
+        return jnp.sum(out * out), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def large_all_reduces(hlo: str) -> list[str]:
+    """all-reduces of more than a scalar (the loss's sum is one, and legitimately crosses devices)."""
+    return [line for line in hlo.splitlines() if re.search(r"all-reduce(-start)?\(", line)
+            and not re.search(r"= f32\[\] all-reduce", line)]
+
+
+@pytest.mark.parametrize("axis_types", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_heads_sharded_jit_runs_each_devices_heads(layout, axis_types):
+    q, k, v = arrays(layout, batch=())
+    offsets = jnp.asarray(OFFSETS, jnp.int32)
+    step = train_step("xla", layout)
+    (_, want), want_grads = step(q, k, v, offsets)
+    m = mesh(axis_types)
+    heads = NamedSharding(m, P(None, "model", None) if layout == "THD" else P("model", None, None))
+    args = [jax.device_put(x, heads) for x in (q, k, v)] + [jax.device_put(offsets, NamedSharding(m, P()))]
+    (_, out), grads = step(*args)
+    close(out, want)
+    close(grads, want_grads)
+    for x in (out, *grads):
+        assert x.sharding.is_equivalent_to(heads, 3)
+    hlo = step.lower(*args).compile().as_text()
+    assert not re.search(DATA_MOVING, hlo)
+    assert not large_all_reduces(hlo)
+
+
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_data_parallel_jit_and_shard_map(layout):
+    """Each device's own jagged batch: packed, then run under a sharded jit (xla) and under shard_map
+    with the default check_vma (xla and interpret); the loss and gradients equal one device's."""
+    q, k, v = arrays("THD", batch=())
+    offsets = jnp.asarray(OFFSETS, jnp.int32)
+    packed = jfa.pack_data_parallel([x.reshape(T, -1) for x in (q, k, v)], offsets, num_shards=2)
+    qp, kp, vp = (x.reshape(x.shape[0], -1, D) for x in packed.values)
+    to_layout = (lambda x: x) if layout == "THD" else (lambda x: jnp.swapaxes(x, 0, 1))
+    step = train_step("xla", layout)
+    (loss, _), grads = step(*map(to_layout, (q, k, v)), offsets)
+
+    m = mesh()
+    tokens = P("data", None, None) if layout == "THD" else P(None, "data", None)
+    args = [jax.device_put(to_layout(x), NamedSharding(m, tokens)) for x in (qp, kp, vp)]
+    args.append(jax.device_put(packed.offsets, NamedSharding(m, P("data"))))
+    (loss_dp, out), grads_dp = step(*args)
+    assert relative_error(loss_dp, loss) < 1e-5
+    token_major = (lambda x: x) if layout == "THD" else (lambda x: jnp.swapaxes(x, 0, 1))
+    close([packed.unpack(token_major(g), T) for g in grads_dp], [token_major(g) for g in grads])
+    assert not re.search(DATA_MOVING, step.lower(*args).compile().as_text())
+
+    for backend in ("xla", "interpret"):
+        local = jax.shard_map(attention(backend, layout), mesh=m,
+                              in_specs=(tokens, tokens, tokens, P("data")), out_specs=tokens)
+        loss_sm = jax.jit(jax.value_and_grad(lambda q, k, v, o, f=local: jnp.sum(f(q, k, v, o) ** 2)))
+        value, g = loss_sm(*args)
+        assert relative_error(value, loss) < 1e-5
+        assert relative_error(g, grads_dp[0]) < 1e-5
+
+
+def test_heads_shard_map_with_check_vma():
+    q, k, v = arrays("THD", batch=())
+    offsets = jnp.asarray(OFFSETS, jnp.int32)
+    heads = P(None, "model", None)
+    want = jax.grad(lambda q, k, v: jnp.sum(attention("xla")(q, k, v, offsets) ** 2), (0, 1, 2))(q, k, v)
+    for backend in ("xla", "interpret"):
+        local = jax.shard_map(attention(backend), mesh=mesh(), in_specs=(heads, heads, heads, P()),
+                              out_specs=heads)
+        loss = lambda q, k, v, f=local: jnp.sum(f(q, k, v, offsets) ** 2)
+        close(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v), want)
+
+
+@pytest.mark.parametrize("spec,match", [
+    (P("data", None, None), "sequences cannot be cut between devices"),
+    (P(None, None, "model"), "cannot split the head dimension D"),
+], ids=["tokens-without-packing", "head-dim"])
+def test_unsupported_sharding_raises(spec, match):
+    q, k, v = arrays("THD", batch=())
+    m = mesh()
+    args = [jax.device_put(x, NamedSharding(m, spec)) for x in (q, k, v)] + [jnp.asarray(OFFSETS)]
+    with pytest.raises(Exception, match=match):
+        jax.jit(attention("xla"))(*args)
+
+
+def test_interpret_under_sharded_jit_raises_instead_of_crashing():
+    q, k, v = arrays("THD", batch=())
+    m = mesh()
+    heads = NamedSharding(m, P(None, "model", None))
+    args = [jax.device_put(x, heads) for x in (q, k, v)] + [jnp.asarray(OFFSETS)]
+    with pytest.raises(Exception, match="backend='interpret' cannot be partitioned"):
+        jax.jit(attention("interpret"))(*args)

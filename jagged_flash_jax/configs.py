@@ -1,9 +1,10 @@
 """Launch configurations (tile sizes, warps, pipeline stages) of the kernels, and how one is chosen.
 
 `BlockSizes` is a frozen, hashable dataclass so it can be a static argument of jitted functions. The
-GPU table behind `default_block_sizes` was measured on an H200 (benchmarks/tune.py) and can be replaced
-by a table file; the interpreter uses small, deliberately unequal tiles so that CPU tests walk several
-blocks in every loop.
+GPU table behind `default_block_sizes` is keyed by (GPU name, bits of the inputs, padded head dimension,
+longest max_seq_len covered); `python -m benchmarks.tune` writes entries of exactly that form to a JSON
+file, which $JAGGED_FLASH_JAX_TUNED_CONFIGS merges over the built-in table (measured on an H200). The
+interpreter uses small, deliberately unequal tiles so that CPU tests walk several blocks in every loop.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import os
 
 import numpy as np
 
-# A JSON table written by `python -m benchmarks.tune --write-table PATH` replaces the built-in one.
+# Path of a JSON table written by `python -m benchmarks.tune`: its entries replace or add to the built-in.
 TUNED_CONFIGS_ENV = "JAGGED_FLASH_JAX_TUNED_CONFIGS"
 
 MAX_HEAD_DIM = 256
+# The GPU whose table is used for GPUs (and head dimensions) that have no entry of their own.
+FALLBACK_GPU = "NVIDIA H200"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,69 +70,109 @@ INTERPRET_BLOCK_SIZES = BlockSizes(
     preprocess_block_m=16,
 )
 
+# ---------------------------------------------------------------------------------------------------
+# The table: {(gpu, bits, head_dim, max_seq_len): BlockSizes}, and its JSON form (a list of entries)
+# ---------------------------------------------------------------------------------------------------
 
-def _tiles(fwd, dkdv, dq, preprocess_block_m=64) -> BlockSizes:
-    return BlockSizes(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq), preprocess_block_m)
-
-
-# (16-bit inputs?, padded D, longest max_seq_len) -> tiles as (block_m, block_n, num_warps, num_stages).
-# The table `python -m benchmarks.tune --write-table` chose on an H200 (jax-triton 0.3.1, triton 3.6):
-# benchmarks/results/tuned_configs.json, from the sweep in tune.json beside it. Entries by case:
-# rec-small and gr-ml1m (D <= 32), rec-mid (D = 64), rec-long (D = 128, 1024), long and dlrm-long.
-_TUNED = {
-    (True, 32, 256): _tiles((64, 32, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3)),
-    (True, 64, 256): _tiles((64, 32, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3)),
-    (True, 128, 1024): _tiles((128, 32, 8, 3), (32, 64, 4, 3), (128, 32, 4, 3)),
-    (True, 128, None): _tiles((128, 64, 8, 3), (32, 64, 4, 3), (128, 32, 4, 3)),
-    (False, 32, 256): _tiles((64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2)),
-    (False, 64, 256): _tiles((128, 32, 8, 2), (32, 128, 8, 2), (128, 32, 8, 2)),
-    (False, 128, None): _tiles((128, 32, 8, 2), (16, 128, 8, 2), (128, 16, 8, 2)),
-}
-# Not measured: chosen to compile for sm_90 without register spills (checked with ptxas).
-_UNTUNED = {
-    (True, 256): _tiles((64, 32, 4, 2), (32, 64, 4, 1), (64, 32, 4, 1), 32),
-    (False, 256): _tiles((64, 16, 4, 1), (16, 64, 4, 1), (64, 16, 4, 1), 32),
-}
+# gpu: jax.devices()[0].device_kind; bits: 16 or 32 (the inputs' element size); head_dim: the padded
+# head dimension (head_block); max_seq_len: the longest max_seq_len the entry covers (None: any longer).
+TableKey = tuple[str, int, int, "int | None"]
 
 
-def table_key(head_dim: int, dtype, max_seq_len: int) -> tuple[bool, int, int | None] | None:
-    """The entry of the tuned table a problem takes: the smallest measured padded head dimension that
-    covers it, then the shortest max_seq_len bucket that covers it (the longest for longer ones).
-    None for head dimensions past the measured ones."""
-    narrow = np.dtype(dtype).itemsize <= 2
-    block_d = head_block(head_dim)
-    dims = sorted({d for n, d, _ in _TUNED if n == narrow and d >= block_d})
-    if not dims:
-        return None
-    lengths = sorted((length or float("inf"), length) for n, d, length in _TUNED
-                     if n == narrow and d == dims[0])
-    covering = [length for bound, length in lengths if max_seq_len <= bound]
-    return narrow, dims[0], covering[0] if covering else lengths[-1][1]
+def entry_to_json(key: TableKey, tiles: BlockSizes) -> dict:
+    gpu, bits, head_dim, max_seq_len = key
+    return dict(gpu=gpu, bits=bits, head_dim=head_dim, max_seq_len=max_seq_len,
+                **{name: list(dataclasses.astuple(getattr(tiles, name))) for name in ("fwd", "dkdv", "dq")},
+                preprocess_block_m=tiles.preprocess_block_m)
 
 
-def key_to_text(key) -> str:
-    narrow, dim, length = key
-    return f"{'16bit' if narrow else '32bit'}/D{dim}/L{length if length else 'max'}"
+def entry_from_json(entry: dict) -> tuple[TableKey, BlockSizes]:
+    key = (str(entry["gpu"]), int(entry["bits"]), int(entry["head_dim"]), entry.get("max_seq_len"))
+    tiles = BlockSizes(*(KernelConfig(*entry[name]) for name in ("fwd", "dkdv", "dq")),
+                       entry.get("preprocess_block_m", 64))
+    return key, tiles
+
+
+def table_to_json(table: dict) -> list[dict]:
+    return [entry_to_json(key, tiles) for key, tiles in table.items()]
+
+
+def table_from_json(entries: list[dict]) -> dict:
+    return dict(entry_from_json(entry) for entry in entries)
+
+
+# What `python -m benchmarks.tune` chose on an H200 (jax-triton 0.3.1, triton 3.6): by case, rec-small
+# and gr-ml1m (D <= 32), rec-mid (D = 64), rec-long (D = 128, L = 1024), long and dlrm-long (L = 4096).
+# The D = 256 entries were not measured: chosen to compile for sm_90 without register spills (ptxas).
+_H200 = FALLBACK_GPU
+BUILTIN_TABLE = table_from_json([
+    dict(gpu=_H200, bits=16, head_dim=32, max_seq_len=256, fwd=[64, 32, 4, 3], dkdv=[32, 64, 4, 3],
+         dq=[64, 32, 4, 3]),
+    dict(gpu=_H200, bits=16, head_dim=64, max_seq_len=256, fwd=[64, 32, 4, 3], dkdv=[32, 64, 4, 3],
+         dq=[64, 32, 4, 3]),
+    dict(gpu=_H200, bits=16, head_dim=128, max_seq_len=1024, fwd=[128, 32, 8, 3], dkdv=[32, 64, 4, 3],
+         dq=[128, 32, 4, 3]),
+    dict(gpu=_H200, bits=16, head_dim=128, max_seq_len=None, fwd=[128, 64, 8, 3], dkdv=[32, 64, 4, 3],
+         dq=[128, 32, 4, 3]),
+    dict(gpu=_H200, bits=16, head_dim=256, max_seq_len=None, fwd=[64, 32, 4, 2], dkdv=[32, 64, 4, 1],
+         dq=[64, 32, 4, 1], preprocess_block_m=32),
+    dict(gpu=_H200, bits=32, head_dim=32, max_seq_len=256, fwd=[64, 32, 4, 2], dkdv=[32, 64, 4, 2],
+         dq=[64, 32, 4, 2]),
+    dict(gpu=_H200, bits=32, head_dim=64, max_seq_len=256, fwd=[128, 32, 8, 2], dkdv=[32, 128, 8, 2],
+         dq=[128, 32, 8, 2]),
+    dict(gpu=_H200, bits=32, head_dim=128, max_seq_len=None, fwd=[128, 32, 8, 2], dkdv=[16, 128, 8, 2],
+         dq=[128, 16, 8, 2]),
+    dict(gpu=_H200, bits=32, head_dim=256, max_seq_len=None, fwd=[64, 16, 4, 1], dkdv=[16, 64, 4, 1],
+         dq=[64, 16, 4, 1], preprocess_block_m=32),
+])
 
 
 @functools.cache
-def _table(path: str | None) -> dict:
-    if not path:
-        return _TUNED
-    with open(path) as f:
-        entries = json.load(f)
-    table = dict(_TUNED)
-    by_text = {key_to_text(key): key for key in _TUNED}
-    for text, tiles in entries.items():
-        if text not in by_text:
-            raise ValueError(f"{TUNED_CONFIGS_ENV}={path}: unknown entry {text!r}; known: {list(by_text)}")
-        table[by_text[text]] = _tiles(tiles["fwd"], tiles["dkdv"], tiles["dq"])
+def load_table(path: str | None) -> dict:
+    """The built-in table, with the entries of the JSON file at `path` (if any) merged over it."""
+    table = dict(BUILTIN_TABLE)
+    if path:
+        with open(path) as f:
+            entries = json.load(f)
+        if not isinstance(entries, list):
+            raise ValueError(f"{TUNED_CONFIGS_ENV}={path}: expected a list of entries as written by "
+                             f"`python -m benchmarks.tune`, got {type(entries).__name__}")
+        table.update(table_from_json(entries))
     return table
 
 
+def current_gpu() -> str:
+    """The name of the first device (jax.devices()[0].device_kind), e.g. "NVIDIA H200"."""
+    try:
+        import jax
+
+        return jax.devices()[0].device_kind
+    except Exception:  # no backend: the fallback table is used
+        return FALLBACK_GPU
+
+
+def table_key(head_dim: int, dtype, max_seq_len: int, gpu: str | None = None,
+              table: dict | None = None) -> TableKey | None:
+    """The entry a problem takes: the GPU's own entries, else FALLBACK_GPU's, for the inputs' bits; among
+    them the smallest padded head dimension that covers head_dim, then the shortest max_seq_len bucket
+    that covers max_seq_len (the longest for longer ones). None when no entry covers head_dim."""
+    table = BUILTIN_TABLE if table is None else table
+    bits = 16 if np.dtype(dtype).itemsize <= 2 else 32
+    block_d = head_block(head_dim)
+    for name in dict.fromkeys((gpu or current_gpu(), FALLBACK_GPU)):
+        dims = sorted(d for g, b, d, _ in table if (g, b) == (name, bits) and d >= block_d)
+        if dims:
+            lengths = sorted((float("inf") if n is None else n, n) for g, b, d, n in table
+                             if (g, b, d) == (name, bits, dims[0]))
+            covering = [n for bound, n in lengths if max_seq_len <= bound]
+            return name, bits, dims[0], covering[0] if covering else lengths[-1][1]
+    return None
+
+
 def default_block_sizes(head_dim: int, dtype, max_seq_len: int) -> BlockSizes:
-    """Tiles for the GPU kernels, by element size, padded head dimension and max_seq_len."""
-    key = table_key(head_dim, dtype, max_seq_len)
+    """Tiles for the GPU kernels, by GPU, element size, padded head dimension and max_seq_len."""
+    table = load_table(os.environ.get(TUNED_CONFIGS_ENV) or None)
+    key = table_key(head_dim, dtype, max_seq_len, table=table)
     if key is None:
-        return _UNTUNED[(np.dtype(dtype).itemsize <= 2, 256)]
-    return _table(os.environ.get(TUNED_CONFIGS_ENV))[key]
+        raise ValueError(f"no tile configuration covers head dimension {head_dim} (at most {MAX_HEAD_DIM})")
+    return table[key]

@@ -1,0 +1,237 @@
+"""Every reliance on a dependency's changing or private surface, in one place.
+
+JAX: how an abstract value names the manual mesh axes it varies over. Triton (triton>=3.6,<3.10): the
+private interpreter internals that run this process's compiled-mode `@triton.jit` kernels on numpy arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import re
+import sys
+import threading
+import types
+
+import jax
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------------
+# JAX
+# ---------------------------------------------------------------------------------------------------
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes (inside shard_map) that x varies over; empty outside shard_map."""
+    # `.vma` up to JAX 0.9, `.mat.varying` from 0.10.
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+        vma = mat.varying if mat is not None else ()
+    return frozenset(vma)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton's interpreter
+#
+# Triton decides when `@triton.jit` runs whether a function is compiled (JITFunction) or interpreted
+# (InterpretedFunction), from TRITON_INTERPRET; this process imported Triton without it. So an
+# interpreted twin is made of each kernel, with every `@triton.jit` function it calls by global name
+# twinned too, and triton.language's own `@triton.jit` functions are swapped for twins while a kernel
+# runs. Nothing here touches os.environ: a process-wide toggle cannot be made safe for other threads.
+# ---------------------------------------------------------------------------------------------------
+
+TRITON_SUPPORTED = "triton>=3.6,<3.10"
+_TRITON_RANGE = ((3, 6), (3, 10))
+
+
+class UnsupportedTritonError(RuntimeError):
+    """Triton is outside the supported range, or lacks an interpreter internal this package uses."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Internals:
+    interpreter: types.ModuleType  # triton.runtime.interpreter
+    interpreted_function: type  # InterpretedFunction: what `@triton.jit` gives under TRITON_INTERPRET=1
+    jit_function: type  # JITFunction: what it gives otherwise
+    patch_lang_tensor: object  # interpreter._patch_lang_tensor, replaced while a kernel runs
+
+
+def _version(text: str) -> tuple[int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)", text)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def triton_internals() -> _Internals:
+    """The interpreter internals, checked each call (cheap) against the installed Triton.
+
+    Raises UnsupportedTritonError naming the supported range when Triton is outside it or an internal
+    is missing.
+    """
+    import triton
+
+    found = getattr(triton, "__version__", "unknown")
+    version = _version(found)
+    if version is None or not _TRITON_RANGE[0] <= version < _TRITON_RANGE[1]:
+        raise UnsupportedTritonError(
+            f"backend='interpret' runs the kernels with Triton's interpreter, whose internals this "
+            f"package uses for {TRITON_SUPPORTED}; found triton {found}: pip install '{TRITON_SUPPORTED}'")
+    try:
+        interpreter = importlib.import_module("triton.runtime.interpreter")
+        jit = importlib.import_module("triton.runtime.jit")
+        return _Internals(interpreter, interpreter.InterpretedFunction, jit.JITFunction,
+                          interpreter._patch_lang_tensor)
+    except (ImportError, AttributeError) as err:
+        raise UnsupportedTritonError(
+            f"backend='interpret' needs an internal of Triton's interpreter that triton {found} lacks "
+            f"({err}); this package supports {TRITON_SUPPORTED}") from err
+
+
+class HostTensor:
+    """The part of torch.Tensor's interface that Triton's interpreter uses, over a numpy array.
+
+    The interpreter copies tensors to a "host" storage and back; here they already are on the host, so
+    both copies are the same memory.
+    """
+
+    def __init__(self, array: np.ndarray):
+        if not array.flags.c_contiguous or not array.flags.writeable:
+            raise ValueError("HostTensor needs a writeable, C-contiguous array")
+        self.array = array
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def untyped_storage(self) -> _HostStorage:
+        return _HostStorage(self.array)
+
+    def new_empty(self, *shape, **kwargs) -> HostTensor:
+        return HostTensor(self.array)
+
+    def set_(self, storage, offset, size, stride) -> HostTensor:
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+
+class _HostStorage:
+    def __init__(self, array: np.ndarray):
+        self._array = array
+
+    def data_ptr(self) -> int:
+        return self._array.ctypes.data
+
+    def cpu(self) -> _HostStorage:
+        return self
+
+    def copy_(self, other: _HostStorage) -> None:
+        if other is not self and other.data_ptr() != self.data_ptr():
+            raise RuntimeError("host tensors are not expected to be copied between storages")
+
+
+# Held for every use of the interpreter: building twins, swapping triton.language, running a kernel.
+# The interpreter keeps the grid position in one global builder, so two kernels cannot run at once anyway.
+_LOCK = threading.RLock()
+# id(module globals) -> (those globals, {id(JITFunction): (JITFunction, its twin)}); the globals and
+# the JITFunctions are kept alive so that their ids are not reused.
+_MODULE_TWINS: dict[int, tuple[dict, dict[int, tuple[object, object]]]] = {}
+# Twins of triton.language's functions, keyed by id (hashing a JITFunction reads its source's globals).
+_LANGUAGE_TWINS: dict[int, tuple[object, object]] = {}
+_gluon_imported = False
+
+
+def _twin_namespace(internals: _Internals, namespace: dict) -> dict[int, tuple[object, object]]:
+    """Twins of the `@triton.jit` functions among a module's globals, living in a copy of those globals
+    in which every such function is its twin (so that the twins call each other)."""
+    twin_globals = dict(namespace)
+    twins = {}
+    for name, value in namespace.items():
+        if isinstance(value, internals.jit_function):
+            fn = value.fn
+            copy = types.FunctionType(fn.__code__, twin_globals, fn.__name__, fn.__defaults__, fn.__closure__)
+            copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+            twin_globals[name] = internals.interpreted_function(copy)
+            twins[id(value)] = (value, twin_globals[name])
+    return twins
+
+
+def _kernel_twin(internals: _Internals, kernel):
+    if not isinstance(kernel, internals.jit_function):
+        raise TypeError(f"expected a @triton.jit function, got {type(kernel).__name__}")
+    namespace = kernel.fn.__globals__
+    entry = _MODULE_TWINS.get(id(namespace))
+    if entry is None or id(kernel) not in entry[1]:  # new module, or a kernel defined since
+        entry = _MODULE_TWINS[id(namespace)] = (namespace, _twin_namespace(internals, namespace))
+    if id(kernel) not in entry[1]:
+        raise ValueError(f"{kernel.fn.__name__} must be a module-level @triton.jit function")
+    return entry[1][id(kernel)][1]
+
+
+def _import_gluon_once() -> None:
+    """Import gluon before the first swap: Triton imports it lazily, and it would then keep the twins."""
+    global _gluon_imported
+    if not _gluon_imported:
+        with contextlib.suppress(ImportError):
+            importlib.import_module("triton.experimental.gluon")
+        _gluon_imported = True
+
+
+@contextlib.contextmanager
+def _interpreted_language(internals: _Internals):
+    """triton.language's `@triton.jit` functions (tl.max, tl.sum, ...) swapped for twins, as importing
+    triton under TRITON_INTERPRET=1 would have made them, and Triton's patching of tl.tensor for a
+    version-independent one. Only under _LOCK; a GPU compilation in another thread during this window
+    would still see the twins, which is why the window covers one kernel run only."""
+    original_patch = internals.patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        # Triton 3.6 converts a scalar (a 1-element array) to an index with int(array), which NumPy 2
+        # refuses, so `range(0, n, BLOCK)` over a loaded length fails; 3.9 squeezes the array first.
+        original_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    replacements = [(internals.interpreter, "_patch_lang_tensor", patch_lang_tensor)]
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, internals.jit_function):
+                if id(value) not in _LANGUAGE_TWINS:
+                    _LANGUAGE_TWINS[id(value)] = (value, internals.interpreted_function(value.fn))
+                replacements.append((module, attr, _LANGUAGE_TWINS[id(value)][1]))
+    originals = [(module, attr, getattr(module, attr)) for module, attr, _ in replacements]
+    for module, attr, replacement in replacements:
+        setattr(module, attr, replacement)
+    try:
+        yield
+    finally:
+        for module, attr, original in originals:
+            setattr(module, attr, original)
+
+
+def interpret(kernel, grid: tuple[int, ...], *args, **constants) -> None:
+    """Run a module-level `@triton.jit` kernel of this process in Triton's interpreter, in place.
+
+    numpy arrays among `args` are passed as pointers (they must be C-contiguous and writeable); other
+    arguments as they are. Thread-safe: kernels run one at a time.
+    """
+    with _LOCK:
+        internals = triton_internals()
+        _import_gluon_once()
+        twin = _kernel_twin(internals, kernel)
+        args = [HostTensor(a) if isinstance(a, np.ndarray) else a for a in args]
+        with _interpreted_language(internals):
+            twin[grid](*args, **constants)

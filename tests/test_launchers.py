@@ -1,0 +1,461 @@
+"""The launchers, on the CPU: the interpreter's first use from several threads and its Triton version
+gate, the exact jax_triton.triton_call arguments of the GPU launcher (through a fake jax_triton), the
+backend choice when jax-triton cannot run, and the tuned tile table."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import types
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import triton
+from helpers import Batch, reference
+
+import jagged_flash_jax as jfa
+from jagged_flash_jax import _compat, api, configs, kernels
+from jagged_flash_jax.configs import BlockSizes, KernelConfig
+from jagged_flash_jax.launch import gpu, plan
+
+TESTS = Path(__file__).resolve().parent
+LOG2E = 1.4426950408889634
+
+
+def spawn(call: str, env: dict) -> subprocess.Popen:
+    """`call` (an expression over this module, imported as `t`) in a fresh Python process, on the CPU;
+    a value None in `env` removes that variable."""
+    env = {**os.environ, **env, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {key: value for key, value in env.items() if value is not None}
+    return subprocess.Popen([sys.executable, "-c", f"import test_launchers as t; {call}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=TESTS)
+
+
+def finish(run: subprocess.Popen, timeout: float = 240) -> tuple[subprocess.Popen, str, str]:
+    """(run, stdout, stderr) once `run` ended; killed past `timeout` (a deadlock), with a note."""
+    try:
+        stdout, stderr = run.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        stdout, stderr = run.communicate()
+        stderr += f"\n(killed after {timeout} s)"
+    return run, stdout, stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# The interpreter's first use, from several threads at once
+# ---------------------------------------------------------------------------------------------------
+
+
+def first_use_from_threads(threads: int) -> None:
+    """In a fresh process: `threads` threads make the first interpret calls at once, then one more call
+    follows; prints what each saw, and TRITON_INTERPRET before and after."""
+    before = os.environ.get("TRITON_INTERPRET")
+    sys.setswitchinterval(1e-6)  # threads trade the GIL far more often: the race shows in most runs
+    batch = Batch.make([5, 0, 11], 2, 8, kv_lengths=[3, 7, 2], extra=2, seed=3)
+    q, k, v, _ = batch.arrays(jnp.float32)
+    expected = reference(batch.q, batch.k, batch.v, batch.do, batch.offsets, 8, kv_offsets=batch.kv_offsets,
+                         scale=1 / math.sqrt(8))[0]
+    op = lambda q, k, v: jfa.jagged_attention(q, k, v, batch.offsets, 8, kv_offsets=batch.kv_offsets,
+                                              backend="interpret", allow_tf32=False)
+    # Compiled ahead (the interpreter first runs when it executes): the threads then reach it together.
+    compiled = jax.jit(op).lower(q, k, v).compile()
+    barrier = threading.Barrier(threads)
+    outcomes = [None] * threads
+
+    def attempt(i=0):
+        o = compiled(q, k, v) if i % 2 else op(q, k, v)
+        np.testing.assert_allclose(o, expected, rtol=1e-5, atol=1e-5)
+
+    def work(i):
+        barrier.wait()
+        try:
+            attempt(i)
+            outcomes[i] = "ok"
+        except Exception as err:  # reported to the parent, which shows it
+            outcomes[i] = f"{type(err).__name__}: {str(err)[-400:]}"
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    try:
+        attempt()
+        later = "ok"
+    except Exception as err:
+        later = f"{type(err).__name__}: {str(err)[-400:]}"
+    print(json.dumps(dict(outcomes=outcomes, later=later, before=before,
+                          after=os.environ.get("TRITON_INTERPRET"))))
+
+
+def test_first_use_from_several_threads():
+    """Before the fix, a fresh process whose first interpret calls came from several threads at once
+    often broke for good (`RuntimeError: 0 active drivers`: kernels.py was reloaded while another thread
+    restored TRITON_INTERPRET) and leaked TRITON_INTERPRET=1: 8 processes in 10 did. Three processes
+    here, two with TRITON_INTERPRET unset and one with it set to 0."""
+    presets = [None, None, "0"]
+    runs = [spawn("t.first_use_from_threads(8)", {"TRITON_INTERPRET": preset}) for preset in presets]
+    finished = [finish(run) for run in runs]
+    for preset, (run, stdout, stderr) in zip(presets, finished):
+        assert run.returncode == 0, f"the child process failed ({run.returncode}):\n{stderr[-3000:]}"
+        report = json.loads(stdout.strip().splitlines()[-1])
+        assert report["outcomes"] == ["ok"] * 8, report["outcomes"]
+        assert report["later"] == "ok", report["later"]
+        assert report["before"] == preset and report["after"] == preset, report
+
+
+def test_interpret_leaves_the_environment_alone():
+    before = dict(os.environ)
+    q = jnp.ones((6, 2, 8), jnp.float32)
+    o = jfa.jagged_attention(q, q, q, [0, 2, 6], 4, backend="interpret")
+    assert bool(jnp.all(jnp.isfinite(o)))
+    assert dict(os.environ) == before
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Triton version gate of the interpreter's internals
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["3.5.1", "3.10.0", "4.0.0", "2.3.1", "nightly"])
+def test_triton_outside_the_supported_range_is_refused(monkeypatch, version):
+    monkeypatch.setattr(triton, "__version__", version)
+    with pytest.raises(_compat.UnsupportedTritonError, match=r"triton>=3\.6,<3\.10.*found triton " + version):
+        _compat.triton_internals()
+
+
+@pytest.mark.parametrize("version", ["3.6.0", "3.7.1", "3.9.0+git1234abc"])
+def test_triton_inside_the_supported_range_is_accepted(monkeypatch, version):
+    monkeypatch.setattr(triton, "__version__", version)
+    _compat.triton_internals()
+
+
+@pytest.mark.parametrize("internal", ["_patch_lang_tensor", "InterpretedFunction"])
+def test_a_missing_triton_internal_is_refused(monkeypatch, internal):
+    from triton.runtime import interpreter
+
+    monkeypatch.delattr(interpreter, internal)
+    with pytest.raises(_compat.UnsupportedTritonError, match=rf"{internal}.*triton>=3\.6,<3\.10"):
+        _compat.triton_internals()
+
+
+def test_the_interpret_backend_refuses_an_unsupported_triton_at_trace_time(monkeypatch):
+    monkeypatch.setattr(triton, "__version__", "3.10.0")
+    q = jnp.ones((7, 2, 8), jnp.float32)  # a shape of its own: no trace cached by another test
+    with pytest.raises(_compat.UnsupportedTritonError, match=r"triton>=3\.6,<3\.10"):
+        jfa.jagged_attention(q, q, q, [0, 3, 7], 5, backend="interpret")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GPU launcher: the exact jax_triton.triton_call arguments, recorded by a fake jax_triton
+# ---------------------------------------------------------------------------------------------------
+
+
+def _clear_backend_caches():
+    # Without its cache, _warn_fallback would warn every time: the fallback test says so, not an error here.
+    for cached in (gpu.jax_triton_module, gpu.unavailable_reason, api._warn_fallback):
+        getattr(cached, "cache_clear", lambda: None)()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """JAX's default backend reads "gpu"; the arrays stay on the CPU. Caches of what jax-triton's
+    import gave are cleared before and after, so that no test sees another's."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    _clear_backend_caches()
+    yield
+    _clear_backend_caches()
+
+
+@pytest.fixture
+def fake_jax_triton(fake_gpu, monkeypatch):
+    """A jax_triton whose triton_call records its arguments and returns zeros of the out shapes."""
+    module = types.ModuleType("jax_triton")
+    module.calls = []
+
+    def triton_call(*args, kernel, out_shape, grid, **kwargs):
+        module.calls.append(dict(args=args, kernel=kernel, out_shape=out_shape, grid=grid, **kwargs))
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+
+    module.triton_call = triton_call
+    monkeypatch.setitem(sys.modules, "jax_triton", module)
+    return module
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _check_call(call, kernel, grid, arrays, scalars, out_shapes, constants, num_warps, num_stages):
+    """One recorded triton_call against what it must be, argument by argument."""
+    call = dict(call)
+    assert call.pop("kernel") is kernel
+    assert call.pop("grid") == grid
+    args = call.pop("args")
+    assert [(a.shape, a.dtype) for a in args[:len(arrays)]] == arrays
+    assert args[len(arrays):] == scalars
+    assert all(isinstance(s, int) for s in args[len(arrays):])
+    assert tuple(call.pop("out_shape")) == out_shapes
+    # The kernels write every element they own: nothing may be zeroed first (an extra memset per launch).
+    assert tuple(call.pop("zeroed_outputs", ())) == ()
+    assert call.pop("num_warps") == num_warps
+    assert call.pop("num_stages") == num_stages
+    assert call == constants  # the compile-time constants, and nothing else
+
+
+# Distinct warps and stages per kernel, and blocks that give several programs along the grid's axis 1.
+GPU_BLOCKS = BlockSizes(fwd=KernelConfig(16, 32, num_warps=2, num_stages=3),
+                        dkdv=KernelConfig(32, 16, num_warps=8, num_stages=1),
+                        dq=KernelConfig(32, 16, num_warps=8, num_stages=1), preprocess_block_m=16)
+
+
+@pytest.mark.parametrize("allow_tf32,precision", [(True, "tf32"), (False, "ieee")])
+def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, precision):
+    """q [24, 4, 8] THD, k, v [30, 2, 8] (GQA group 2), 2 sequences, max_seq_len 20, kv_max_seq_len 24."""
+    f32, i32 = jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
+    q = jnp.ones((24, 4, 8), jnp.float32)
+    kv = jnp.ones((30, 2, 8), jnp.float32)
+    op = lambda q, k, v: jfa.jagged_attention(
+        q, k, v, jnp.asarray([0, 5, 24], jnp.int32), 20, kv_offsets=jnp.asarray([0, 9, 30], jnp.int32),
+        kv_max_seq_len=24, scale=0.5, causal=True, backend="triton", allow_tf32=allow_tf32,
+        block_sizes=GPU_BLOCKS)
+    o, vjp = jax.vjp(op, q, kv, kv)
+    vjp(jnp.ones_like(o))
+    forward, preprocess, backward = fake_jax_triton.calls
+    common = dict(NUM_HEADS=4, KV_GROUP=2, D=8, BLOCK_D=16, Q_MAX_LEN=20, KV_MAX_LEN=24, CAUSAL=True,
+                  QK_SCALE=0.5 * LOG2E, INPUT_PRECISION=precision, STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK)
+    # Scalars: batch, q and kv tokens per segment, q token/head strides, kv token/head strides, offsets
+    # row strides (0: one shared row), then fill chunks and binary-search steps.
+    strides = (2, 24, 30, 32, 8, 16, 8, 0, 0)
+    # Grid axis 0: (segment, sequence or zero fill, head) = 1 * 3 * 4; axis 1: ceil(20 / 16) blocks.
+    _check_call(forward, kernels.attention_fwd_kernel, (12, 2),
+                arrays=[((24, 4, 8), f32)] + [((30, 2, 8), f32)] * 2 + [((1, 3), i32)] * 2,
+                scalars=(*strides, 12, 2), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
+                constants=dict(common, OUT_SCALE=1.0, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
+    _check_call(preprocess, kernels.attention_bwd_preprocess_kernel, (2, 4),
+                arrays=[((24, 4, 8), f32), ((24, 4, 8), f32)], scalars=(24, 32, 8),
+                out_shapes=(_sds((1, 4, 24), f32),),
+                constants=dict(NUM_HEADS=4, D=8, BLOCK_D=16, OUT_SCALE=1.0, BLOCK_M=16, STRIDE_ALIGN=8),
+                num_warps=4, num_stages=2)
+    # Axis 1: dq (even) and dk/dv (odd) programs for max(ceil(20 / 32), ceil(24 / 16)) = 2 blocks each.
+    _check_call(backward, kernels.attention_bwd_kernel, (12, 4),
+                arrays=[((24, 4, 8), f32), ((30, 2, 8), f32), ((30, 2, 8), f32), ((24, 4, 8), f32),
+                        ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32)],
+                scalars=(*strides, 12, 15, 2, 2),
+                out_shapes=(_sds((24, 4, 8), f32), _sds((30, 2, 8), f32), _sds((30, 2, 8), f32)),
+                constants=dict(common, OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
+                               DQ_BLOCK_M=32, DQ_BLOCK_N=16),
+                num_warps=8, num_stages=1)
+
+
+def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
+    """FBGEMM's op, [H=2, T=40, D=24] bfloat16: no scale, output / max_seq_len, float32 statistics."""
+    bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
+    x = jnp.ones((2, 40, 24), jnp.bfloat16)
+    offsets = jnp.asarray([0, 10, 10, 33], jnp.int32)
+    op = lambda q, k, v: jfa.multi_head_jagged_flash_attention(q, k, v, offsets, 32, block_sizes=GPU_BLOCKS,
+                                                                backend="triton")
+    o, vjp = jax.vjp(op, x, x, x)
+    vjp(jnp.ones_like(o))
+    forward, preprocess, backward = fake_jax_triton.calls
+    common = dict(NUM_HEADS=2, KV_GROUP=1, D=24, BLOCK_D=32, Q_MAX_LEN=32, KV_MAX_LEN=32, CAUSAL=False,
+                  QK_SCALE=LOG2E, INPUT_PRECISION="tf32", STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK)
+    # HTD: token stride D, head stride T * D; 3 sequences, so 2 binary-search steps.
+    strides = (3, 40, 40, 24, 960, 24, 960, 0, 0)
+    arrays = [((2, 40, 24), bf16)] * 3 + [((1, 4), i32)] * 2
+    _check_call(forward, kernels.attention_fwd_kernel, (8, 2), arrays=arrays, scalars=(*strides, 20, 2),
+                out_shapes=(_sds((2, 40, 24), bf16), _sds((1, 2, 40), f32)),
+                constants=dict(common, OUT_SCALE=1 / 32, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
+    _check_call(preprocess, kernels.attention_bwd_preprocess_kernel, (3, 2),
+                arrays=[((2, 40, 24), bf16)] * 2, scalars=(40, 24, 960), out_shapes=(_sds((1, 2, 40), f32),),
+                constants=dict(NUM_HEADS=2, D=24, BLOCK_D=32, OUT_SCALE=1 / 32, BLOCK_M=16, STRIDE_ALIGN=8),
+                num_warps=4, num_stages=2)
+    _check_call(backward, kernels.attention_bwd_kernel, (8, 4),
+                arrays=[((2, 40, 24), bf16)] * 4 + [((1, 2, 40), f32)] * 2 + [((1, 4), i32)] * 2,
+                scalars=(*strides, 20, 20, 2, 2), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
+                constants=dict(common, OUT_SCALE=1 / 32, DS_SCALE=1 / 32, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
+                               DQ_BLOCK_M=32, DQ_BLOCK_N=16),
+                num_warps=8, num_stages=1)
+
+
+def test_gpu_launcher_returns_what_triton_call_returns(fake_jax_triton):
+    q = jnp.ones((6, 2, 8), jnp.float32)
+    o = jfa.jagged_attention(q, q, q, [0, 6], 8, backend="triton")
+    assert o.shape == q.shape and not bool(jnp.any(o))  # the fake's zeros
+    assert gpu.available()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backend choice when jax-triton cannot run
+# ---------------------------------------------------------------------------------------------------
+
+
+class _FailingImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Makes `import jax_triton` raise a given exception, as a broken install would."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.machinery.ModuleSpec(name, self) if name == "jax_triton" else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise self.error
+
+
+def _small_problem():
+    """One problem for every test of the xla fallback, so that they share its compilations."""
+    q, k, v, _ = Batch.make([3, 5], 2, 8, seed=4).arrays(jnp.float32)
+    return q, k, v, jnp.asarray([0, 3, 8], jnp.int32)
+
+
+BROKEN_IMPORTS = [ImportError("libcuda.so.1: cannot open shared object file"),
+                  RuntimeError("jaxlib was built without CUDA support")]
+
+
+@pytest.mark.parametrize("error", BROKEN_IMPORTS, ids=lambda e: type(e).__name__)
+def test_auto_on_a_gpu_without_jax_triton_warns_once_and_runs_xla(fake_gpu, monkeypatch, error):
+    monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_FailingImport(error), *sys.meta_path])
+    q, k, v, offsets = _small_problem()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # so that only the package's own once-only logic can dedupe
+        first = jfa.jagged_attention(q, k, v, offsets, 8)
+        second = jfa.jagged_attention(q, k, v, offsets, 8)
+    fallbacks = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(fallbacks) == 1, [str(w.message) for w in caught]
+    message = str(fallbacks[0].message)
+    assert "'xla'" in message and f"{type(error).__name__}: " in message and str(error) in message
+    expected = jfa.jagged_attention(q, k, v, offsets, 8, backend="xla")
+    np.testing.assert_array_equal(first, expected)
+    np.testing.assert_array_equal(second, expected)
+    assert not gpu.available()
+    with pytest.raises(ValueError, match="backend='triton' cannot run: " + type(error).__name__) as raised:
+        jfa.jagged_attention(q, k, v, offsets, 8, backend="triton")
+    assert str(error) in str(raised.value)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="JAX's default backend here is not the CPU")
+def test_auto_on_the_cpu_runs_xla_without_a_warning():
+    q, k, v, offsets = _small_problem()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert api.default_backend() == "xla"
+        o = jfa.jagged_attention(q, k, v, offsets, 8)
+    np.testing.assert_array_equal(o, jfa.jagged_attention(q, k, v, offsets, 8, backend="xla"))
+    with pytest.raises(ValueError, match="backend='triton' needs a GPU"):
+        jfa.jagged_attention(q, k, v, offsets, 8, backend="triton")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tuned tile table and its override file
+#
+# Written against configs.py's table keyed by (GPU name, bits, padded head dimension, max_seq_len
+# bucket), whose JSON form is a list of entries; adapt this section alone if that representation moves.
+# ---------------------------------------------------------------------------------------------------
+
+H200 = configs.FALLBACK_GPU
+
+
+@pytest.mark.parametrize("head_dim,dtype,max_seq_len,key", [
+    (8, jnp.float32, 16, (H200, 32, 32, 256)),  # the smallest padded D and length bucket that cover
+    (64, jnp.bfloat16, 300, (H200, 16, 64, 256)),  # longer than every bucket of D = 64: the longest
+    (100, jnp.float16, 1024, (H200, 16, 128, 1024)),
+    (100, jnp.float16, 1025, (H200, 16, 128, None)),
+    (256, jnp.float32, 5, (H200, 32, 256, None)),
+    (257, jnp.float32, 5, None),
+])
+def test_table_key_buckets(head_dim, dtype, max_seq_len, key):
+    assert configs.table_key(head_dim, dtype, max_seq_len, gpu=H200) == key
+    # A GPU without entries of its own takes the fallback GPU's.
+    assert configs.table_key(head_dim, dtype, max_seq_len, gpu="NVIDIA A100-SXM4-80GB") == key
+
+
+def test_a_gpu_with_entries_of_its_own_takes_them():
+    tiles = BlockSizes(KernelConfig(32, 32, 2, 2), KernelConfig(32, 32, 2, 2), KernelConfig(32, 32, 2, 2))
+    table = {**configs.BUILTIN_TABLE, ("NVIDIA B200", 32, 64, None): tiles}
+    key = configs.table_key(40, jnp.float32, 4096, gpu="NVIDIA B200", table=table)
+    assert key == ("NVIDIA B200", 32, 64, None)
+    # Its table has no 16-bit entries: those fall back.
+    assert configs.table_key(40, jnp.bfloat16, 64, gpu="NVIDIA B200", table=table) == (H200, 16, 64, 256)
+
+
+def test_default_block_sizes_reads_the_builtin_table(monkeypatch):
+    monkeypatch.delenv(configs.TUNED_CONFIGS_ENV, raising=False)
+    assert configs.default_block_sizes(8, jnp.float32, 16) == BlockSizes(
+        KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2))
+    assert configs.default_block_sizes(128, jnp.bfloat16, 2048) == BlockSizes(
+        KernelConfig(128, 64, 8, 3), KernelConfig(32, 64, 4, 3), KernelConfig(128, 32, 4, 3))
+    assert configs.default_block_sizes(256, jnp.float16, 64).preprocess_block_m == 32
+    with pytest.raises(ValueError, match="head dimension 300"):
+        configs.default_block_sizes(300, jnp.float32, 16)
+
+
+def test_the_table_round_trips_through_json():
+    text = json.dumps(configs.table_to_json(configs.BUILTIN_TABLE))
+    assert configs.table_from_json(json.loads(text)) == configs.BUILTIN_TABLE
+
+
+def _override(tmp_path, *entries) -> str:
+    path = tmp_path / "tuned.json"  # a new path per test: load_table caches by path
+    path.write_text(json.dumps(list(entries)))
+    return str(path)
+
+
+def test_the_override_file_replaces_and_adds_entries(tmp_path, monkeypatch):
+    replaced = dict(gpu=H200, bits=32, head_dim=32, max_seq_len=256, fwd=[16, 16, 1, 1], dkdv=[16, 32, 2, 1],
+                    dq=[32, 16, 2, 1], preprocess_block_m=16)
+    added = dict(gpu="NVIDIA B200", bits=32, head_dim=64, max_seq_len=None, fwd=[128, 128, 8, 4],
+                 dkdv=[64, 64, 8, 4], dq=[64, 64, 8, 4])
+    monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, _override(tmp_path, replaced, added))
+    assert configs.default_block_sizes(8, jnp.float32, 100) == BlockSizes(
+        KernelConfig(16, 16, 1, 1), KernelConfig(16, 32, 2, 1), KernelConfig(32, 16, 2, 1), 16)
+    untouched = configs.default_block_sizes(64, jnp.float32, 100)
+    assert untouched == configs.BUILTIN_TABLE[(H200, 32, 64, 256)]
+    monkeypatch.setattr(configs, "current_gpu", lambda: "NVIDIA B200")
+    assert configs.default_block_sizes(64, jnp.float32, 100) == BlockSizes(
+        KernelConfig(128, 128, 8, 4), KernelConfig(64, 64, 8, 4), KernelConfig(64, 64, 8, 4))
+    monkeypatch.delenv(configs.TUNED_CONFIGS_ENV)
+    assert configs.default_block_sizes(8, jnp.float32, 100) == configs.BUILTIN_TABLE[(H200, 32, 32, 256)]
+
+
+def test_a_malformed_override_file_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"32bit/D32/L256": {}}))
+    monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, str(path))
+    with pytest.raises(ValueError, match=configs.TUNED_CONFIGS_ENV):
+        configs.default_block_sizes(8, jnp.float32, 16)
+
+
+def test_the_gpu_launcher_takes_its_tiles_from_the_table(fake_jax_triton, tmp_path, monkeypatch):
+    """block_sizes=None on the triton backend: the override file's tiles, chosen by the longer of
+    max_seq_len and kv_max_seq_len (2000 is past the D = 128 bucket of 1024)."""
+    entry = dict(gpu=H200, bits=16, head_dim=128, max_seq_len=None, fwd=[32, 16, 2, 5], dkdv=[16, 64, 1, 6],
+                 dq=[64, 16, 1, 6], preprocess_block_m=128)
+    monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, _override(tmp_path, entry))
+    q = jnp.ones((24, 2, 128), jnp.bfloat16)
+    o, vjp = jax.vjp(lambda q, k, v: jfa.jagged_attention(q, k, v, [0, 24], 16, kv_max_seq_len=2000,
+                                                          backend="triton"), q, q, q)
+    vjp(jnp.ones_like(o))
+    forward, preprocess, backward = fake_jax_triton.calls
+    assert (forward["num_warps"], forward["num_stages"]) == (2, 5)
+    assert (forward["BLOCK_M"], forward["BLOCK_N"]) == (32, 16)
+    assert preprocess["BLOCK_M"] == 128
+    assert (backward["num_warps"], backward["num_stages"]) == (1, 6)
+    assert (backward["DKDV_BLOCK_M"], backward["DKDV_BLOCK_N"], backward["DQ_BLOCK_M"],
+            backward["DQ_BLOCK_N"]) == (16, 64, 64, 16)

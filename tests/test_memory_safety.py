@@ -1,0 +1,248 @@
+"""Memory safety of the kernels, on the interpret backend, whose guard zones are the proof: that the
+guards catch bad kernels, and that no offsets content (negative, decreasing, past the end, int64 past
+2**32) makes a kernel write outside its arrays, read outside them, or leave an output element unset."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import triton
+import triton.language as tl
+from helpers import to_numpy
+
+import jagged_flash_jax as jfa
+from jagged_flash_jax.launch import interpret
+from jagged_flash_jax.launch.plan import KernelCall
+
+TESTS = Path(__file__).resolve().parent
+
+# ---------------------------------------------------------------------------------------------------
+# The guards themselves
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_the_sentinel_is_a_nan_for_floats_and_a_distinct_pattern_for_all():
+    for dtype in (np.float32, np.float16):
+        assert np.isnan(interpret.sentinel(dtype))
+    assert interpret.sentinel(np.float32).view(np.uint32) == 0xFFA5A5A5
+    assert interpret.sentinel(np.int32) == np.int32(np.uint32(0xFFA5A5A5).view(np.int32))
+    assert interpret.sentinel(np.int64).view(np.uint64) == 0xFFA5A5A5A5A5A5A5
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.int64])
+@pytest.mark.parametrize("where", [0, -1], ids=["front", "back"])
+def test_a_guard_sees_any_write(dtype, where):
+    guarded = interpret.Guarded(np.arange(6).reshape(2, 3), (2, 3), dtype)
+    assert guarded.guards_intact()
+    guarded.array[...] = np.nan if np.issubdtype(dtype, np.floating) else -1  # the array is free to write
+    assert guarded.guards_intact()
+    # NaN into a guard: the NaN-filled guards of old could not see this one.
+    written = [np.nan, 0] if np.issubdtype(dtype, np.floating) else [-1, 0]
+    for value in written:
+        guarded = interpret.Guarded(None, (2, 3), dtype)
+        guarded.buffer[where] = value
+        assert not guarded.guards_intact(), value
+
+
+# Deliberately bad kernels, run through the interpreter launcher. Arrays, scalars, outputs, constants.
+
+
+@triton.jit
+def _copy_kernel(x_ptr, count, read_shift, write_shift, out_ptr, BLOCK: tl.constexpr):
+    """out[i + write_shift] = x[i + read_shift] for i < count."""
+    i = tl.arange(0, BLOCK)
+    mask = i < count
+    tl.store(out_ptr + i + write_shift, tl.load(x_ptr + i + read_shift, mask=mask), mask=mask)
+
+
+@triton.jit
+def _scribble_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    """Copies x to out, then writes 0 one past the end of its input x."""
+    i = tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+    tl.store(x_ptr + n + i, tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty), mask=i < 1)
+
+
+def _launch(kernel, x, *scalars):
+    call = KernelCall(kernel, grid=(1,), out_shapes=(jax.ShapeDtypeStruct(x.shape, x.dtype),),
+                      scalars=scalars, constants=dict(BLOCK=16))
+    (out,) = interpret.run(call, (x,))
+    return np.asarray(out)
+
+
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32]
+
+
+def _values(dtype):
+    return jnp.arange(1, 9).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_a_correct_kernel_passes(dtype):
+    x = _values(dtype)
+    np.testing.assert_array_equal(_launch(_copy_kernel, x, 8, 0, 0), np.asarray(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("write_shift", [1, -1, 8], ids=["one-past-the-end", "one-before", "after"])
+def test_a_kernel_writing_outside_its_output_raises(dtype, write_shift):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="_copy_kernel wrote outside its arrays"):
+        _launch(_copy_kernel, _values(dtype), 8, 0, write_shift)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_a_kernel_writing_nan_outside_its_output_raises(dtype):
+    x = jnp.full(8, jnp.nan, dtype)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="wrote outside its arrays"):
+        _launch(_copy_kernel, x, 8, 0, 1)
+
+
+def test_a_kernel_writing_outside_an_input_raises():
+    with pytest.raises(jax.errors.JaxRuntimeError, match="_scribble_kernel wrote outside its arrays"):
+        _launch(_scribble_kernel, _values(jnp.float32), 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_a_kernel_reading_outside_its_input_shows(dtype):
+    """The last element comes from the guard after x: NaN for floats, the sentinel for integers."""
+    out = _launch(_copy_kernel, _values(dtype), 8, 1, 0)
+    np.testing.assert_array_equal(out[:7], np.asarray(_values(dtype))[1:])
+    if jnp.issubdtype(dtype, jnp.floating):
+        assert np.isnan(out[7].astype(np.float32))
+    else:
+        assert out[7] == interpret.sentinel(out.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_an_output_element_left_unwritten_shows(dtype):
+    """Outputs start as the sentinel, not as zeros that could pass for a result."""
+    out = _launch(_copy_kernel, _values(dtype), 7, 0, 0)
+    if jnp.issubdtype(dtype, jnp.floating):
+        assert np.isnan(out[7].astype(np.float32))
+    else:
+        assert out[7] == interpret.sentinel(out.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Any offsets content: each case in a process of its own, so that a crash fails that case only
+# ---------------------------------------------------------------------------------------------------
+
+TOKENS, KV_TOKENS, HEADS, DIM = 24, 20, 2, 8
+MAX_SEQ_LEN, KV_MAX_SEQ_LEN = 16, 12
+
+ADVERSARIAL_OFFSETS = [
+    [-5, 3, 10],
+    [10, 3, 20],
+    [0, 2**31 - 1, 5],
+    [-(2**31), 0, 24],
+    [20, 30, 40],
+    [24, 24, 0],
+    [0, 24, 24, -1, 12],
+]
+# int64, with jax.enable_x64: far past int32, and past 2**32 by little (int32 truncation would read 3).
+ADVERSARIAL_INT64_OFFSETS = [
+    [-(2**62), 7, 2**62, 3],
+    [2**32 + 3, 10, 2**32 - 1],
+]
+CASES = [(offsets, False) for offsets in ADVERSARIAL_OFFSETS] + [(o, True) for o in ADVERSARIAL_INT64_OFFSETS]
+
+
+def covered(offsets, tokens: int, max_len: int) -> np.ndarray:
+    """Boolean [tokens]: whether some sequence attends the token, each offset clamped into [0, tokens]
+    and each end to at least its start, as the kernels do."""
+    mask = np.zeros(tokens, bool)
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        start = min(max(int(start), 0), tokens)
+        end = min(max(int(end), start), tokens)
+        mask[start:start + min(end - start, max_len)] = True
+    return mask
+
+
+def check_offsets_case(offsets, int64: bool) -> None:
+    """In a fresh process: forward and vjp of both ops on the interpret backend with these offsets (the
+    kv offsets, reversed, for cross-attention): every output finite, zero on tokens nothing attends."""
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.standard_normal((TOKENS, HEADS, DIM)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((KV_TOKENS, HEADS, DIM)), jnp.float32)
+    kv_offsets = offsets[::-1]
+    with jax.enable_x64(int64):
+        dtype = jnp.int64 if int64 else jnp.int32
+        q_offsets, kv_offsets = jnp.asarray(offsets, dtype), jnp.asarray(kv_offsets, dtype)
+        assert q_offsets.dtype == dtype
+        cases = {
+            "jagged_attention": (lambda q, k, v: jfa.jagged_attention(
+                q, k, v, q_offsets, MAX_SEQ_LEN, backend="interpret"), (q, q, q), "THD", False),
+            "jagged_attention cross causal": (lambda q, k, v: jfa.jagged_attention(
+                q, k, v, q_offsets, MAX_SEQ_LEN, kv_offsets=kv_offsets, kv_max_seq_len=KV_MAX_SEQ_LEN,
+                causal=True, backend="interpret"), (q, kv, kv), "THD", True),
+            "multi_head_jagged_flash_attention": (lambda q, k, v: jfa.multi_head_jagged_flash_attention(
+                q, k, v, q_offsets, MAX_SEQ_LEN, backend="interpret"), (q.swapaxes(0, 1),) * 3, "HTD", False),
+        }
+        for name, (op, args, layout, cross) in cases.items():
+            o, vjp = jax.vjp(op, *args)
+            results = dict(zip(["o", "dq", "dk", "dv"], (o, *vjp(jnp.ones_like(o)))))
+            q_mask = covered(offsets, TOKENS, MAX_SEQ_LEN)
+            kv_mask = covered(kv_offsets, KV_TOKENS, KV_MAX_SEQ_LEN) if cross else q_mask
+            for what, x in results.items():
+                x = to_numpy(x, layout)
+                assert np.all(np.isfinite(x)), f"{name}: {what} is not finite (a read outside, or unset)"
+                mask = q_mask if what in ("o", "dq") else kv_mask
+                assert not np.any(x[~mask]), f"{name}: {what} is not zero on tokens {np.flatnonzero(~mask)}"
+    print("ok")
+
+
+def _describe(result: subprocess.CompletedProcess) -> str:
+    if result.returncode < 0:
+        how = f"killed by {signal.Signals(-result.returncode).name}"
+    else:
+        how = f"exit status {result.returncode}"
+    return f"the case's process failed ({how}):\n{result.stderr[-4000:]}"
+
+
+def _run_case(offsets, int64: bool) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    call = f"import test_memory_safety as t; t.check_offsets_case({json.dumps(offsets)}, {int64})"
+    return subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=TESTS)
+
+
+@pytest.fixture(scope="module")
+def case_results(request):
+    """The collected cases' processes, two at a time (two cores) in collection order, started when the
+    first case is reached; under pytest-xdist, whose workers already run side by side, each on its own."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        yield lambda offsets, int64: _run_case(offsets, int64)
+        return
+    collected = [item.callspec.params["case"] for item in request.session.items
+                 if getattr(item, "originalname", None) == "test_adversarial_offsets_are_memory_safe"]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {json.dumps(case): pool.submit(_run_case, *case) for case in collected}
+
+        def result(offsets, int64):
+            future = futures.get(json.dumps([offsets, int64]))
+            return future.result() if future else _run_case(offsets, int64)
+
+        yield result
+        for future in futures.values():
+            future.cancel()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: f"{'int64' if case[1] else 'int32'}{case[0]}")
+def test_adversarial_offsets_are_memory_safe(case_results, case):
+    """Forward and backward of both ops, self- and cross-attention, causal: see `check_offsets_case`.
+    The guards raise if a kernel wrote outside its arrays; a read outside, or an output element left
+    unwritten, would be a NaN."""
+    result = case_results(*case)
+    passed = result.returncode == 0 and result.stdout.strip().endswith("ok")
+    assert passed, _describe(result)

@@ -2,18 +2,21 @@
 
 Pure Triton, no JAX: the same functions are compiled for the GPU (launch/gpu.py) and run by Triton's
 interpreter on the CPU (launch/interpret.py). Parameters come in the order jax-triton passes them:
-arrays, runtime scalars, outputs, then compile-time constants (always given by keyword).
+input arrays (the last an int32 array of runtime sizes, see `_params`), outputs, then compile-time
+constants (always given by keyword).
 
 Addressing. q, o, do, dq share one layout and k, v, dk, dv another; the launcher passes each family's
-token and head strides in elements, so "THD" and "HTD" (and anything else with unit stride along D)
-share one code path. The token axis may hold several independent segments of `*_tokens` tokens, each
-with its own row of offsets (data-parallel shards, or vmapped problems); offsets rows are
-`*_offsets_stride` apart (0 when every segment shares one row). The float32 log-sum-exp and delta are
-[segments, H, q_tokens]. Every pointer is rebased once per program by `_rows`.
+token and head strides (in units of STRIDE_ALIGN elements, see `_aligned`), so "THD" and "HTD" (and
+anything else with unit stride along D) share one code path. The token axis may hold several
+independent segments of `*_tokens` tokens, each with its own row of offsets (data-parallel shards, or
+vmapped problems); offsets rows are `*_offsets_stride` apart (0 when every segment shares one row). The
+float32 log-sum-exp and delta are [segments, H, q_tokens]. Every pointer is rebased once per program by
+`_rows`.
 
 Grid. Axis 0 enumerates (segment, sequence, head), with one extra "sequence" per segment whose programs
-zero the tokens that no sequence attends; axis 1 enumerates row blocks, the last ones first so that the
-costly blocks of long sequences start early.
+zero the tokens that no sequence covers (each sequence's first programs zero its own tokens past the
+maximum length); axis 1 enumerates row blocks, the last ones first so that the costly blocks of long
+sequences start early. So every output element is written by the kernels: no memset is needed.
 
 Semantics per sequence: n_q = min(len_q, Q_MAX_LEN) queries attend n_k = min(len_kv, KV_MAX_LEN) keys
 (causal: key j <= query i + n_k - n_q), o = OUT_SCALE * softmax(scale * q k^T) v. The log-sum-exp is
@@ -44,9 +47,28 @@ def _program(batch, NUM_HEADS: tl.constexpr):
 
 @triton.jit
 def _aligned(stride, ALIGN: tl.constexpr):
-    if ALIGN > 1:
-        stride = tl.multiple_of(stride, ALIGN)
-    return stride
+    """A stride given in units of ALIGN elements, in elements. The constant factor tells the compiler
+    that rows are ALIGN-aligned: without it every load falls back to single elements, with no
+    asynchronous copies (tl.multiple_of on a runtime scalar did not do this)."""
+    return stride * ALIGN
+
+
+@triton.jit
+def _params(params_ptr, ALIGN: tl.constexpr):
+    """The runtime sizes of a launch, read from the int32 array the launcher passes (not as scalar
+    arguments, whose values jax-triton specializes): batch, q and kv tokens per segment, q token and
+    head strides, kv token and head strides (in units of ALIGN elements), offsets row strides."""
+    batch = tl.load(params_ptr)
+    q_tokens = tl.load(params_ptr + 1)
+    kv_tokens = tl.load(params_ptr + 2)
+    q_token_stride = _aligned(tl.load(params_ptr + 3), ALIGN)
+    q_head_stride = _aligned(tl.load(params_ptr + 4), ALIGN)
+    kv_token_stride = _aligned(tl.load(params_ptr + 5), ALIGN)
+    kv_head_stride = _aligned(tl.load(params_ptr + 6), ALIGN)
+    q_offsets_stride = tl.load(params_ptr + 7)
+    kv_offsets_stride = tl.load(params_ptr + 8)
+    return (batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
+            q_offsets_stride, kv_offsets_stride)
 
 
 @triton.jit
@@ -149,7 +171,7 @@ def _query_ranges(key_start, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 @triton.jit
 def _offsets_sorted(offsets_ptr, batch, num_tokens, BLOCK: tl.constexpr):
-    """Whether the clamped offsets are non-decreasing (then sequences tile the tokens in order)."""
+    """Whether the clamped offsets are non-decreasing (then the sequences tile the tokens in order)."""
     unsorted = tl.zeros([1], dtype=tl.int32)
     for first in range(0, batch, BLOCK):
         index = first + tl.arange(0, BLOCK)
@@ -163,59 +185,70 @@ def _offsets_sorted(offsets_ptr, batch, num_tokens, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _attended(offsets_ptr, batch, tokens, num_tokens, sorted, search_steps, MAX_LEN: tl.constexpr):
-    """Boolean per token of `tokens`: whether some sequence attends it.
-
-    Sorted offsets: a binary search for the last sequence starting at or before each token. Otherwise
-    (malformed offsets) every sequence is checked; slow, but right.
-    """
-    attended = tokens < 0
-    if sorted:
-        lo = tl.zeros(tokens.shape, tl.int32)
-        hi = tl.zeros(tokens.shape, tl.int32) + batch
-        for _ in range(search_steps):
-            active = lo < hi
-            mid = (lo + hi) // 2
-            start = tl.load(offsets_ptr + mid, mask=active, other=0).to(tl.int64)
-            right = tl.minimum(tl.maximum(start, 0), num_tokens) <= tokens
-            lo = tl.where(active & right, mid + 1, lo)
-            hi = tl.where(active & ~right, mid, hi)
-        found = lo - 1
-        has = found >= 0
-        start = tl.load(offsets_ptr + found, mask=has, other=0).to(tl.int64)
-        end = tl.load(offsets_ptr + found + 1, mask=has, other=0).to(tl.int64)
-        start = tl.minimum(tl.maximum(start, 0), num_tokens)
-        end = tl.minimum(tl.maximum(end, start), num_tokens)
-        attended = has & (tokens >= start) & (tokens < start + tl.minimum(end - start, MAX_LEN))
-    else:
-        for sequence in range(0, batch):
-            start, length = _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
-            attended = attended | ((tokens >= start) & (tokens < start + length))
-    return attended
-
-
-@triton.jit
-def _zero_unattended(first_ptr, second_ptr, offsets_ptr, batch, segment, head, chunk, fill_chunk,
-                     num_tokens, token_stride, head_stride, search_steps, MAX_LEN: tl.constexpr,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, FILL_BLOCK: tl.constexpr,
-                     TWO: tl.constexpr):
-    """Write 0 to the rows of tokens [chunk * fill_chunk, +fill_chunk) that no sequence attends, in
-    one array (or two of one layout, with TWO)."""
-    sorted = _offsets_sorted(offsets_ptr, batch, num_tokens, FILL_BLOCK)
-    cols = tl.arange(0, BLOCK_D)
-    first = chunk.to(tl.int64) * fill_chunk
-    last = tl.minimum(first + fill_chunk, num_tokens)
-    for block_start in range(first, last, FILL_BLOCK):
-        tokens = block_start + tl.arange(0, FILL_BLOCK)
-        unattended = (tokens < last) & ~_attended(offsets_ptr, batch, tokens, num_tokens, sorted,
-                                                  search_steps, MAX_LEN)
-        offset = ((segment.to(tl.int64) * num_tokens + tokens[:, None]) * token_stride
-                  + head.to(tl.int64) * head_stride + cols[None, :])
-        mask = unattended[:, None] & (cols[None, :] < D)
-        zeros = tl.zeros([FILL_BLOCK, BLOCK_D], dtype=tl.float32)
+def _zero_rows(first_ptr, second_ptr, rows_start, rows_end, cols, token_stride, D: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, TWO: tl.constexpr):
+    """Write 0 to rows [rows_start, rows_end) of a [tokens, D] view (of two, with TWO)."""
+    for start in range(rows_start, rows_end, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        offset = rows[:, None] * token_stride + cols[None, :]
+        mask = (rows[:, None] < rows_end) & (cols[None, :] < D)
+        zeros = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
         tl.store(first_ptr + offset, zeros.to(first_ptr.dtype.element_ty), mask=mask)
         if TWO:
             tl.store(second_ptr + offset, zeros.to(second_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _zero_tail(first_ptr, second_ptr, offsets_ptr, sequence, segment, head, num_tokens, token_stride,
+               head_stride, MAX_LEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK: tl.constexpr, TWO: tl.constexpr):
+    """Write 0 to the tokens of a sequence past its first MAX_LEN (the sequence's own, unattended)."""
+    start, length = _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
+    end = tl.load(offsets_ptr + sequence + 1).to(tl.int64)
+    end = tl.minimum(tl.maximum(end, start), num_tokens)
+    if end - start > length:
+        first = _rows(first_ptr, segment, head, start, num_tokens, token_stride, head_stride)
+        second = _rows(second_ptr, segment, head, start, num_tokens, token_stride, head_stride)
+        _zero_rows(first, second, length, end - start, tl.arange(0, BLOCK_D), token_stride, D, BLOCK_D,
+                   BLOCK, TWO)
+
+
+@triton.jit
+def _zero_uncovered(first_ptr, second_ptr, offsets_ptr, batch, segment, head, chunk, fill_chunk,
+                    num_tokens, token_stride, head_stride, MAX_LEN: tl.constexpr, D: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, TWO: tl.constexpr):
+    """Write 0 to the tokens of [chunk * fill_chunk, +fill_chunk) that no sequence covers.
+
+    With sorted offsets those are the tokens before the first sequence and after the last (each
+    sequence's programs clear its own tokens past MAX_LEN). With malformed offsets every token is
+    checked against every sequence: slow, but right.
+    """
+    cols = tl.arange(0, BLOCK_D)
+    first = chunk.to(tl.int64) * fill_chunk
+    last = tl.minimum(first + fill_chunk, num_tokens)
+    base_first = _rows(first_ptr, segment, head, 0, num_tokens, token_stride, head_stride)
+    base_second = _rows(second_ptr, segment, head, 0, num_tokens, token_stride, head_stride)
+    if _offsets_sorted(offsets_ptr, batch, num_tokens, 256):
+        covered_start = tl.minimum(tl.maximum(tl.load(offsets_ptr).to(tl.int64), 0), num_tokens)
+        covered_end = tl.minimum(tl.maximum(tl.load(offsets_ptr + batch).to(tl.int64), covered_start),
+                                 num_tokens)
+        _zero_rows(base_first, base_second, first, tl.minimum(last, covered_start), cols, token_stride, D,
+                   BLOCK_D, BLOCK, TWO)
+        _zero_rows(base_first, base_second, tl.maximum(first, covered_end), last, cols, token_stride, D,
+                   BLOCK_D, BLOCK, TWO)
+    else:
+        for block_start in range(first, last, BLOCK):
+            tokens = block_start + tl.arange(0, BLOCK)
+            attended = tokens < 0
+            for sequence in range(0, batch):
+                start, length = _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
+                attended = attended | ((tokens >= start) & (tokens < start + length))
+            offset = tokens[:, None] * token_stride + cols[None, :]
+            mask = (tokens[:, None] < last) & ~attended[:, None] & (cols[None, :] < D)
+            zeros = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+            tl.store(base_first + offset, zeros.to(first_ptr.dtype.element_ty), mask=mask)
+            if TWO:
+                tl.store(base_second + offset, zeros.to(second_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -257,9 +290,7 @@ def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, 
 
 @triton.jit
 def attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, q_offsets_ptr, kv_offsets_ptr,
-    batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
-    q_offsets_stride, kv_offsets_stride, fill_chunk, search_steps,
+    q_ptr, k_ptr, v_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
     o_ptr, lse_ptr,
     NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
@@ -267,16 +298,19 @@ def attention_fwd_kernel(
     BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
     """o and the base-2 log-sum-exp for one block of BLOCK_M queries, or the zero fill of o."""
+    (batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
+     q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
+    fill_chunk = tl.load(params_ptr + 9)
     segment, sequence, head, block = _program(batch, NUM_HEADS)
-    q_token_stride = _aligned(q_token_stride, STRIDE_ALIGN)
-    kv_token_stride = _aligned(kv_token_stride, STRIDE_ALIGN)
     q_offsets_ptr += segment * q_offsets_stride
     kv_offsets_ptr += segment * kv_offsets_stride
     if sequence == batch:
-        _zero_unattended(o_ptr, o_ptr, q_offsets_ptr, batch, segment, head, block, fill_chunk,
-                         q_tokens, q_token_stride, q_head_stride, search_steps, Q_MAX_LEN, D, BLOCK_D,
-                         FILL_BLOCK, TWO=False)
+        _zero_uncovered(o_ptr, o_ptr, q_offsets_ptr, batch, segment, head, block, fill_chunk, q_tokens,
+                        q_token_stride, q_head_stride, Q_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=False)
         return
+    if block == 0:
+        _zero_tail(o_ptr, o_ptr, q_offsets_ptr, sequence, segment, head, q_tokens, q_token_stride,
+                   q_head_stride, Q_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=False)
     q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
     query_start = block * BLOCK_M
     if query_start >= n_q:
@@ -322,8 +356,7 @@ def attention_fwd_kernel(
 
 @triton.jit
 def attention_bwd_preprocess_kernel(
-    o_ptr, do_ptr,
-    tokens, token_stride, head_stride,
+    o_ptr, do_ptr, params_ptr,
     delta_ptr,
     NUM_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, OUT_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
@@ -332,7 +365,9 @@ def attention_bwd_preprocess_kernel(
     (axis 1). Every token: unattended ones have o = 0, hence delta = 0."""
     segment = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
-    token_stride = _aligned(token_stride, STRIDE_ALIGN)
+    tokens = tl.load(params_ptr)
+    token_stride = _aligned(tl.load(params_ptr + 1), STRIDE_ALIGN)
+    head_stride = _aligned(tl.load(params_ptr + 2), STRIDE_ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     o = _load(_rows(o_ptr, segment, head, 0, tokens, token_stride, head_stride), rows, cols, tokens,
@@ -488,10 +523,7 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offse
 
 @triton.jit
 def attention_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr,
-    batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
-    q_offsets_stride, kv_offsets_stride, q_fill_chunk, kv_fill_chunk, q_search_steps,
-    kv_search_steps,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
     dq_ptr, dk_ptr, dv_ptr,
     NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
@@ -505,22 +537,32 @@ def attention_bwd_kernel(
 
     Every output element has one writer and there are no atomics: the result is deterministic.
     """
+    (batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
+     q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
+    q_fill_chunk = tl.load(params_ptr + 9)
+    kv_fill_chunk = tl.load(params_ptr + 10)
     segment, sequence, head, block = _program(batch, NUM_HEADS)
-    q_token_stride = _aligned(q_token_stride, STRIDE_ALIGN)
-    kv_token_stride = _aligned(kv_token_stride, STRIDE_ALIGN)
     q_offsets_ptr += segment * q_offsets_stride
     kv_offsets_ptr += segment * kv_offsets_stride
     is_dq = block % 2 == 0
     if sequence == batch:
         if is_dq:
-            _zero_unattended(dq_ptr, dq_ptr, q_offsets_ptr, batch, segment, head, block // 2,
-                             q_fill_chunk, q_tokens, q_token_stride, q_head_stride, q_search_steps,
-                             Q_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=False)
+            _zero_uncovered(dq_ptr, dq_ptr, q_offsets_ptr, batch, segment, head, block // 2, q_fill_chunk,
+                            q_tokens, q_token_stride, q_head_stride, Q_MAX_LEN, D, BLOCK_D, FILL_BLOCK,
+                            TWO=False)
         elif head % KV_GROUP == 0:
-            _zero_unattended(dk_ptr, dv_ptr, kv_offsets_ptr, batch, segment, head // KV_GROUP,
-                             block // 2, kv_fill_chunk, kv_tokens, kv_token_stride, kv_head_stride,
-                             kv_search_steps, KV_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=True)
-    elif is_dq:
+            _zero_uncovered(dk_ptr, dv_ptr, kv_offsets_ptr, batch, segment, head // KV_GROUP, block // 2,
+                            kv_fill_chunk, kv_tokens, kv_token_stride, kv_head_stride, KV_MAX_LEN, D,
+                            BLOCK_D, FILL_BLOCK, TWO=True)
+        return
+    if block < 2:
+        if is_dq:
+            _zero_tail(dq_ptr, dq_ptr, q_offsets_ptr, sequence, segment, head, q_tokens, q_token_stride,
+                       q_head_stride, Q_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=False)
+        elif head % KV_GROUP == 0:
+            _zero_tail(dk_ptr, dv_ptr, kv_offsets_ptr, sequence, segment, head // KV_GROUP, kv_tokens,
+                       kv_token_stride, kv_head_stride, KV_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=True)
+    if is_dq:
         _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr,
                     kv_offsets_ptr, segment, sequence, head, (block // 2) * DQ_BLOCK_M, q_tokens,
                     kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,

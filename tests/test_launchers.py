@@ -189,7 +189,17 @@ def fake_jax_triton(fake_gpu, monkeypatch):
         module.calls.append(dict(args=args, kernel=kernel, out_shape=out_shape, grid=grid, **kwargs))
         return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
 
+    # The params array is traced when triton_call sees it: its values are recorded where it is made.
+    make_params = plan._params
+
+    def params(call):
+        array = make_params(call)
+        module.params[id(array)] = call.params
+        return array
+
     module.triton_call = triton_call
+    module.params = {}
+    monkeypatch.setattr(plan, "_params", params)
     monkeypatch.setitem(sys.modules, "jax_triton", module)
     return module
 
@@ -198,15 +208,17 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _check_call(call, kernel, grid, arrays, scalars, out_shapes, constants, num_warps, num_stages):
+def _check_call(fake, call, kernel, grid, arrays, params, out_shapes, constants, num_warps, num_stages):
     """One recorded triton_call against what it must be, argument by argument."""
     call = dict(call)
     assert call.pop("kernel") is kernel
     assert call.pop("grid") == grid
     args = call.pop("args")
-    assert [(a.shape, a.dtype) for a in args[:len(arrays)]] == arrays
-    assert args[len(arrays):] == scalars
-    assert all(isinstance(s, int) for s in args[len(arrays):])
+    assert [(a.shape, a.dtype) for a in args[:-1]] == arrays
+    # The runtime sizes come last, as an int32 array: never as Python scalars, which jax-triton turns
+    # into compile-time constants when they equal 1.
+    assert args[-1].dtype == jnp.int32 and args[-1].shape == (len(params),)
+    assert fake.params[id(args[-1])] == params
     assert tuple(call.pop("out_shape")) == out_shapes
     # The kernels write every element they own: nothing may be zeroed first (an extra memset per launch).
     assert tuple(call.pop("zeroed_outputs", ())) == ()
@@ -236,24 +248,24 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
     forward, preprocess, backward = fake_jax_triton.calls
     common = dict(NUM_HEADS=4, KV_GROUP=2, D=8, BLOCK_D=16, Q_MAX_LEN=20, KV_MAX_LEN=24, CAUSAL=True,
                   QK_SCALE=0.5 * LOG2E, INPUT_PRECISION=precision, STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK)
-    # Scalars: batch, q and kv tokens per segment, q token/head strides, kv token/head strides, offsets
-    # row strides (0: one shared row), then fill chunks and binary-search steps.
-    strides = (2, 24, 30, 32, 8, 16, 8, 0, 0)
+    # Params: batch, q and kv tokens per segment, q token/head strides, kv token/head strides (in units
+    # of STRIDE_ALIGN = 8 elements), offsets row strides (0: one shared row), then fill chunks.
+    strides = (2, 24, 30, 4, 1, 2, 1, 0, 0)
     # Grid axis 0: (segment, sequence or zero fill, head) = 1 * 3 * 4; axis 1: ceil(20 / 16) blocks.
-    _check_call(forward, kernels.attention_fwd_kernel, (12, 2),
+    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (12, 2),
                 arrays=[((24, 4, 8), f32)] + [((30, 2, 8), f32)] * 2 + [((1, 3), i32)] * 2,
-                scalars=(*strides, 12, 2), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
+                params=(*strides, 12), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
                 constants=dict(common, OUT_SCALE=1.0, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
-    _check_call(preprocess, kernels.attention_bwd_preprocess_kernel, (2, 4),
-                arrays=[((24, 4, 8), f32), ((24, 4, 8), f32)], scalars=(24, 32, 8),
+    _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (2, 4),
+                arrays=[((24, 4, 8), f32), ((24, 4, 8), f32)], params=(24, 4, 1),
                 out_shapes=(_sds((1, 4, 24), f32),),
                 constants=dict(NUM_HEADS=4, D=8, BLOCK_D=16, OUT_SCALE=1.0, BLOCK_M=16, STRIDE_ALIGN=8),
                 num_warps=4, num_stages=2)
     # Axis 1: dq (even) and dk/dv (odd) programs for max(ceil(20 / 32), ceil(24 / 16)) = 2 blocks each.
-    _check_call(backward, kernels.attention_bwd_kernel, (12, 4),
+    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (12, 4),
                 arrays=[((24, 4, 8), f32), ((30, 2, 8), f32), ((30, 2, 8), f32), ((24, 4, 8), f32),
                         ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32)],
-                scalars=(*strides, 12, 15, 2, 2),
+                params=(*strides, 12, 15),
                 out_shapes=(_sds((24, 4, 8), f32), _sds((30, 2, 8), f32), _sds((30, 2, 8), f32)),
                 constants=dict(common, OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
                                DQ_BLOCK_M=32, DQ_BLOCK_N=16),
@@ -272,19 +284,20 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
     forward, preprocess, backward = fake_jax_triton.calls
     common = dict(NUM_HEADS=2, KV_GROUP=1, D=24, BLOCK_D=32, Q_MAX_LEN=32, KV_MAX_LEN=32, CAUSAL=False,
                   QK_SCALE=LOG2E, INPUT_PRECISION="tf32", STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK)
-    # HTD: token stride D, head stride T * D; 3 sequences, so 2 binary-search steps.
-    strides = (3, 40, 40, 24, 960, 24, 960, 0, 0)
+    # HTD: token stride D, head stride T * D, in units of 8 elements.
+    strides = (3, 40, 40, 3, 120, 3, 120, 0, 0)
     arrays = [((2, 40, 24), bf16)] * 3 + [((1, 4), i32)] * 2
-    _check_call(forward, kernels.attention_fwd_kernel, (8, 2), arrays=arrays, scalars=(*strides, 20, 2),
+    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (8, 2), arrays=arrays,
+                params=(*strides, 20),
                 out_shapes=(_sds((2, 40, 24), bf16), _sds((1, 2, 40), f32)),
                 constants=dict(common, OUT_SCALE=1 / 32, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
-    _check_call(preprocess, kernels.attention_bwd_preprocess_kernel, (3, 2),
-                arrays=[((2, 40, 24), bf16)] * 2, scalars=(40, 24, 960), out_shapes=(_sds((1, 2, 40), f32),),
+    _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (3, 2),
+                arrays=[((2, 40, 24), bf16)] * 2, params=(40, 3, 120), out_shapes=(_sds((1, 2, 40), f32),),
                 constants=dict(NUM_HEADS=2, D=24, BLOCK_D=32, OUT_SCALE=1 / 32, BLOCK_M=16, STRIDE_ALIGN=8),
                 num_warps=4, num_stages=2)
-    _check_call(backward, kernels.attention_bwd_kernel, (8, 4),
+    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (8, 4),
                 arrays=[((2, 40, 24), bf16)] * 4 + [((1, 2, 40), f32)] * 2 + [((1, 4), i32)] * 2,
-                scalars=(*strides, 20, 20, 2, 2), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
+                params=(*strides, 20, 20), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
                 constants=dict(common, OUT_SCALE=1 / 32, DS_SCALE=1 / 32, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
                                DQ_BLOCK_M=32, DQ_BLOCK_N=16),
                 num_warps=8, num_stages=1)

@@ -54,20 +54,23 @@ def test_a_guard_sees_any_write(dtype, where):
         assert not guarded.guards_intact(), value
 
 
-# Deliberately bad kernels, run through the interpreter launcher. Arrays, scalars, outputs, constants.
+# Deliberately bad kernels, run through the interpreter launcher. Arrays (the last the int32 params),
+# outputs, constants: the launchers' convention.
 
 
 @triton.jit
-def _copy_kernel(x_ptr, count, read_shift, write_shift, out_ptr, BLOCK: tl.constexpr):
-    """out[i + write_shift] = x[i + read_shift] for i < count."""
+def _copy_kernel(x_ptr, params_ptr, out_ptr, BLOCK: tl.constexpr):
+    """out[i + write_shift] = x[i + read_shift] for i < count; params: count, read_shift, write_shift."""
+    count, read_shift, write_shift = tl.load(params_ptr), tl.load(params_ptr + 1), tl.load(params_ptr + 2)
     i = tl.arange(0, BLOCK)
     mask = i < count
     tl.store(out_ptr + i + write_shift, tl.load(x_ptr + i + read_shift, mask=mask), mask=mask)
 
 
 @triton.jit
-def _scribble_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
-    """Copies x to out, then writes 0 one past the end of its input x."""
+def _scribble_kernel(x_ptr, params_ptr, out_ptr, BLOCK: tl.constexpr):
+    """Copies x to out, then writes 0 one past the end of its input x (params: its length n)."""
+    n = tl.load(params_ptr)
     i = tl.arange(0, BLOCK)
     tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
     tl.store(x_ptr + n + i, tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty), mask=i < 1)
@@ -75,8 +78,8 @@ def _scribble_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
 
 def _launch(kernel, x, *scalars):
     call = KernelCall(kernel, grid=(1,), out_shapes=(jax.ShapeDtypeStruct(x.shape, x.dtype),),
-                      scalars=scalars, constants=dict(BLOCK=16))
-    (out,) = interpret.run(call, (x,))
+                      params=scalars, constants=dict(BLOCK=16))
+    (out,) = interpret.run(call, (x, jnp.asarray(scalars, jnp.int32)))
     return np.asarray(out)
 
 

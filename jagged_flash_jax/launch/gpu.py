@@ -46,7 +46,7 @@ def available() -> bool:
 
 def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     outputs = jax_triton_module().triton_call(
-        *arrays, *call.scalars,
+        *arrays,
         kernel=call.kernel, out_shape=call.out_shapes, grid=call.grid,
         num_warps=call.num_warps, num_stages=call.num_stages,
         zeroed_outputs=call.zeroed_outputs, **call.constants)

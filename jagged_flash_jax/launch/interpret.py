@@ -64,7 +64,7 @@ def _run_on_host(call: KernelCall, *arrays: np.ndarray):
     # as they do silently on the GPU; stored values are checked by the tests, so numpy's warnings go.
     # A sentinel left in an output is a NaN that rounding to bfloat16 warns about: the tests look for it.
     with np.errstate(all="ignore"):
-        _compat.interpret(call.kernel, call.grid, *(g.array for g in inputs), *call.scalars,
+        _compat.interpret(call.kernel, call.grid, *(g.array for g in inputs),
                           *(g.array for g in outputs), **call.constants)
         if not all(g.guards_intact() for g in inputs + outputs):
             raise RuntimeError(f"{call.kernel.__name__} wrote outside its arrays")

@@ -1,8 +1,8 @@
 """Which kernels the forward and backward run, on which grid, with which arguments: shared by launchers.
 
 A launcher is a function `run(call, arrays) -> outputs` that executes one `KernelCall`; gpu.py does it
-with jax-triton, interpret.py with Triton's interpreter. A kernel's parameters are the call's arrays,
-its `scalars`, its outputs, then `constants` by keyword.
+with jax-triton, interpret.py with Triton's interpreter. A kernel's parameters are the call's arrays
+(the last one the int32 array of its runtime sizes, `params`), its outputs, then `constants` by keyword.
 
 Arrays at this level: q, o, do, dq are [Z*T_q, H, D] ("THD") or [H, Z*T_q, D] ("HTD"), k, v, dk, dv
 the same with H_kv and T_kv: Z segments of T tokens each along the token axis, every segment with its
@@ -95,7 +95,9 @@ class KernelCall:
     kernel: Any  # a @triton.jit function of kernels.py
     grid: tuple[int, int]
     out_shapes: tuple[jax.ShapeDtypeStruct, ...]
-    scalars: tuple[int, ...]
+    # Runtime sizes, passed as an int32 array rather than as scalar arguments: jax-triton turns a
+    # scalar equal to 1 into a compile-time constant, and kernels compiled so gave wrong results.
+    params: tuple[int, ...]
     constants: dict[str, Any]
     num_warps: int = 4
     num_stages: int = 2
@@ -106,27 +108,31 @@ class KernelCall:
 Runner = Callable[[KernelCall, Sequence[jax.Array]], Sequence[jax.Array]]
 
 
+def _params(call: KernelCall) -> jax.Array:
+    # Stacked from scalars, which a trace inlines: an array constant would be captured as a constant of
+    # the jaxpr, which custom_partitioning refuses.
+    return jnp.stack([jnp.int32(value) for value in call.params])
+
+
 def _stride_align(*strides: int) -> int:
-    """The largest power of two up to 16 dividing every stride: a divisibility hint for the kernels."""
+    """The largest power of two up to 16 dividing every stride: kernels get strides in these units."""
     return math.gcd(16, *strides)
 
 
 def _common(p: Problem):
+    """The params and constants every attention kernel shares."""
     q_strides = p.strides(p.num_heads, p.q_tokens)
     kv_strides = p.strides(p.num_kv_heads, p.kv_tokens)
-    scalars = (p.batch, p.q_tokens, p.kv_tokens, *q_strides, *kv_strides,
-               0 if p.q_offsets_rows == 1 else p.batch + 1,
-               0 if p.kv_offsets_rows == 1 else p.batch + 1)
+    align = _stride_align(*q_strides, *kv_strides)
+    params = (p.batch, p.q_tokens, p.kv_tokens, *(s // align for s in (*q_strides, *kv_strides)),
+              0 if p.q_offsets_rows == 1 else p.batch + 1,
+              0 if p.kv_offsets_rows == 1 else p.batch + 1)
     constants = dict(
         NUM_HEADS=p.num_heads, KV_GROUP=p.num_heads // p.num_kv_heads, D=p.head_dim,
         BLOCK_D=head_block(p.head_dim), Q_MAX_LEN=p.max_seq_len, KV_MAX_LEN=p.kv_max_seq_len,
         CAUSAL=p.causal, QK_SCALE=p.scale * LOG2E, INPUT_PRECISION=p.input_precision,
-        STRIDE_ALIGN=_stride_align(*q_strides, *kv_strides), FILL_BLOCK=FILL_BLOCK)
-    return scalars, constants
-
-
-def _search_steps(batch: int) -> int:
-    return max(1, batch.bit_length())
+        STRIDE_ALIGN=align, FILL_BLOCK=FILL_BLOCK)
+    return params, constants
 
 
 def _fill_chunk(tokens: int, programs: int) -> int:
@@ -138,17 +144,17 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
     if p.empty:
         return jnp.zeros(p.q_shape, q.dtype), jnp.full(p.stats_shape, jnp.inf, jnp.float32)
     cfg = p.block_sizes.fwd
-    scalars, constants = _common(p)
+    params, constants = _common(p)
     blocks = max(1, p.blocks(cfg.block_m, p.q_tokens, p.max_seq_len))
     call = KernelCall(
         kernels.attention_fwd_kernel,
         grid=(p.num_segments * (p.batch + 1) * p.num_heads, blocks),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                     jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
-        scalars=(*scalars, _fill_chunk(p.q_tokens, blocks), _search_steps(p.batch)),
+        params=(*params, _fill_chunk(p.q_tokens, blocks)),
         constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    o, lse = run(call, (q, k, v, q_offsets, kv_offsets))
+    o, lse = run(call, (q, k, v, q_offsets, kv_offsets, _params(call)))
     return o, lse
 
 
@@ -157,31 +163,32 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
     if p.empty:
         return jnp.zeros(p.q_shape, q.dtype), jnp.zeros(p.kv_shape, k.dtype), jnp.zeros(p.kv_shape, v.dtype)
     bs = p.block_sizes
-    scalars, constants = _common(p)
+    params, constants = _common(p)
     token_stride, head_stride = p.strides(p.num_heads, p.q_tokens)
-    (delta,) = run(KernelCall(
+    align = _stride_align(token_stride, head_stride)
+    preprocess = KernelCall(
         kernels.attention_bwd_preprocess_kernel,
         grid=(-(-p.q_tokens // bs.preprocess_block_m), p.num_segments * p.num_heads),
         out_shapes=(jax.ShapeDtypeStruct(p.stats_shape, jnp.float32),),
-        scalars=(p.q_tokens, token_stride, head_stride),
+        params=(p.q_tokens, token_stride // align, head_stride // align),
         constants=dict(NUM_HEADS=p.num_heads, D=p.head_dim, BLOCK_D=constants["BLOCK_D"],
                        OUT_SCALE=p.out_scale, BLOCK_M=bs.preprocess_block_m,
-                       STRIDE_ALIGN=_stride_align(token_stride, head_stride))), (o, do))
+                       STRIDE_ALIGN=align))
+    (delta,) = run(preprocess, (o, do, _params(preprocess)))
     # dq programs take the even blocks, dk/dv programs the odd ones (see the kernel's docstring).
     blocks = max(1, p.blocks(bs.dq.block_m, p.q_tokens, p.max_seq_len),
                  p.blocks(bs.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len))
-    dq, dk, dv = run(KernelCall(
+    call = KernelCall(
         kernels.attention_bwd_kernel,
         grid=(p.num_segments * (p.batch + 1) * p.num_heads, 2 * blocks),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype), jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
                     jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
-        scalars=(*scalars, _fill_chunk(p.q_tokens, blocks), _fill_chunk(p.kv_tokens, blocks),
-                 _search_steps(p.batch), _search_steps(p.batch)),
+        params=(*params, _fill_chunk(p.q_tokens, blocks), _fill_chunk(p.kv_tokens, blocks)),
         constants=dict(constants, OUT_SCALE=p.out_scale, DS_SCALE=p.scale * p.out_scale,
                        DKDV_BLOCK_M=bs.dkdv.block_m, DKDV_BLOCK_N=bs.dkdv.block_n,
                        DQ_BLOCK_M=bs.dq.block_m, DQ_BLOCK_N=bs.dq.block_n),
-        num_warps=bs.dkdv.num_warps, num_stages=bs.dkdv.num_stages),
-        (q, k, v, do, lse, delta, q_offsets, kv_offsets))
+        num_warps=bs.dkdv.num_warps, num_stages=bs.dkdv.num_stages)
+    dq, dk, dv = run(call, (q, k, v, do, lse, delta, q_offsets, kv_offsets, _params(call)))
     return dq, dk, dv
 
 

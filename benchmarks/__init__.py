@@ -1,4 +1,3 @@
-"""Benchmarks of jagged flash attention against cuDNN, XLA and the seed PyTorch kernel.
-
-Run `python -m benchmarks.run --help`; `benchmarks.plot` re-makes the figure and tables from results.json.
+"""Benchmarks of jagged flash attention: `run` measures (results.json), `report` writes results.md and
+plots, `scaling` measures two-GPU scaling, `tune` sweeps kernel tiles. See docs/performance.md.
 """

@@ -1,137 +1,131 @@
-"""The benchmark cases (the seed benchmark's, so numbers compare), their useful FLOPs and random inputs.
-
-Lengths are `np.random.default_rng(0).integers(min_len, max_seq_len + 1, size=B)`, exactly as the seed's
-script draws them.
+"""The cases, their useful FLOPs and random input sets (jagged [T, H, D], never zeros). The "fbgemm" cases
+are the external PyTorch script's (lengths np.random.default_rng(0).integers(min_len, L + 1, size=B),
+FBGEMM's semantics: no scale, output / L); the other groups have the standard semantics.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jagged_flash_jax import jagged_to_padded, offsets_from_lengths
+from jagged_flash_jax import offsets_from_lengths
 
 MODES = ("fwd", "fwd+bwd")
-DTYPES = ("bfloat16", "float16", "float32")
-# Forward + backward does 2.5 forwards' worth of matrix products more than the forward alone.
-BACKWARD_FLOP_FACTOR = 3.5
-# Inputs of one rotation set are kept at least this large in total, so that consecutive timed calls
-# find cold data in the 60 MB L2 of an H200 (the seed's do_bench flushes L2 before each call).
-ROTATION_BYTES = 150e6
-MAX_ROTATION_SETS = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
+    group: str
     batch: int
     heads: int
     head_dim: int
     max_seq_len: int
     min_len: int
+    kv_heads: int | None = None  # GQA when fewer than heads
+    causal: bool = False
+    kv_len: tuple[int, int] | None = None  # cross-attention: key lengths drawn from [lo, hi]
+    dtypes: tuple[str, ...] = ("bfloat16",)
+
+    fbgemm = property(lambda self: self.group == "fbgemm")
+    kv_max_seq_len = property(lambda self: self.kv_len[1] if self.kv_len else self.max_seq_len)
 
     def lengths(self) -> np.ndarray:
         return np.random.default_rng(0).integers(self.min_len, self.max_seq_len + 1, size=self.batch)
 
-    def attended_lengths(self) -> np.ndarray:
-        return np.minimum(self.lengths(), self.max_seq_len)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths().sum())
-
-    @property
-    def padded_head_dim(self) -> int:
-        """D rounded up to a multiple of 8, as cuDNN needs."""
-        return -(-self.head_dim // 8) * 8
+    def kv_lengths(self) -> np.ndarray:
+        if self.kv_len is None:
+            return self.lengths()
+        return np.random.default_rng(1).integers(self.kv_len[0], self.kv_len[1] + 1, size=self.batch)
 
     def flops(self, mode: str) -> float:
-        """Useful FLOPs: 4 H D sum(n_b^2) for the forward; 3.5 times that for forward + backward."""
-        n = self.attended_lengths().astype(np.float64)
-        forward = 4.0 * self.heads * self.head_dim * float(np.sum(n * n))
-        return forward if mode == "fwd" else BACKWARD_FLOP_FACTOR * forward
-
-    def quick(self) -> Case:
-        """A tiny version (B/8, max_seq_len/8; renamed, so no seed row matches it) for CPU smoke runs."""
-        max_seq_len = max(8, self.max_seq_len // 8)
-        return dataclasses.replace(self, name=f"{self.name}-quick", batch=max(2, self.batch // 8),
-                                   max_seq_len=max_seq_len, min_len=min(self.min_len, max_seq_len))
+        """4 H D per attended query-key pair (causal, bottom-right: exactly those kept); fwd+bwd 3.5x."""
+        n_q = np.minimum(self.lengths(), self.max_seq_len)
+        n_k = np.minimum(self.kv_lengths(), self.kv_max_seq_len)
+        pairs = (sum(int(np.clip(np.arange(q) + k - q + 1, 0, k).sum()) for q, k in zip(n_q, n_k))
+                 if self.causal else int(np.sum(n_q * n_k)))
+        return 4.0 * self.heads * self.head_dim * pairs * (1.0 if mode == "fwd" else 3.5)
 
     def describe(self) -> dict:
-        return dict(B=self.batch, H=self.heads, D=self.head_dim, max_seq_len=self.max_seq_len,
-                    min_len=self.min_len, tokens=self.num_tokens)
+        return dict(group=self.group, B=self.batch, H=self.heads, H_kv=self.kv_heads or self.heads,
+                    D=self.head_dim, L=self.max_seq_len, L_kv=self.kv_max_seq_len, causal=self.causal,
+                    tokens=int(self.lengths().sum()), kv_tokens=int(self.kv_lengths().sum()))
+
+    def shrunk(self) -> Case:
+        """A tiny version for --quick runs on the CPU (same name and kind)."""
+        length = max(min(self.max_seq_len, 16), self.max_seq_len // 64)
+        kv_len = self.kv_len and (max(1, self.kv_len[0] // 64), max(2, self.kv_len[1] // 64))
+        return dataclasses.replace(self, batch=min(self.batch, 6), max_seq_len=length, kv_len=kv_len,
+                                   min_len=max(1, self.min_len * length // self.max_seq_len))
 
 
-CASES = (
-    Case("rec-small", 1024, 2, 32, 128, 1),
-    Case("gr-ml1m", 128, 2, 25, 200, 1),
-    Case("rec-mid", 256, 4, 64, 256, 1),
-    Case("rec-long", 64, 8, 128, 1024, 1),
-    Case("long", 16, 8, 128, 4096, 1),
-    Case("dlrm-long", 32, 4, 128, 4096, 512),
+def _fbgemm(*args) -> Case:
+    return Case(args[0], "fbgemm", *args[1:], dtypes=("bfloat16", "float32"))
+
+
+def _sweep(group: str, max_seq_len: int, name: str | None = None, heads=8, head_dim=128, **kw) -> Case:
+    """About 65k tokens in sequences of lengths uniform in [L/2, L]."""
+    batch = max(2, round(65536 / (0.75 * max_seq_len)))
+    return Case(name or f"L{max_seq_len}", group, batch, heads, head_dim, max_seq_len, max_seq_len // 2, **kw)
+
+
+CASES = (  # name, group, B, H, D, L, min_len
+    _fbgemm("rec-small", 1024, 2, 32, 128, 1),
+    _fbgemm("gr-ml1m", 128, 2, 25, 200, 1),
+    _fbgemm("rec-mid", 256, 4, 64, 256, 1),
+    _fbgemm("rec-long", 64, 8, 128, 1024, 1),
+    _fbgemm("long", 16, 8, 128, 4096, 1),
+    _fbgemm("dlrm-long", 32, 4, 128, 4096, 512),
+    *(_sweep("L-sweep", 2**p) for p in range(8, 16)),
+    _sweep("D-sweep", 4096, "L4096-D64", head_dim=64),
+    _sweep("D-sweep", 4096, "L4096-D256", head_dim=256),
+    Case("long-causal", "causal", 16, 8, 128, 4096, 1, causal=True),
+    _sweep("causal", 4096, "L4096-causal", causal=True),
+    _sweep("causal", 16384, "L16384-causal", causal=True),
+    _sweep("gqa", 4096, "gqa-16x2", heads=16, kv_heads=2),
+    _sweep("gqa", 4096, "gqa-16x4", heads=16, kv_heads=4),
+    # Recommendation-style cross-attention: 1-8 candidates per user against histories of 512-4096 events.
+    Case("cross", "cross", 64, 4, 128, 8, 1, kv_len=(512, 4096)),
 )
-CASES_BY_NAME = {case.name: case for case in CASES}
+QUICK = ("rec-small", "L256", "L4096", "long-causal", "gqa-16x2", "cross")
 
 
-def pad_head_dim(x: jax.Array, padded_dim: int) -> jax.Array:
-    extra = padded_dim - x.shape[-1]
-    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+def select(names: list[str] | None, quick: bool) -> list[Case]:
+    """Cases by name or group (all when None); with quick, shrunk (and only QUICK when names is None)."""
+    chosen = [c for c in CASES if names is None or c.name in names or c.group in names]
+    return [c.shrunk() for c in chosen if names or c.name in QUICK] if quick else chosen
 
 
-def jagged_to_cudnn_layout(x: jax.Array, offsets: jax.Array, max_seq_len: int, padded_dim: int):
-    """[H, T, D] jagged -> [B, max_seq_len, H, padded_dim], zero padded: what dot_product_attention takes."""
-    padded = jnp.swapaxes(jagged_to_padded(x, offsets, max_seq_len), 1, 2)
-    return pad_head_dim(padded, padded_dim)
-
-
-@dataclasses.dataclass
-class InputSet:
-    """One set of random inputs, jagged [H, T, D] and (on demand) padded [B, L, H, Dp]."""
-
+class InputSet(NamedTuple):
     q: jax.Array
     k: jax.Array
     v: jax.Array
     do: jax.Array
     offsets: jax.Array
-    lengths: jax.Array
-    padded: tuple[jax.Array, ...] | None = None
-
-    def jagged_args(self, mode: str) -> tuple:
-        args = (self.q, self.k, self.v, self.offsets)
-        return args + (self.do,) if mode == "fwd+bwd" else args
-
-    def padded_args(self, case: Case, mode: str) -> tuple:
-        if self.padded is None:
-            convert = jax.jit(jagged_to_cudnn_layout, static_argnums=(2, 3))
-            self.padded = tuple(convert(x, self.offsets, case.max_seq_len, case.padded_head_dim)
-                                for x in (self.q, self.k, self.v, self.do))
-        qp, kp, vp, dop = self.padded
-        args = (qp, kp, vp, self.lengths)
-        return args + (dop,) if mode == "fwd+bwd" else args
+    kv_offsets: jax.Array
+    lengths: jax.Array  # attended lengths, int32
+    kv_lengths: jax.Array
 
 
-def num_rotation_sets(case: Case, dtype: str) -> int:
-    """How many input sets to rotate through: at least 3, more when one set would sit in L2."""
-    itemsize = np.dtype(dtype).itemsize
-    jagged = 4 * case.heads * case.num_tokens * case.head_dim * itemsize
-    padded = 4 * case.batch * case.max_seq_len * case.heads * case.padded_head_dim * itemsize
-    smallest = min(jagged, padded)
-    return int(min(MAX_ROTATION_SETS, max(3, math.ceil(ROTATION_BYTES / smallest))))
+def input_sets(case: Case, dtype: str, count: int) -> list[InputSet]:
+    """`count` independent sets of standard-normal q, k, v and cotangent do."""
+    lengths, kv_lengths = case.lengths(), case.kv_lengths()
+    shapes = [(int(n.sum()), h, case.head_dim) for n, h in ((lengths, case.heads),
+                                                              (kv_lengths, case.kv_heads or case.heads))]
+    fixed = (offsets_from_lengths(lengths), offsets_from_lengths(kv_lengths),
+             jnp.asarray(np.minimum(lengths, case.max_seq_len), jnp.int32),
+             jnp.asarray(np.minimum(kv_lengths, case.kv_max_seq_len), jnp.int32))
+    normal = lambda key, i: jax.random.normal(key, shapes[i], jnp.float32).astype(dtype)  # noqa: E731
+    keys = jax.random.split(jax.random.key(0), (count, 4))
+    return [InputSet(normal(q, 0), normal(k, 1), normal(v, 1), normal(do, 0), *fixed) for q, k, v, do in keys]
 
 
-def make_input_sets(case: Case, dtype: str, count: int, seed: int = 0) -> list[InputSet]:
-    """`count` independent sets of standard-normal q, k, v and cotangent do (never zeros)."""
-    lengths = case.lengths()
-    offsets = offsets_from_lengths(jnp.asarray(lengths, jnp.int32))
-    attended = jnp.asarray(case.attended_lengths(), jnp.int32)
-    shape = (case.heads, case.num_tokens, case.head_dim)
-    draw = jax.jit(lambda key: jax.random.normal(key, (4, *shape), jnp.float32).astype(dtype))
-    sets = []
-    for key in jax.random.split(jax.random.key(seed), count):
-        q, k, v, do = draw(key)
-        sets.append(InputSet(q, k, v, do, offsets, attended))
-    return sets
+def rotation_count(case: Case, dtype: str, quick: bool) -> int:
+    """Input sets to rotate through: enough that one call's inputs are not left in a 60 MB L2."""
+    info = case.describe()
+    set_bytes = 2 * (info["tokens"] * case.heads + info["kv_tokens"] * info["H_kv"]) * case.head_dim
+    return 2 if quick else int(np.clip(np.ceil(240e6 / (set_bytes * jnp.dtype(dtype).itemsize)), 2, 6))

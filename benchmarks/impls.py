@@ -1,92 +1,103 @@
-"""The implementations compared: each builds the function timed for one case and mode.
-
-Jagged implementations take (q, k, v, offsets[, do]) with q, k, v [H, T, D]; padded ones take
-(q, k, v, lengths[, do]) already in [B, max_seq_len, H, Dp], so their padding is not timed.
-"fwd+bwd" is jax.vjp of the output against the cotangent do, returning (dq, dk, dv).
+"""The implementations compared. For a case, each makes `attend(q, k, v, *aux)` and `prepare(InputSet) ->
+(q, k, v, do, aux)`, which puts the inputs in the form attend takes (cudnn-padded pads there, untimed).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
+import math
 
 import jax
 import jax.numpy as jnp
 
-from jagged_flash_jax import multi_head_jagged_flash_attention, padded_to_jagged
+from jagged_flash_jax import jagged_attention, jagged_to_padded, multi_head_jagged_flash_attention
 
-from .cases import Case, jagged_to_cudnn_layout
-
-
-@dataclasses.dataclass(frozen=True)
-class Impl:
-    name: str
-    padded_inputs: bool
-    needs_gpu: bool
-    half_only: bool  # cuDNN's flash attention takes float16 and bfloat16 only
-    make_attention: Callable[[Case], Callable]
-    doc: str
-
-    def skip_reason(self, dtype: str, platform: str) -> str | None:
-        if self.needs_gpu and platform != "gpu":
-            return f"needs a GPU (JAX's default backend is {platform!r})"
-        if self.half_only and dtype == "float32":
-            return "cuDNN flash attention supports only float16 and bfloat16"
-        return None
-
-    def function(self, case: Case, mode: str) -> Callable:
-        attention = self.make_attention(case)
-        if mode == "fwd":
-            return attention
-
-        def forward_backward(q, k, v, aux, do):
-            _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, aux), q, k, v)
-            return vjp(do)
-
-        return forward_backward
+from .cases import Case
 
 
-def _jfa(backend: str):
-    def make(case: Case):
-        return lambda q, k, v, offsets: multi_head_jagged_flash_attention(
-            q, k, v, offsets, case.max_seq_len, allow_tf32=True, backend=backend)
-    return make
+class Unsupported(Exception):
+    """The implementation cannot run this case (recorded with status "unsupported")."""
 
 
-def _dot_product_attention(case: Case, implementation: str):
-    def attention(q, k, v, lengths):
-        out = jax.nn.dot_product_attention(q, k, v, scale=1.0, query_seq_lengths=lengths,
-                                           key_value_seq_lengths=lengths, implementation=implementation)
-        return out / case.max_seq_len
-    return attention
+def _scale(case: Case) -> float:
+    return 1.0 if case.fbgemm else 1.0 / math.sqrt(case.head_dim)
 
 
-def _padded(implementation: str):
-    return lambda case: _dot_product_attention(case, implementation)
+def _finish(case: Case, out):
+    return out / case.max_seq_len if case.fbgemm else out
 
 
-def _cudnn_with_conversion(case: Case):
-    """What a user with jagged data pays for cuDNN: pad, transpose, attend, transpose, unpad."""
-    padded_attention = _dot_product_attention(case, "cudnn")
-
-    def attention(q, k, v, offsets):
-        lengths = jnp.minimum(offsets[1:] - offsets[:-1], case.max_seq_len).astype(jnp.int32)
-        qp, kp, vp = (jagged_to_cudnn_layout(x, offsets, case.max_seq_len, case.padded_head_dim)
-                      for x in (q, k, v))
-        out = padded_attention(qp, kp, vp, lengths)[..., :case.head_dim]  # [B, L, H, D]
-        return padded_to_jagged(jnp.swapaxes(out, 1, 2), offsets, q.shape[1])
-
-    return attention
+def jfa(case: Case, backend: str, block_sizes=None):
+    """This library; the fbgemm cases through multi_head_jagged_flash_attention."""
+    def attend(q, k, v, offsets, kv_offsets):
+        if case.fbgemm:
+            return multi_head_jagged_flash_attention(q, k, v, offsets, case.max_seq_len, layout="THD",
+                                                     backend=backend, block_sizes=block_sizes)
+        return jagged_attention(q, k, v, offsets, case.max_seq_len, kv_offsets=kv_offsets,
+                                kv_max_seq_len=case.kv_max_seq_len, causal=case.causal, backend=backend,
+                                block_sizes=block_sizes)
+    return attend, lambda s: (s.q, s.k, s.v, s.do, (s.offsets, s.kv_offsets))
 
 
-IMPLS = (
-    Impl("jfa-triton", False, True, False, _jfa("triton"), "this library's Triton kernels"),
-    Impl("jfa-xla", False, False, False, _jfa("xla"), "this library's pure-JAX backend (pads inside)"),
-    Impl("cudnn-padded", True, True, True, _padded("cudnn"),
-         "jax.nn.dot_product_attention(implementation='cudnn') on inputs padded outside the timing"),
-    Impl("xla-padded", True, False, False, _padded("xla"),
-         "jax.nn.dot_product_attention(implementation='xla') on inputs padded outside the timing"),
-    Impl("cudnn+convert", False, True, True, _cudnn_with_conversion,
-         "cuDNN with the jagged -> padded -> jagged conversion inside the timing"),
-)
-IMPLS_BY_NAME = {impl.name: impl for impl in IMPLS}
+def cudnn_padded(case: Case):
+    """jax.nn.dot_product_attention(implementation="cudnn") on [B, L, H, D] inputs padded beforehand (D
+    padded with zeros to a multiple of 8, which changes no result)."""
+    def pad(x, offsets, length):
+        x = jagged_to_padded(x, offsets, length, layout="THD")
+        return jnp.pad(x, [(0, 0)] * 3 + [(0, -case.head_dim % 8)])
+
+    def prepare(s):
+        return (pad(s.q, s.offsets, case.max_seq_len), pad(s.k, s.kv_offsets, case.kv_max_seq_len),
+                pad(s.v, s.kv_offsets, case.kv_max_seq_len), pad(s.do, s.offsets, case.max_seq_len),
+                (s.lengths, s.kv_lengths))
+
+    def attend(q, k, v, lengths, kv_lengths):
+        return _finish(case, jax.nn.dot_product_attention(
+            q, k, v, scale=_scale(case), is_causal=case.causal, query_seq_lengths=lengths,
+            key_value_seq_lengths=kv_lengths, implementation="cudnn"))
+    return attend, jax.jit(prepare)
+
+
+def cudnn_packed(case: Case):
+    """JAX's cuDNN fused attention on the same packed [T, H, D] data, through its private API (with one
+    row that no sequence covers added to an odd token count: cuDNN's backward takes even ones only)."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+    except Exception as err:  # a private module: it may move or go
+        raise Unsupported(f"jax._src.cudnn.fused_attention_stablehlo is unavailable: {err!r}") from err
+    if case.head_dim % 8:
+        raise Unsupported(f"cuDNN needs D % 8 == 0, got D={case.head_dim}")
+
+    def attend(q, k, v, offsets, kv_offsets, lengths, kv_lengths):
+        out = dot_product_attention(
+            q[None], k[None], v[None], q_seqlen=lengths[None], kv_seqlen=kv_lengths[None],
+            q_offsets=offsets[None], kv_offsets=kv_offsets[None], scale=_scale(case),
+            mask_type=MaskType.CAUSAL if case.causal else MaskType.NO_MASK)
+        return _finish(case, out[0])
+
+    def prepare(s):
+        q, k, v, do = (jnp.pad(x, [(0, x.shape[0] % 2), (0, 0), (0, 0)]) for x in (s.q, s.k, s.v, s.do))
+        return q, k, v, do, (s.offsets, s.kv_offsets, s.lengths, s.kv_lengths)
+    return attend, prepare
+
+
+IMPLS = {  # name -> (make(case), needs a GPU)
+    "jfa-triton": (lambda case: jfa(case, "triton"), True),
+    "jfa-xla": (lambda case: jfa(case, "xla"), False),
+    "cudnn-packed": (cudnn_packed, True),
+    "cudnn-padded": (cudnn_padded, True),
+}
+
+
+def timed_function(attend, mode: str):
+    """The function timed: the output (fwd), or jax.vjp's (dq, dk, dv) for the cotangent do (fwd+bwd)."""
+    if mode == "fwd":
+        return lambda q, k, v, aux: attend(q, k, v, *aux)
+
+    def step(q, k, v, aux, do):
+        return jax.vjp(lambda q, k, v: attend(q, k, v, *aux), q, k, v)[1](do)
+    return step
+
+
+def arguments(prepared: tuple, mode: str) -> tuple:
+    q, k, v, do, aux = prepared
+    return (q, k, v, aux) if mode == "fwd" else (q, k, v, aux, do)

@@ -1,9 +1,6 @@
-"""Times jagged flash attention (Triton and XLA backends) against cuDNN and XLA on padded inputs.
-
-For each case and dtype every (implementation, mode) is compiled once (in a thread pool, before any
-timing), then timed with CUPTI over rotating random inputs, then by the wall clock. Every row is written
-to results.json as soon as it exists; results.md and results.png are made at the end (and by
-`python -m benchmarks.plot`). One implementation's failure is recorded in its row and never stops the run.
+"""Measures every implementation on every case into OUT/results.json, then has benchmarks.report write the
+report. Cases run in a worker process; when it dies, the case it was in becomes error rows and a new
+worker goes on with the cases after it.
 """
 
 from __future__ import annotations
@@ -11,13 +8,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
-import gc
+import importlib.metadata
 import json
 import os
 import pathlib
-import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -25,310 +20,194 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from . import plot, timing
-from .cases import CASES, CASES_BY_NAME, DTYPES, MODES, Case, make_input_sets, num_rotation_sets
-from .impls import IMPLS, IMPLS_BY_NAME, Impl
+from jagged_flash_jax.configs import TUNED_CONFIGS_ENV
 
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results"
-SEED_TIMER = "cuda-events (triton.testing.do_bench median, L2 flushed)"
+from . import cases as C
+from . import impls, report, timing
+
+NOTES = [timing.DEVICE_NOTE, timing.HOST_NOTE,
+         "tflops: useful FLOPs over device_ms (wall_ms without CUPTI): forward 4 H D sum(n_q n_k) over the "
+         "attended pairs (causal: exactly those kept), forward+backward 3.5 times that.",
+         "memory_bytes: XLA's memory analysis of the compiled function (arguments, outputs, temporaries)."]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    def names(valid):
-        def parse(text: str) -> list[str]:
-            chosen = [name.strip() for name in text.split(",") if name.strip()]
-            unknown = [name for name in chosen if name not in valid]
-            if unknown:
-                raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {list(valid)}")
-            return chosen
-        return parse
-
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
-    parser.add_argument("--cases", type=names(CASES_BY_NAME), default=[c.name for c in CASES])
-    parser.add_argument("--dtypes", type=names(DTYPES), default=list(DTYPES))
-    parser.add_argument("--impls", type=names(IMPLS_BY_NAME), default=[i.name for i in IMPLS])
-    parser.add_argument("--modes", type=names(MODES), default=list(MODES))
-    parser.add_argument("--iterations", type=int, default=20, help="timed calls (CUPTI) per row")
-    parser.add_argument("--wall-iterations", type=int, default=10, help="wall-clock calls per row")
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
-    parser.add_argument("--seed-json", type=pathlib.Path,
-                        help="rows of .seed_shared/tools/seed_torch_bench.py to merge (impl seed-pytorch)")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes (B/8, max_seq_len/8) for a smoke run")
-    parser.add_argument("--compile-workers", type=int, default=8,
-                        help="threads compiling one case and dtype's functions before they are timed")
-    parser.add_argument("--budget-s", type=float, default=0.0,
-                        help="skip the cases and dtypes not started after this many seconds (0: no limit)")
-    parser.add_argument("--no-plot", action="store_true", help="skip results.png")
-    args = parser.parse_args(argv)
-    if args.iterations < 1 or args.wall_iterations < 1:
-        parser.error("--iterations and --wall-iterations must be >= 1")
-    return args
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    p.add_argument("--out", type=pathlib.Path, required=True, help="folder of results.json and the report")
+    p.add_argument("--quick", action="store_true", help="tiny shapes; on a CPU only jfa-xla runs")
+    p.add_argument("--cases", help="comma-separated case names or groups (default: all)")
+    p.add_argument("--impls", default=",".join(impls.IMPLS))
+    p.add_argument("--dtypes", help="comma-separated dtypes (default: each case's)")
+    p.add_argument("--iterations", type=int, default=10, help="most CUPTI iterations per row")
+    p.add_argument("--seconds", type=float, default=0.3, help="timed seconds per row (about)")
+    p.add_argument("--budget-s", type=float, default=0, help="skip cases not started by then (0: no limit)")
+    p.add_argument("--fbgemm-json", type=pathlib.Path, help="rows of seed_torch_bench.py for the report")
+    p.add_argument("--tiles", help=argparse.SUPPRESS)  # benchmarks.tune: tile candidates on this backend
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
 
 
-def _version(distribution: str, module: str | None = None) -> str | None:
-    try:
-        from importlib.metadata import version
+def plan(case: C.Case, args) -> list[tuple]:
+    """(dtype, impl, mode, make, needs a GPU) of each row of a case; make(case) -> (attend, prepare)."""
+    dtypes = [d for d in case.dtypes if not args.dtypes or d in args.dtypes.split(",")]
+    if args.tiles:
+        from .tune import tile_jobs
 
-        return version(distribution)
-    except Exception:  # not installed as a distribution: ask the module
+        return [job for dtype in dtypes for job in tile_jobs(case, dtype, args.tiles)]
+    return [(dtype, name, mode, *impls.IMPLS[name]) for dtype in dtypes for name in args.impls.split(",")
+            for mode in C.MODES]
+
+
+def measure(single, program, arg_sets: list, args) -> dict:
+    start = time.perf_counter()  # a warm-up pass (allocations, cuDNN plans) that sizes the loops
+    outputs = jax.block_until_ready([single(*a) for a in arg_sets])
+    call_s = (time.perf_counter() - start) / len(arg_sets)
+    row = dict(finite=all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(outputs)),
+               rotation_sets=len(arg_sets), memory_bytes=timing.memory(single))
+    del outputs
+    calls = lambda seconds, hi: timing.calls_for(seconds, call_s, 1, hi)  # noqa: E731
+    row.update(timing.device_ms(program, arg_sets, calls(args.seconds / len(arg_sets), args.iterations)))
+    row.update(timing.host_ms(single, arg_sets, calls(args.seconds / 2, 10), calls(args.seconds / 2, 30)))
+    row["timer"] = "cupti" if "device_ms" in row else "wall"
+    row["ms"] = row.get("device_ms", row["wall_ms"])
+    row["measure_s"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+def measure_case(case: C.Case, dtype: str, jobs: list[tuple], args, emit) -> None:
+    """Compiles every row of a case and dtype (in threads), then times them one after another."""
+    todo = []
+    for _, name, mode, make, needs_gpu in jobs:
+        row = dict(case=case.name, impl=name, dtype=dtype, mode=mode, **case.describe(),
+                   flops=case.flops(mode))
+        if args.deadline and time.time() > args.deadline:
+            emit(dict(row, status="skipped", reason="the --budget-s ran out before this case"))
+        elif needs_gpu and jax.default_backend() != "gpu":
+            emit(dict(row, status="skipped", reason=f"needs a GPU (backend {jax.default_backend()!r})"))
+        else:
+            todo.append((row, make))
+    if not todo:
+        return
+    sets = C.input_sets(case, dtype, C.rotation_count(case, dtype, args.quick))
+
+    def compile_job(row, make):
+        attend, prepare = make(case)
+        arg_sets = [impls.arguments(prepare(s), row["mode"]) for s in sets]
+        fn = impls.timed_function(attend, row["mode"])
+        program = timing.every_set(fn).lower(arg_sets).compile() if jax.default_backend() == "gpu" else None
+        return jax.jit(fn).lower(*arg_sets[0]).compile(), program, arg_sets
+
+    began = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(compile_job, *job) for job in todo]
+        concurrent.futures.wait(futures)  # no compiling while timing
+    print(f"[bench] {case.name} {dtype}: compiled in {time.perf_counter() - began:.1f} s", flush=True)
+    for i, (row, _) in enumerate(todo):
+        future, futures[i] = futures[i], None  # so that its executables and inputs go when done
         try:
-            return getattr(__import__(module or distribution), "__version__", None)
-        except Exception:
-            return None
+            row.update(status="ok", **measure(*future.result(), args))
+            row["tflops"] = row["flops"] / row["ms"] / 1e9
+        except Exception as err:
+            unsupported = isinstance(err, impls.Unsupported) or row["impl"].startswith("cudnn")
+            row.update(status="unsupported" if unsupported else "error",
+                       error=f"{type(err).__name__}: {err}"[:2000])
+            if not unsupported:
+                row["traceback"] = traceback.format_exc(limit=8)[-3000:]
+        del future
+        emit(row)
 
 
-def _git_commit() -> str | None:
+def _read_rows(path: pathlib.Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # the last line of a worker killed while writing it
+            pass
+    return rows
+
+
+def _version(dist: str) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10, cwd=pathlib.Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
-    except Exception:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def _tuned_configs():
-    """The tile table the triton rows ran with: a $JAGGED_FLASH_JAX_TUNED_CONFIGS file, or built-in."""
-    from jagged_flash_jax.configs import TUNED_CONFIGS_ENV
+def worker(args, selected: list[C.Case]) -> None:
+    (args.out / "device.json").write_text(json.dumps(dict(
+        device=jax.devices()[0].device_kind, platform=jax.default_backend(), device_count=jax.device_count(),
+        versions={d: _version(d) for d in ("jax", "jaxlib", "triton", "jax-triton", "jagged-flash-jax")})))
+    with open(args.out / "rows.jsonl", "a") as rows:
+        def emit(row):
+            rows.write(json.dumps(row, default=str) + "\n")
+            rows.flush()
+            detail = (f"{row['ms']:.4f} ms ({row['timer']}), {row['tflops']:.1f} TFLOP/s"
+                      if row["status"] == "ok" else row.get("reason") or row.get("error", ""))
+            print(f"[bench] {row['case']:<13} {row['dtype']:<8} {row['mode']:<7} {row['impl']:<12} "
+                  f"{row['status']}: {detail[:200]}", flush=True)
 
-    path = os.environ.get(TUNED_CONFIGS_ENV)
-    if not path:
-        return "built-in (jagged_flash_jax/configs.py)"
-    return {"path": path, "table": json.loads(pathlib.Path(path).read_text())}
-
-
-def metadata(args, argv) -> dict:
-    device = jax.devices()[0]
-    import jagged_flash_jax
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return dict(
-        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        command="python -m benchmarks.run " + shlex.join(argv),
-        device=getattr(device, "device_kind", str(device)), platform=jax.default_backend(),
-        device_count=jax.device_count(), python=platform.python_version(),
-        jax_version=jax.__version__, jaxlib_version=_version("jaxlib"),
-        triton_version=_version("triton"), jax_triton_version=_version("jax-triton", "jax_triton"),
-        numpy_version=np.__version__, jagged_flash_jax_version=jagged_flash_jax.__version__,
-        git_commit=_git_commit(), iterations=args.iterations, wall_iterations=args.wall_iterations,
-        quick=args.quick, compile_workers=args.compile_workers,
-        tuned_configs=_tuned_configs(),
-        timing_note=timing.__doc__.strip().replace("\n", " "),
-        memory_note=("memory: XLA's memory_analysis of the jitted function; total_bytes = argument + "
-                     "output + temp; memory_ratio = total_bytes / minimal_bytes, minimal = q, k, v, o (fwd) "
-                     "plus do, dq, dk, dv and a float32 [H, T] log-sum-exp (fwd+bwd), in the impl's own "
-                     "layout (padded impls: [B, L, H, Dp]); device_memory is the allocator's process-wide "
-                     "high-water mark, not this row's own peak."),
-    )
+        for case in selected:
+            jobs = plan(case, args)
+            for dtype in dict.fromkeys(job[0] for job in jobs):
+                measure_case(case, dtype, [job for job in jobs if job[0] == dtype], args, emit)
 
 
-def load_seed_rows(path: pathlib.Path | None) -> list[dict]:
-    if path is None:
-        return []
-    try:
-        data = json.loads(path.read_text())
-    except Exception as err:
-        print(f"[bench] could not read the seed rows {path}: {err!r}", flush=True)
-        return []
-    rows = data.get("rows", []) if isinstance(data, dict) else data
-    merged = []
-    for row in rows:
-        if not all(key in row for key in ("case", "dtype", "mode", "ms")):
-            continue
-        merged.append(dict(row, impl=row.get("impl", plot.SEED), status="ok", timer=SEED_TIMER,
-                           source=str(path)))
-    print(f"[bench] merged {len(merged)} seed rows from {path}", flush=True)
-    return merged
-
-
-def minimal_bytes(case: Case, dtype: str, mode: str, padded: bool) -> int:
-    """Bytes of q, k, v, o (fwd), plus do, dq, dk, dv and a float32 [H, T] log-sum-exp (fwd+bwd)."""
-    itemsize = np.dtype(dtype).itemsize
-    if padded:
-        rows, dim = case.batch * case.max_seq_len, case.padded_head_dim
-    else:
-        rows, dim = case.num_tokens, case.head_dim
-    tensor = case.heads * rows * dim * itemsize
-    return 4 * tensor if mode == "fwd" else 8 * tensor + 4 * case.heads * rows
-
-
-def _error_text(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}"
-    return text if len(text) < 2000 else text[:2000] + " ..."
-
-
-def _all_finite(outputs) -> bool:
-    return all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(outputs))
-
-
-class Runner:
-    def __init__(self, args, argv):
-        self.args = args
-        self.out = args.out
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.platform = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
-        self.results = dict(metadata=metadata(args, argv), rows=load_seed_rows(args.seed_json))
-        self.start = time.perf_counter()
-
-    def save(self) -> None:
-        self.results["metadata"]["elapsed_s"] = round(time.perf_counter() - self.start, 1)
-        path = self.out / "results.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.results, indent=1, default=str))
-        tmp.replace(path)
-
-    def add(self, row: dict) -> None:
-        self.results["rows"].append(row)
-        self.save()
-        status = row["status"]
-        if status == "ok":
-            detail = (f"{row['ms']:.4f} ms device ({row['timer']}), {row['wall_ms']:.4f} ms wall, "
-                      f"{row['pipelined_ms']:.4f} ms pipelined, "
-                      f"{row['tflops']:.1f} TFLOP/s, compile {row.get('compile_s', 0):.1f} s")
-        else:
-            detail = row.get("reason") or row.get("error", "")
-        print(f"[bench] {row['case']:<16} {row['dtype']:<8} {row['mode']:<7} {row['impl']:<13} {status}: "
-              f"{detail[:300]}", flush=True)
-
-    def base_row(self, case: Case, impl: Impl, dtype: str, mode: str) -> dict:
-        flops = case.flops(mode)
-        return dict(case=case.name, impl=impl.name, dtype=dtype, mode=mode, **case.describe(),
-                    flops=flops, status="ok")
-
-    def run_group(self, case: Case, dtype: str) -> None:
-        """Every chosen (impl, mode) of one case and dtype: compile all, then time one after another."""
-        impls = [IMPLS_BY_NAME[name] for name in self.args.impls]
-        combos = []
-        over_budget = bool(self.args.budget_s) and time.perf_counter() - self.start > self.args.budget_s
-        for impl in impls:
-            for mode in self.args.modes:
-                reason = impl.skip_reason(dtype, self.platform)
-                if reason is None and over_budget:
-                    reason = f"time budget of {self.args.budget_s:.0f} s spent before it started"
-                if reason is not None:
-                    self.add(dict(self.base_row(case, impl, dtype, mode), status="skipped", reason=reason))
-                else:
-                    combos.append((impl, mode))
-        if not combos:
-            return
-        sets_count = num_rotation_sets(case, dtype)
-        group_began = time.perf_counter()
-        try:
-            input_sets = make_input_sets(case, dtype, sets_count)
-        except Exception as err:
-            for impl, mode in combos:
-                self.add(dict(self.base_row(case, impl, dtype, mode), status="error",
-                              error="making inputs: " + _error_text(err)))
-            return
-
-        prepared = {}  # (impl, mode) -> arg sets, or the error
-        for impl, mode in combos:
+def run_cases(args, argv) -> dict | None:
+    """Runs the selected cases in workers (their stderr: OUT/worker.log) and writes OUT/results.json."""
+    selected = C.select(args.cases.split(",") if args.cases else None, args.quick)
+    if args.worker:
+        return worker(args, selected)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows_path, log_path, start = args.out / "rows.jsonl", args.out / "worker.log", time.time()
+    rows_path.write_text("")
+    log_path.write_text("")
+    deadline = start + args.budget_s if args.budget_s else 0
+    keys = {c.name: [(c.name, impl, dtype, mode) for dtype, impl, mode, *_ in plan(c, args)]
+            for c in selected}
+    argv = sys.argv[1:] if argv is None else argv
+    pending = selected
+    while pending:
+        command = [sys.executable, "-m", "benchmarks.run", *argv, "--worker", "--deadline", str(deadline),
+                   "--cases", ",".join(c.name for c in pending)]
+        timeout = deadline - time.time() + 120 if deadline else None  # the case in flight may end
+        with open(log_path, "a") as log:
             try:
-                prepared[impl.name, mode] = [s.padded_args(case, mode) if impl.padded_inputs
-                                             else s.jagged_args(mode) for s in input_sets]
-            except Exception as err:
-                prepared[impl.name, mode] = err
-
-        def compile_one(impl: Impl, mode: str, args: tuple):
-            began = time.perf_counter()
-            compiled = jax.jit(impl.function(case, mode)).lower(*args).compile()
-            return compiled, time.perf_counter() - began
-
-        began = time.perf_counter()
-        inputs_s = began - group_began
-        with concurrent.futures.ThreadPoolExecutor(max(1, self.args.compile_workers)) as pool:
-            futures = {(impl.name, mode): pool.submit(compile_one, impl, mode, prepared[impl.name, mode][0])
-                       for impl, mode in combos if not isinstance(prepared[impl.name, mode], Exception)}
-            concurrent.futures.wait(futures.values())
-        print(f"[bench] {case.name} {dtype}: compiled {len(futures)} functions in "
-              f"{time.perf_counter() - began:.1f} s; {sets_count} input sets made in {inputs_s:.1f} s",
-              flush=True)
-
-        for impl, mode in combos:
-            row = self.base_row(case, impl, dtype, mode)
-            row["rotation_sets"] = sets_count
-            try:
-                arg_sets = prepared[impl.name, mode]
-                if isinstance(arg_sets, Exception):
-                    raise RuntimeError("preparing inputs: " + _error_text(arg_sets))
-                compiled, row["compile_s"] = futures[impl.name, mode].result()
-                row["compile_s"] = round(row["compile_s"], 2)
-                self.measure(compiled, arg_sets, case, dtype, mode, impl, row)
-            except Exception as err:
-                row.update(status="error", error=_error_text(err))
-                if not isinstance(err, (jax.errors.JaxRuntimeError, MemoryError)):
-                    row["traceback"] = traceback.format_exc(limit=6)[-3000:]
-            self.add(row)
-            futures.pop((impl.name, mode), None)  # frees the executable
-        del input_sets, prepared, futures
-        gc.collect()
-        print(f"[bench] {case.name} {dtype}: done in {time.perf_counter() - group_began:.1f} s", flush=True)
-
-    def measure(self, compiled, arg_sets, case: Case, dtype: str, mode: str, impl: Impl, row: dict) -> None:
-        try:
-            row["memory"] = timing.compiled_memory(compiled)
-        except Exception as err:
-            row["memory"] = {"error": _error_text(err)}
-        total = row["memory"].get("total_bytes")
-        row["minimal_bytes"] = minimal_bytes(case, dtype, mode, impl.padded_inputs)
-        if total:
-            row["memory_ratio"] = round(total / row["minimal_bytes"], 3)
-
-        began = time.perf_counter()
-        for args in arg_sets:  # warm-up: module loads, cuDNN plans, first-touch allocations
-            outputs = compiled(*args)
-        jax.block_until_ready(outputs)
-        row["finite"] = _all_finite(outputs)
-        del outputs
-
-        warmed = time.perf_counter()
-        try:
-            timings, row["timer"] = timing.device_times(compiled, arg_sets, self.args.iterations)
-            row.update(timing.summarize_kernels(timings))
-        except RuntimeError as err:
-            if timing.CUPTI_UNAVAILABLE is None:  # CUPTI works here but failed on this function
-                row["timer_error"] = _error_text(err)
-            else:
-                row["timer_note"] = timing.CUPTI_UNAVAILABLE
-            row["timer"] = "wall"
-        timed = time.perf_counter()
-        walls = timing.wall_times(compiled, arg_sets, self.args.wall_iterations)
-        row["wall_ms"] = statistics.median(walls)
-        row["wall_ms_min"] = min(walls)
-        row["pipelined_ms"] = timing.pipelined_time(compiled, arg_sets, 2 * self.args.wall_iterations)
-        if row["timer"] == "wall":
-            row["ms"] = row["wall_ms"]
-        row["tflops"] = row["flops"] / row["ms"] / 1e9
-        row["device_memory"] = timing.device_memory_stats()
-        row["seconds"] = dict(warmup=round(warmed - began, 3), cupti=round(timed - warmed, 3),
-                              wall=round(time.perf_counter() - timed, 3))
-
-    def run(self) -> str:
-        cases = [CASES_BY_NAME[name] for name in self.args.cases]
-        if self.args.quick:
-            cases = [case.quick() for case in cases]
-        print(f"[bench] {self.results['metadata']['device']} ({self.platform}), jax "
-              f"{jax.__version__}; cases {[c.name for c in cases]}, dtypes {self.args.dtypes}, impls "
-              f"{self.args.impls}, modes {self.args.modes}", flush=True)
-        for case in cases:
-            for dtype in self.args.dtypes:
-                self.run_group(case, dtype)
-        plot.add_speedups(self.results)
-        self.save()
-        text = plot.write_report(self.results, self.out, figure=not self.args.no_plot)
-        print(f"[bench] wrote {self.out}/results.json, results.md"
-              f"{'' if self.args.no_plot else ', results.png'} in "
-              f"{time.perf_counter() - self.start:.0f} s", flush=True)
-        return text
+                ended = f"exit code {subprocess.run(command, stderr=log, timeout=timeout).returncode}"
+            except subprocess.TimeoutExpired:
+                ended = f"killed after {timeout:.0f} s"
+        done = {(r["case"], r["impl"], r["dtype"], r["mode"]) for r in _read_rows(rows_path)}
+        pending = [c for c in pending if not done.issuperset(keys[c.name])]
+        if pending:  # the worker died in pending[0]: its missing rows become errors
+            case, pending = pending[0], pending[1:]
+            error = f"the worker ended ({ended}) in this case; stderr ends:\n{log_path.read_text()[-2000:]}"
+            with open(rows_path, "a") as f:
+                f.writelines(json.dumps(dict(zip(("case", "impl", "dtype", "mode"), k), **case.describe(),
+                                             flops=case.flops(k[3]), status="error", error=error)) + "\n"
+                             for k in keys[case.name] if k not in done)
+    device = args.out / "device.json"
+    metadata = dict(
+        schema="jfa-bench/2", date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        command="python -m benchmarks.run " + shlex.join(argv), quick=args.quick, notes=NOTES,
+        elapsed_s=round(time.time() - start, 1),
+        tuned_configs=os.environ.get(TUNED_CONFIGS_ENV) or "built-in (jagged_flash_jax/configs.py)",
+        **(json.loads(device.read_text()) if device.exists() else {}))
+    results = dict(metadata=metadata, rows=_read_rows(rows_path))
+    (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    rows_path.unlink()
+    device.unlink(missing_ok=True)
+    if not log_path.read_text():
+        log_path.unlink()
+    return results
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    text = Runner(args, argv).run()
-    print()
-    print(text, flush=True)
+    if run_cases(args, argv) is not None:
+        fbgemm = ["--fbgemm-json", str(args.fbgemm_json)] if args.fbgemm_json else []
+        report.main(["--results", str(args.out), *fbgemm])
 
 
 if __name__ == "__main__":

@@ -1,9 +1,5 @@
-"""Device time (CUPTI, through JAX's Mosaic GPU profiler), wall-clock time and memory of compiled functions.
-
-CUPTI sums the kernels' own durations: launch gaps and memsets (jax-triton zeroes some outputs with a
-memset, not a kernel) are not in it. The wall clock of one synchronized call has them, plus the host's
-dispatch and synchronization; the pipelined time (many calls queued, one synchronization) has the gaps
-but not a synchronization per call.
+"""Device time (CUPTI, through jax.experimental.mosaic.gpu.profiler.measure), wall-clock and pipelined
+times, and XLA's memory analysis of one function, rotating over several input sets.
 """
 
 from __future__ import annotations
@@ -13,132 +9,63 @@ import time
 
 import jax
 
-CUPTI_UNAVAILABLE = None  # the reason, once a first attempt failed
-# Keep CUPTI loaded between measurements (as `Cupti(finalize=False)` does): detaching and attaching
-# it again for each of ~150 rows costs time and changes nothing measured.
-FINALIZE = False
+DEVICE_NOTE = ("device_ms: CUPTI sums the kernels' own durations (launch gaps and memsets are not in "
+               "it); one program runs the op on each input set in turn, and the median over iterations "
+               "of its time divided by the number of sets is the time per call.")
+HOST_NOTE = ("wall_ms: median of single calls each followed by jax.block_until_ready (dispatch and "
+             "synchronization included); pipelined_ms: many calls queued, one synchronization, per call.")
 
 
-def _mosaic_gpu_ext():
-    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # raises where JAX has no Mosaic GPU build
-
-    return mosaic_gpu_lib._mosaic_gpu_ext
+def calls_for(seconds: float, call_s: float, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, round(seconds / max(call_s, 1e-6)))))
 
 
-def _split_iterations(timings, iterations: int):
-    if len(timings) % iterations:
-        raise RuntimeError(f"{len(timings)} kernel launches do not divide into {iterations} iterations")
-    per_iteration = len(timings) // iterations
-    return [timings[i * per_iteration:(i + 1) * per_iteration] for i in range(iterations)]
+def every_set(fn):
+    """One jitted program that calls fn on each input set in turn (its argument: the list of sets)."""
+    return jax.jit(lambda sets: [fn(*args) for args in sets])
 
 
-def _cupti_rotating(compiled, arg_sets, iterations: int):
-    """Per-iteration [(kernel, ms)] with the input set changing at every call (one CUPTI session)."""
-    ext = _mosaic_gpu_ext()
-    ext._cupti_init()
-    try:
-        outputs = [compiled(*arg_sets[i % len(arg_sets)]) for i in range(iterations)]
-        jax.block_until_ready(outputs)
-    finally:
-        timings = ext._cupti_get_timings(FINALIZE)
-    del outputs
-    return _split_iterations(list(timings or []), iterations)
-
-
-def _cupti_public(compiled, arg_sets, iterations: int):
-    """The same through the public `measure`, one call per input set (consecutive calls share a set)."""
-    from jax.experimental.mosaic.gpu.profiler import measure
-
-    per_set = max(1, -(-iterations // len(arg_sets)))
-    result = []
-    for args in arg_sets:
-        _, timings = measure(compiled, aggregate=False, iterations=per_set)(*args)
-        if timings is None:
-            return []
-        result.extend([timings] if per_set == 1 else timings)
-    return result
-
-
-def device_times(compiled, arg_sets, iterations: int) -> tuple[list[list[tuple[str, float]]], str]:
-    """Per-iteration kernel timings and how they were taken ("cupti" or "cupti-measure").
-
-    Raises RuntimeError when CUPTI cannot time here (no GPU, no Mosaic GPU build).
-    """
-    global CUPTI_UNAVAILABLE
-    if CUPTI_UNAVAILABLE is not None:
-        raise RuntimeError(CUPTI_UNAVAILABLE)
+def device_ms(program, arg_sets: list, iterations: int) -> dict:
+    """{"device_ms", "device_ms_min", "kernels"} from CUPTI for `every_set(fn)` (jitted or compiled);
+    {"timer_note": why} where CUPTI cannot time."""
     if jax.default_backend() != "gpu":
-        CUPTI_UNAVAILABLE = f"CUPTI needs a GPU (JAX's default backend is {jax.default_backend()!r})"
-        raise RuntimeError(CUPTI_UNAVAILABLE)
+        return {"timer_note": f"no CUPTI: JAX's default backend is {jax.default_backend()!r}"}
     try:
-        _mosaic_gpu_ext()
-    except Exception as err:  # any import failure means no CUPTI here
-        CUPTI_UNAVAILABLE = f"no Mosaic GPU extension for CUPTI: {err!r}"
-        raise RuntimeError(CUPTI_UNAVAILABLE) from err
-    try:
-        timings, how = _cupti_rotating(compiled, arg_sets, iterations), "cupti"
-    except (AttributeError, TypeError):  # the private extension changed: use the public API
-        timings, how = _cupti_public(compiled, arg_sets, iterations), "cupti-measure"
-    if not timings or not timings[0]:
-        raise RuntimeError("CUPTI recorded no kernels")
-    return timings, how
+        from jax.experimental.mosaic.gpu.profiler import measure
+
+        _, timings = measure(program, aggregate=False, iterations=iterations)(arg_sets)
+    except Exception as err:  # no Mosaic GPU build, CUPTI busy, inconsistent kernels: wall times remain
+        return {"timer_note": f"CUPTI failed: {type(err).__name__}: {str(err)[:300]}"}
+    if not timings:
+        return {"timer_note": "CUPTI recorded no kernels"}
+    timings = [timings] if iterations == 1 else timings
+    per_call = [sum(ms for _, ms in iteration) / len(arg_sets) for iteration in timings]
+    median = sorted(timings, key=lambda it: sum(ms for _, ms in it))[len(timings) // 2]
+    kernels: dict[str, float] = {}
+    for name, ms in median:
+        kernels[name[:100]] = kernels.get(name[:100], 0.0) + ms / len(arg_sets)
+    return dict(device_ms=statistics.median(per_call), device_ms_min=min(per_call),
+                cupti_iterations=iterations, kernels={k: round(v, 5) for k, v in kernels.items()})
 
 
-def summarize_kernels(timings: list[list[tuple[str, float]]]) -> dict:
-    """Median total ms over iterations, its spread, and the median of each kernel in launch order."""
-    totals = [sum(ms for _, ms in iteration) for iteration in timings]
-    kernels = []
-    for index, (name, _) in enumerate(timings[0]):
-        samples = [iteration[index][1] for iteration in timings
-                   if index < len(iteration) and iteration[index][0] == name]
-        kernels.append([name[:160], round(statistics.median(samples), 5)])
-    return dict(ms=statistics.median(totals), ms_min=min(totals), ms_max=max(totals),
-                kernels_per_call=len(timings[0]), kernels=kernels)
-
-
-def wall_times(compiled, arg_sets, calls: int) -> list[float]:
-    """Milliseconds of `calls` block_until_ready'd calls, rotating through the input sets."""
-    times = []
-    for i in range(calls):
-        args = arg_sets[i % len(arg_sets)]
+def host_ms(compiled, arg_sets: list, wall_calls: int, pipelined_calls: int) -> dict:
+    walls = []
+    for i in range(wall_calls):
         start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
-def pipelined_time(compiled, arg_sets, calls: int) -> float:
-    """Milliseconds per call of `calls` calls dispatched back to back and synchronized once.
-
-    Like CUDA events around each of many queued calls (the seed's do_bench), this counts the launch gaps
-    when the host cannot keep the GPU busy, but not a host synchronization per call.
-    """
+        jax.block_until_ready(compiled(*arg_sets[i % len(arg_sets)]))
+        walls.append((time.perf_counter() - start) * 1e3)
     start = time.perf_counter()
-    outputs = [compiled(*arg_sets[i % len(arg_sets)]) for i in range(calls)]
+    outputs = [compiled(*arg_sets[i % len(arg_sets)]) for i in range(pipelined_calls)]
     jax.block_until_ready(outputs)
-    return (time.perf_counter() - start) * 1e3 / calls
+    pipelined = (time.perf_counter() - start) * 1e3 / pipelined_calls
+    return dict(wall_ms=statistics.median(walls), wall_calls=wall_calls, pipelined_ms=pipelined,
+                pipelined_calls=pipelined_calls)
 
 
-def compiled_memory(compiled) -> dict:
-    """Argument, output and temporary bytes from XLA's memory analysis of the compiled function."""
+def memory(compiled) -> dict:
+    """Argument, output and temporary bytes of XLA's memory analysis of the compiled function."""
     stats = compiled.memory_analysis()
     if stats is None:
         return {}
-    fields = dict(argument_bytes="argument_size_in_bytes", output_bytes="output_size_in_bytes",
-                  temp_bytes="temp_size_in_bytes", alias_bytes="alias_size_in_bytes",
-                  generated_code_bytes="generated_code_size_in_bytes")
-    memory = {key: int(getattr(stats, attr)) for key, attr in fields.items() if hasattr(stats, attr)}
-    if all(key in memory for key in ("argument_bytes", "output_bytes", "temp_bytes")):
-        memory["total_bytes"] = memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"]
-    return memory
-
-
-def device_memory_stats() -> dict:
-    """The device allocator's counters (process-wide; peak is a high-water mark since start)."""
-    try:
-        stats = jax.devices()[0].memory_stats() or {}
-    except Exception:  # not every backend has them
-        return {}
-    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
-    return {key: int(stats[key]) for key in keys if key in stats}
-
+    out = {name: int(getattr(stats, f"{name}_size_in_bytes")) for name in ("argument", "output", "temp")}
+    return dict(out, total=sum(out.values()))

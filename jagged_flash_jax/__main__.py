@@ -1,6 +1,6 @@
-"""`python -m jagged_flash_jax demo`: a random jagged batch, forward and backward on the best backend
-available, checked against the pure-JAX reference; without a GPU, also the Triton kernels through the
-interpreter on a small batch."""
+"""`python -m jagged_flash_jax demo`: a random jagged batch through `jagged_attention` (causal, GQA) and
+`multi_head_jagged_flash_attention`, forward and backward on every backend available here, each compared
+with a float64 reference and timed."""
 
 from __future__ import annotations
 
@@ -12,50 +12,64 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import api, multi_head_jagged_flash_attention, offsets_from_lengths
-from .reference import jagged_attention_reference
+from . import (
+    api,
+    jagged_attention,
+    jagged_attention_reference,
+    multi_head_jagged_flash_attention,
+    offsets_from_lengths,
+)
 
 
-def _batch(lengths, heads, dim, dtype, seed):
+def _batch(lengths, heads, kv_heads, dim, dtype, seed):
     offsets = offsets_from_lengths(jnp.asarray(lengths, jnp.int32))
     total = int(offsets[-1])
     keys = jax.random.split(jax.random.key(seed), 4)
-    q, k, v, do = (jax.random.normal(key, (heads, total, dim), jnp.float32) for key in keys)
-    q, k = q * dim**-0.25, k * dim**-0.25  # scores of order 1, as after a learned projection
-    return offsets, q.astype(dtype), k.astype(dtype), v.astype(dtype), do.astype(dtype)
+    shapes = [(total, heads, dim), (total, kv_heads, dim), (total, kv_heads, dim), (total, heads, dim)]
+    q, k, v, do = (jax.random.normal(key, shape, jnp.float32) for key, shape in zip(keys, shapes))
+    return offsets, [x.astype(dtype) for x in (q, k, v, do)]
 
 
 def _relative_error(got, want) -> float:
-    got, want = (np.asarray(x, np.float64) for x in (got, want))
+    got, want = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (got, want))
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def check_backend(backend, lengths, heads, dim, max_seq_len, dtype, tolerance, seed=0) -> bool:
-    """Forward and backward on `backend` against the float32 reference; prints one report line."""
-    offsets, q, k, v, do = _batch(lengths, heads, dim, dtype, seed)
+def _reference(offsets, q, k, v, do, max_seq_len, fbgemm):
+    """Output and gradients in float64 from the dense reference (JAX differentiates it)."""
+    with jax.enable_x64(True):
+        args = [jnp.asarray(np.asarray(jnp.asarray(x, jnp.float32), np.float64)) for x in (q, k, v, do)]
+        kw = dict(scale=1.0, out_scale=1.0 / max_seq_len) if fbgemm else dict(causal=True)
+        out, vjp = jax.vjp(lambda q, k, v: jagged_attention_reference(q, k, v, offsets, max_seq_len, **kw),
+                           *args[:3])
+        return [np.asarray(x) for x in (out, *vjp(args[3]))]
+
+
+def check(op_name, backend, lengths, heads, kv_heads, dim, max_seq_len, dtype, tolerance, seed=0) -> bool:
+    """Forward and backward of one op on `backend` against the float64 reference; one report line."""
+    fbgemm = op_name == "multi_head_jagged_flash_attention"
+    offsets, (q, k, v, do) = _batch(lengths, heads, kv_heads, dim, dtype, seed)
+
+    def op(q, k, v):
+        if fbgemm:
+            return multi_head_jagged_flash_attention(q, k, v, offsets, max_seq_len, layout="THD",
+                                                     backend=backend, allow_tf32=False)
+        return jagged_attention(q, k, v, offsets, max_seq_len, causal=True, backend=backend,
+                                allow_tf32=False)
 
     @jax.jit
     def forward_backward(q, k, v, do):
-        out, vjp = jax.vjp(lambda q, k, v: multi_head_jagged_flash_attention(
-            q, k, v, offsets, max_seq_len, backend=backend), q, k, v)
+        out, vjp = jax.vjp(op, q, k, v)
         return (out, *vjp(do))
 
-    @jax.jit
-    def reference(q, k, v, do):
-        out, vjp = jax.vjp(lambda q, k, v: jagged_attention_reference(
-            q, k, v, offsets, max_seq_len, allow_tf32=False), q, k, v)
-        return (out, *vjp(do))
-
-    upcast = [x.astype(jnp.float32) for x in (q, k, v, do)]
-    want = reference(*upcast)
     jax.block_until_ready(forward_backward(q, k, v, do))  # compile
     start = time.perf_counter()
     got = jax.block_until_ready(forward_backward(q, k, v, do))
     elapsed_ms = 1e3 * (time.perf_counter() - start)
+    want = _reference(offsets, q, k, v, do, max_seq_len, fbgemm)
     errors = {name: _relative_error(g, w) for name, g, w in zip(("o", "dq", "dk", "dv"), got, want)}
     ok = all(e <= tolerance for e in errors.values())
-    print(f"  {backend:9s} {jnp.dtype(dtype).name:8s} B={len(lengths)} H={heads} D={dim} "
-          f"T={q.shape[1]} max_seq_len={max_seq_len}: fwd+bwd {elapsed_ms:8.2f} ms; relative error "
+    print(f"  {backend:9s} {jnp.dtype(dtype).name:8s} fwd+bwd {elapsed_ms:8.2f} ms; relative error "
           + " ".join(f"{n}={e:.1e}" for n, e in errors.items())
           + f" (tolerance {tolerance:.0e}) {'OK' if ok else 'FAIL'}")
     return ok
@@ -64,22 +78,32 @@ def check_backend(backend, lengths, heads, dim, max_seq_len, dtype, tolerance, s
 def demo(args) -> int:
     backend = api.default_backend()
     print(f"jagged_flash_jax demo on {jax.devices()[0].device_kind} (JAX {jax.__version__}); "
-          f"best backend here: {backend!r}")
+          f"backend='auto' picks {backend!r} here")
     rng = np.random.default_rng(args.seed)
-    ok = True
-    if backend == "triton":
-        lengths = rng.integers(1, 1025, size=64)
-        print("A recommender-style batch: 64 user histories of 1 to 1024 events, bf16:")
-        ok &= check_backend("triton", lengths, 8, 128, 1024, jnp.bfloat16, 1e-2, args.seed)
-        ok &= check_backend("xla", lengths, 8, 128, 1024, jnp.bfloat16, 1e-2, args.seed)
-    else:
-        lengths = rng.integers(0, 257, size=32)
-        print("No GPU: a jagged batch of 32 sequences of 0 to 256 tokens on the pure-JAX backend:")
-        ok &= check_backend("xla", lengths, 4, 64, 192, jnp.float32, 1e-5, args.seed)
+    gpu = backend == "triton"
+    lengths = rng.integers(1, 1025 if gpu else 129, size=64 if gpu else 8)
+    heads, kv_heads, dim, max_seq_len = (8, 2, 128, 1024) if gpu else (4, 2, 32, 96)
+    dtype, tolerance = (jnp.bfloat16, 1e-2) if gpu else (jnp.float32, 1e-5)
     small = [5, 0, 33, 1, 48]
-    print("The Triton kernels themselves, run by Triton's interpreter on the CPU (small batch):")
-    ok &= check_backend("interpret", small, 2, 24, 40, jnp.float32, 1e-5, args.seed)
-    print("all checks passed" if ok else "SOME CHECKS FAILED")
+    ok = True
+    print(f"\n{len(lengths)} sequences of {lengths.min()} to {lengths.max()} tokens, H={heads}, "
+          f"H_kv={kv_heads}, D={dim}; checked against a float64 reference:\n"
+          f"  o = jagged_attention(q, k, v, offsets, max_seq_len={max_seq_len}, causal=True)\n"
+          f"  (softmax(q kᵀ / √D) v, each query over the keys up to its own position in its sequence; "
+          f"GQA: {heads // kv_heads} query heads per kv head)")
+    for b in (["triton"] if gpu else []) + ["xla"]:
+        ok &= check("jagged_attention", b, lengths, heads, kv_heads, dim, max_seq_len, dtype, tolerance)
+    print("  interpret: the same Triton kernels in Triton's interpreter, on a small batch:")
+    ok &= check("jagged_attention", "interpret", small, 2, 1, 24, 40, jnp.float32, 1e-5)
+    print(f"\nFBGEMM's semantics, the same batch with H_kv = H:\n"
+          f"  o = multi_head_jagged_flash_attention(q, k, v, offsets, max_seq_len={max_seq_len}, "
+          f"layout='THD')\n"
+          f"  (softmax(q kᵀ) v / max_seq_len, no scale)")
+    for b in (["triton"] if gpu else []) + ["xla"]:
+        ok &= check("multi_head_jagged_flash_attention", b, lengths, heads, heads, dim, max_seq_len, dtype,
+                    tolerance)
+    ok &= check("multi_head_jagged_flash_attention", "interpret", small, 2, 2, 24, 40, jnp.float32, 1e-5)
+    print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
 
 

@@ -129,9 +129,20 @@ class DataParallelBatch(NamedTuple):
     token_index: jax.Array
 
     def unpack(self, packed: jax.Array, total: int) -> jax.Array:
-        """A packed token-major array back in the original token order, [total, ...] (0 elsewhere)."""
-        index = jnp.where(self.token_index >= 0, self.token_index, total)
-        return jnp.zeros((total, *packed.shape[1:]), packed.dtype).at[index].set(packed, mode="drop")
+        """A packed token-major array back in the original token order, [total, ...] (0 elsewhere).
+
+        A gather by an index made on the host from token_index; the result is replicated when `packed`
+        is sharded on an explicit mesh (a sharded gather's output sharding is otherwise ambiguous).
+        """
+        token_index = np.asarray(self.token_index)
+        source = np.full(total, token_index.size, np.int64)  # past the end: filled with 0
+        kept = token_index >= 0
+        source[token_index[kept]] = np.flatnonzero(kept)
+        mesh = getattr(getattr(jax.typeof(packed), "sharding", None), "mesh", None)
+        replicated = None
+        if mesh is not None and not mesh.empty and mesh.explicit_axes:
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return packed.at[jnp.asarray(source)].get(mode="fill", fill_value=0, out_sharding=replicated)
 
 
 def pack_data_parallel(arrays: jax.Array | Sequence[jax.Array], offsets, num_shards: int, *,

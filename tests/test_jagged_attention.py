@@ -89,3 +89,20 @@ def test_fbgemm_op_is_the_standard_op_rescaled():
     standard = jfa.jagged_attention(q, k, v, offsets, 16, scale=1.0, layout="HTD", backend="xla",
                                     allow_tf32=False)
     np.testing.assert_allclose(fbgemm, standard / 16, rtol=1e-6, atol=1e-7)
+
+
+def test_log_sum_exp_only_for_attended_queries():
+    """The forward writes the statistics of exactly the attended queries, +inf for those that have no
+    key; the interpreter's outputs start as a NaN bit pattern, so a write to any other row shows (an
+    empty sequence read as length 1 would write the token after it)."""
+    batch = Batch.make([6, 9, 0], 2, 8, kv_lengths=[3, 0, 5], extra=4, seed=2)
+    q, k, v, _ = batch.arrays(jnp.float32)
+    op = lambda q: jfa.jagged_attention(q, k, v, batch.offsets, 16, kv_offsets=batch.kv_offsets, causal=True,
+                                        backend="interpret")
+    _, vjp = jax.vjp(op, q)
+    (lse,) = [x for x in jax.tree.leaves(vjp) if x.ndim == 3 and x.shape[:2] == (1, 2)]
+    lse = np.asarray(lse[0])
+    no_key = np.r_[0:3, 6:15]  # sequence 0: 6 queries, 3 keys, causal: the first 3 see none; sequence 1: no keys
+    assert np.all(lse[:, no_key] == np.inf)
+    assert np.all(np.isfinite(lse[:, 3:6]))
+    assert np.all(np.isnan(lse[:, 15:]))  # after the last (empty) sequence: never written

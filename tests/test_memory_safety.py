@@ -249,3 +249,15 @@ def test_adversarial_offsets_are_memory_safe(case_results, case):
     result = case_results(*case)
     passed = result.returncode == 0 and result.stdout.strip().endswith("ok")
     assert passed, _describe(result)
+
+
+def test_malformed_offsets_without_overlap_match_the_xla_backend():
+    """Decreasing offsets whose clamped sequences do not overlap: every token, covered or not, equals
+    the xla backend's (same clamping rule); uncovered tokens are 0."""
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((24, 2, 8)), jnp.float32) for _ in range(3))
+    offsets = jnp.asarray([10, 3, 20], jnp.int32)  # sequence 0 empty at 10, sequence 1 is tokens 3..19
+    got, want = (jfa.jagged_attention(q, k, v, offsets, 32, backend=b, allow_tf32=False)
+                 for b in ("interpret", "xla"))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.any(np.asarray(got)[np.r_[0:3, 20:24]])

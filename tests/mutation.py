@@ -1,0 +1,80 @@
+"""Mutation testing: plant each plausible bug below in a copy of the repository, one at a time, run the
+CPU tests meant to catch it, and report which test did (`python tests/mutation.py [--only TEXT]`).
+A mutant that survives means a test is missing or too weak. tests/README.md lists the last results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# (what the bug is, file, original text, planted text, the pytest arguments that must catch it); the
+# snippets are quoted code, one mutant per line.
+# ruff: noqa: E501
+MUTANTS = [
+ ("kernels: no lower clamp of offsets", "jagged_flash_jax/kernels.py", "start = tl.minimum(tl.maximum(start, 0), num_tokens)\n    end = tl.minimum(tl.maximum(end, start), num_tokens)\n    return start, tl.minimum", "start = tl.minimum(start, num_tokens)\n    end = tl.minimum(tl.maximum(end, start), num_tokens)\n    return start, tl.minimum", "tests/test_memory_safety.py"),
+ ("kernels: empty sequence read as length 1", "jagged_flash_jax/kernels.py", "end = tl.minimum(tl.maximum(end, start), num_tokens)\n    return start, tl.minimum", "end = tl.minimum(tl.maximum(end, start + 1), num_tokens)\n    return start, tl.minimum", "tests/test_jagged_attention.py -k log_sum_exp"),
+ ("kernels: int64 offsets truncated to int32", "jagged_flash_jax/kernels.py", "start = tl.load(offsets_ptr + sequence).to(tl.int64)\n    end = tl.load(offsets_ptr + sequence + 1).to(tl.int64)", "start = tl.load(offsets_ptr + sequence).to(tl.int32).to(tl.int64)\n    end = tl.load(offsets_ptr + sequence + 1).to(tl.int32).to(tl.int64)", "tests/test_memory_safety.py"),
+ ("kernels: causal shift reversed", "jagged_flash_jax/kernels.py", "    if CAUSAL:\n        return n_k - n_q", "    if CAUSAL:\n        return n_q - n_k", "tests/test_jagged_attention.py -k interpret"),
+ ("kernels: causal mask excludes the diagonal", "jagged_flash_jax/kernels.py", "keep = keep & (key_rows[None, :] <= query_rows[:, None] + shift)\n        scores = tl.where(keep, scores, -INF)", "keep = keep & (key_rows[None, :] < query_rows[:, None] + shift)\n        scores = tl.where(keep, scores, -INF)", "tests/test_jagged_attention.py -k interpret"),
+ ("kernels: GQA maps heads to kv heads by modulo", "jagged_flash_jax/kernels.py", "    kv_head = head // KV_GROUP\n    q_base", "    kv_head = head % (NUM_HEADS // KV_GROUP)\n    q_base", "tests/test_jagged_attention.py -k interpret"),
+ ("kernels: dk/dv sum only the first head of a group", "jagged_flash_jax/kernels.py", "for member in range(0, KV_GROUP):", "for member in range(0, 1):", "tests/test_jagged_attention.py -k interpret"),
+ ("kernels: dv misses the output scale", "jagged_flash_jax/kernels.py", "dv * OUT_SCALE, kv_token_stride", "dv, kv_token_stride", "tests/test_fbgemm.py -k interpret"),
+ ("kernels: queries with no key get log-sum-exp 0", "jagged_flash_jax/kernels.py", "lse = tl.where(attended, row_max + tl.math.log2(row_sum), INF)", "lse = tl.where(attended, row_max + tl.math.log2(row_sum), 0.0)", "tests/test_jagged_attention.py -k log_sum_exp"),
+ ("kernels: tokens past max_seq_len not zeroed", "jagged_flash_jax/kernels.py", "    if end - start > length:", "    if end - start > length + (1 << 30):", "tests/test_fbgemm.py -k interpret"),
+ ("kernels: tokens after the last sequence not zeroed", "jagged_flash_jax/kernels.py", "        _zero_rows(base_first, base_second, tl.maximum(first, covered_end), last, cols, token_stride, D,", "        _zero_rows(base_first, base_second, last, last, cols, token_stride, D,", "tests/test_fbgemm.py -k interpret"),
+ ("kernels: malformed offsets taken as sorted", "jagged_flash_jax/kernels.py", "    return tl.sum(unsorted, axis=0) == 0", "    return tl.sum(unsorted, axis=0) >= 0", "tests/test_memory_safety.py -k without_overlap"),
+ ("kernels: backward recomputes p without the scale", "jagged_flash_jax/kernels.py", "p = tl.math.exp2(scores * QK_SCALE - lse[:, None])", "p = tl.math.exp2(scores - lse[:, None])", "tests/test_jagged_attention.py -k interpret"),
+ ("plan: dq/dk miss the output scale", "jagged_flash_jax/launch/plan.py", "DS_SCALE=p.scale * p.out_scale", "DS_SCALE=p.scale", "tests/test_fbgemm.py -k interpret"),
+ ("plan: allow_tf32 inverted", "jagged_flash_jax/api.py", 'input_precision="tf32" if allow_tf32 else "ieee"', 'input_precision="ieee" if allow_tf32 else "tf32"', "tests/test_launchers.py"),
+ ("plan: log-sum-exp stored in the input dtype", "jagged_flash_jax/launch/plan.py", "jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),\n        params=(*params, _fill_chunk(p.q_tokens, blocks)),", "jax.ShapeDtypeStruct(p.stats_shape, q.dtype)),\n        params=(*params, _fill_chunk(p.q_tokens, blocks)),", "tests/test_transforms.py -k residual"),
+ ("transforms: HTD folds batched offsets into heads", "jagged_flash_jax/transforms.py", 'self.into_heads = p.layout == "HTD" and not offsets_batched', 'self.into_heads = p.layout == "HTD"', "tests/test_transforms.py -k vmap"),
+ ("transforms: outputs not marked varying (shard_map)", "jagged_flash_jax/transforms.py", "    axes = frozenset().union(*(varying_axes(x) for x in inputs))", "    axes = frozenset()", "tests/test_transforms.py -k shard_map"),
+ ("transforms: head-dimension sharding accepted", "jagged_flash_jax/transforms.py", "            if _axes(spec[2]):", "            if False:", "tests/test_transforms.py -k unsupported"),
+ ("api: kv_max_seq_len ignored", "jagged_flash_jax/api.py", "kv_max_seq_len = max_seq_len if kv_max_seq_len is None else", "kv_max_seq_len = max_seq_len if True else", "tests/test_jagged_attention.py -k xla"),
+ ("api: default scale 1/D", "jagged_flash_jax/api.py", "        return 1.0 / math.sqrt(head_dim)", "        return 1.0 / head_dim", "tests/test_jagged_attention.py -k xla"),
+ ("xla backend: causal without the bottom-right shift", "jagged_flash_jax/reference.py", "keep &= key_rows[:, None, :] <= query_rows[:, :, None] + (n_k - n_q)[:, None, None]", "keep &= key_rows[:, None, :] <= query_rows[:, :, None]", "tests/test_jagged_attention.py -k xla"),
+ ("jagged: packed offsets not made local", "jagged_flash_jax/jagged.py", "own = offsets[bounds[s]:bounds[s + 1] + 1] - firsts[s]", "own = offsets[bounds[s]:bounds[s + 1] + 1]", "tests/test_api.py -k pack"),
+ ("gpu launcher: num_warps dropped", "jagged_flash_jax/launch/gpu.py", "        num_warps=call.num_warps, num_stages=call.num_stages,", "        num_stages=call.num_stages,", "tests/test_launchers.py"),
+ ("api: max_seq_len=True accepted", "jagged_flash_jax/api.py", "    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):", "    if not isinstance(value, (int, np.integer)):", "tests/test_api.py"),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", default="", help="run the mutants whose description contains this")
+    args = parser.parse_args()
+    survivors = 0
+    for name, path, old, new, tests in MUTANTS:
+        if args.only not in name:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            work = pathlib.Path(tmp) / "repo"
+            shutil.copytree(REPO, work, ignore=shutil.ignore_patterns(
+                ".git", ".venv", ".ci-venv", ".whl", ".probe", "__pycache__", ".hypothesis"))
+            source = (work / path).read_text()
+            if old not in source:
+                print(f"NOT APPLIED  {name}: the original text is gone from {path}")
+                survivors += 1
+                continue
+            (work / path).write_text(source.replace(old, new, 1))
+            start = time.time()
+            run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                  "-o", "addopts=-ra -n 2", *tests.split()], cwd=work, capture_output=True,
+                                 text=True, env={**__import__("os").environ, "PYTHONPATH": str(work)})
+            failed = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("FAILED")]
+            caught = run.returncode != 0 and failed
+            survivors += not caught
+            print(f"{'caught  ' if caught else 'SURVIVED'} {name}: {failed[0] if failed else ''} "
+                  f"({time.time() - start:.0f} s)", flush=True)
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -102,7 +102,8 @@ def test_log_sum_exp_only_for_attended_queries():
     _, vjp = jax.vjp(op, q)
     (lse,) = [x for x in jax.tree.leaves(vjp) if x.ndim == 3 and x.shape[:2] == (1, 2)]
     lse = np.asarray(lse[0])
-    no_key = np.r_[0:3, 6:15]  # sequence 0: 6 queries, 3 keys, causal: the first 3 see none; sequence 1: no keys
+    # Sequence 0: 6 queries, 3 keys, causal: the first 3 queries see no key. Sequence 1 has no keys.
+    no_key = np.r_[0:3, 6:15]
     assert np.all(lse[:, no_key] == np.inf)
     assert np.all(np.isfinite(lse[:, 3:6]))
     assert np.all(np.isnan(lse[:, 15:]))  # after the last (empty) sequence: never written

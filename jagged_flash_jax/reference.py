@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._compat import varying_axes
-from .jagged import sequence_bounds
+from .jagged import jagged_to_padded, padded_to_jagged, sequence_bounds
 
 BLOCK = 64  # rows of a query or key block
 
@@ -227,19 +227,14 @@ def jagged_attention_reference(q, k, v, offsets, max_seq_len: int, *, kv_offsets
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     group = q.shape[1] // k.shape[1]
 
-    def pad(x, offs, length):
-        starts, lengths = sequence_bounds(offs, x.shape[0], length)
-        rows = jnp.arange(length)
-        valid = rows[None] < lengths[:, None]
-        index = jnp.where(valid, starts[:, None] + rows, x.shape[0])
-        return jnp.take(x, index, axis=0, mode="fill", fill_value=0), valid, index
+    def pad(x, offs, length):  # [T, H, D] -> [B, length, H, D] float32, and the lengths [B]
+        return (jagged_to_padded(x.astype(jnp.float32), offs, length, layout="THD"),
+                sequence_bounds(offs, x.shape[0], length)[1])
 
-    qp, q_valid, q_index = pad(q.astype(jnp.float32), offsets, max_seq_len)  # [B, L, H, D]
-    kp, k_valid, _ = pad(jnp.repeat(k, group, axis=1).astype(jnp.float32), kv_offsets, kv_max_seq_len)
-    vp, _, _ = pad(jnp.repeat(v, group, axis=1).astype(jnp.float32), kv_offsets, kv_max_seq_len)
-    n_q, n_k = q_valid.sum(1), k_valid.sum(1)
-    keep = _allowed(jnp.broadcast_to(jnp.arange(max_seq_len), q_valid.shape),
-                    jnp.broadcast_to(jnp.arange(kv_max_seq_len), k_valid.shape), n_q, n_k, causal)
+    qp, n_q = pad(q, offsets, max_seq_len)
+    kp, n_k = pad(jnp.repeat(k, group, axis=1), kv_offsets, kv_max_seq_len)
+    vp, _ = pad(jnp.repeat(v, group, axis=1), kv_offsets, kv_max_seq_len)
+    keep = _allowed(jnp.arange(max_seq_len)[None], jnp.arange(kv_max_seq_len)[None], n_q, n_k, causal)
     scores = scale * jnp.einsum("bqhd,bkhd->bhqk", qp, kp, precision=lax.Precision.HIGHEST)
     scores = jnp.where(keep[:, None], scores, -jnp.inf)
     row_max = lax.stop_gradient(scores.max(-1, keepdims=True))
@@ -247,5 +242,5 @@ def jagged_attention_reference(q, k, v, offsets, max_seq_len: int, *, kv_offsets
     total = weights.sum(-1, keepdims=True)
     probs = weights / jnp.where(total > 0, total, 1.0)
     out = out_scale * jnp.einsum("bhqk,bkhd->bqhd", probs, vp, precision=lax.Precision.HIGHEST)
-    o = jnp.zeros(q.shape, jnp.float32).at[q_index].set(out, mode="drop").astype(q.dtype)
+    o = padded_to_jagged(out, offsets, q.shape[0], layout="THD").astype(q.dtype)
     return jnp.swapaxes(o, 0, 1) if layout == "HTD" else o

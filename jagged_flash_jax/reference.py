@@ -90,22 +90,45 @@ def _allowed(query_rows, key_rows, n_q, n_k, causal):
     return keep
 
 
+class _QueryBlocks:
+    """The query blocks of one segment and, block of keys by block of keys, the scores they see: what
+    the forward and dq passes share."""
+
+    def __init__(self, p, q, k, v, q_offsets, kv_offsets):
+        self.p, self.k, self.v = p, k, v
+        self.blocks = _Blocks(q_offsets, p.q_tokens, p.max_seq_len, BLOCK)
+        self.kv_start, self.n_k = _other_side(self.blocks, kv_offsets, p.kv_tokens, p.kv_max_seq_len)
+        self.n_q = self.blocks.lengths[self.blocks.sequence]
+        self.split = (*self.blocks.tokens.shape, p.num_kv_heads, p.num_heads // p.num_kv_heads)  # N Q G R
+        self.q = self.gather(q)
+        self.key_blocks = jnp.arange(-(-min(p.kv_max_seq_len, p.kv_tokens) // BLOCK))
+
+    def gather(self, x):
+        """x [T_q, H, D] -> [N, Q, G, R, D]."""
+        return self.blocks.gather(x).reshape(*self.split, self.p.head_dim)
+
+    def scores(self, key_block):
+        """(k, v blocks [N, K, G, D], scaled scores [N, Q, G, R, K], which scores count) of a key block."""
+        key_rows = key_block * BLOCK + jnp.arange(BLOCK)
+        index = self.kv_start[:, None] + key_rows
+        kb, vb = (jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (self.k, self.v))
+        scores = self.p.scale * jnp.einsum("nqgrd,nkgd->nqgrk", self.q, kb, precision=_precision(self.p))
+        keep = _allowed(self.blocks.rows, key_rows[None], self.n_q, self.n_k, self.p.causal)
+        return kb, vb, scores, keep[:, :, None, None, :]
+
+    def scatter(self, x, fill=0.0):
+        """[N, Q, G, R, ...] -> [T_q, H, ...]."""
+        return self.blocks.scatter(x.reshape(*self.blocks.tokens.shape, self.p.num_heads, *x.shape[4:]),
+                                   self.p.q_tokens, fill)
+
+
 def _segment_forward(p, q, k, v, q_offsets, kv_offsets):
     """One segment: q [T_q, H, D], k, v [T_kv, Hk, D] float32 -> o [T_q, H, D], lse [H, T_q]."""
-    group = p.num_heads // p.num_kv_heads
-    blocks = _Blocks(q_offsets, p.q_tokens, p.max_seq_len, BLOCK)
-    kv_start, n_k = _other_side(blocks, kv_offsets, p.kv_tokens, p.kv_max_seq_len)
-    n_q = blocks.lengths[blocks.sequence]
-    qb = blocks.gather(q).reshape(*blocks.tokens.shape, p.num_kv_heads, group, p.head_dim)
-    shape = (*blocks.tokens.shape, p.num_kv_heads, group)  # [N, Q, G, R]
+    side = _QueryBlocks(p, q, k, v, q_offsets, kv_offsets)
 
     def step(carry, key_block):
         acc, row_sum, row_max = carry
-        key_rows = key_block * BLOCK + jnp.arange(BLOCK)
-        index = kv_start[:, None] + key_rows
-        kb, vb = (jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (k, v))
-        scores = p.scale * jnp.einsum("nqgrd,nkgd->nqgrk", qb, kb, precision=_precision(p))
-        keep = _allowed(blocks.rows, key_rows[None], n_q, n_k, p.causal)[:, :, None, None, :]
+        _, vb, scores, keep = side.scores(key_block)
         scores = jnp.where(keep, scores, -jnp.inf)
         new_max = jnp.maximum(row_max, scores.max(-1))
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -116,41 +139,29 @@ def _segment_forward(p, q, k, v, q_offsets, kv_offsets):
                                                        precision=_precision(p))
         return (acc, row_sum, new_max), None
 
-    init = _varying_like((jnp.zeros((*shape, p.head_dim)), jnp.zeros(shape), jnp.full(shape, -jnp.inf)), qb)
-    key_blocks = -(-min(p.kv_max_seq_len, p.kv_tokens) // BLOCK)
-    (acc, row_sum, row_max), _ = lax.scan(step, init, jnp.arange(key_blocks))
+    init = (jnp.zeros((*side.split, p.head_dim)), jnp.zeros(side.split), jnp.full(side.split, -jnp.inf))
+    (acc, row_sum, row_max), _ = lax.scan(step, _varying_like(init, side.q), side.key_blocks)
     seen = row_sum > 0
     o = acc * (p.out_scale / jnp.where(seen, row_sum, 1.0))[..., None]
     lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), jnp.inf)
-    o = blocks.scatter(o.reshape(*blocks.tokens.shape, p.num_heads, p.head_dim), p.q_tokens)
-    lse = blocks.scatter(lse.reshape(*blocks.tokens.shape, p.num_heads), p.q_tokens, jnp.inf)
-    return o, lse.T
+    return side.scatter(o), side.scatter(lse, jnp.inf).T
 
 
 def _segment_dq(p, q, k, v, do, lse, delta, q_offsets, kv_offsets):
-    group = p.num_heads // p.num_kv_heads
-    blocks = _Blocks(q_offsets, p.q_tokens, p.max_seq_len, BLOCK)
-    kv_start, n_k = _other_side(blocks, kv_offsets, p.kv_tokens, p.kv_max_seq_len)
-    n_q = blocks.lengths[blocks.sequence]
-    split = (*blocks.tokens.shape, p.num_kv_heads, group)
-    qb, dob = (blocks.gather(x).reshape(*split, p.head_dim) for x in (q, do))
-    lseb, deltab = (jnp.take(x.T, blocks.tokens, axis=0, mode="fill", fill_value=fill).reshape(split)
-                    for x, fill in ((lse, jnp.inf), (delta, 0.0)))
+    side = _QueryBlocks(p, q, k, v, q_offsets, kv_offsets)
+    dob = side.gather(do)
+    lseb, deltab = (jnp.take(x.T, side.blocks.tokens, axis=0, mode="fill", fill_value=fill)
+                    .reshape(side.split) for x, fill in ((lse, jnp.inf), (delta, 0.0)))
 
     def step(dq, key_block):
-        key_rows = key_block * BLOCK + jnp.arange(BLOCK)
-        index = kv_start[:, None] + key_rows
-        kb, vb = (jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (k, v))
-        scores = p.scale * jnp.einsum("nqgrd,nkgd->nqgrk", qb, kb, precision=_precision(p))
-        keep = _allowed(blocks.rows, key_rows[None], n_q, n_k, p.causal)[:, :, None, None, :]
+        kb, vb, scores, keep = side.scores(key_block)
         probs = jnp.where(keep, jnp.exp(scores - lseb[..., None]), 0.0)
         dp = p.out_scale * jnp.einsum("nqgrd,nkgd->nqgrk", dob, vb, precision=_precision(p))
         ds = probs * (dp - deltab[..., None])
         return dq + jnp.einsum("nqgrk,nkgd->nqgrd", ds, kb, precision=_precision(p)), None
 
-    key_blocks = -(-min(p.kv_max_seq_len, p.kv_tokens) // BLOCK)
-    dq, _ = lax.scan(step, _varying_like(jnp.zeros(qb.shape), qb), jnp.arange(key_blocks))
-    return blocks.scatter(p.scale * dq.reshape(*blocks.tokens.shape, p.num_heads, p.head_dim), p.q_tokens)
+    dq, _ = lax.scan(step, _varying_like(jnp.zeros(side.q.shape), side.q), side.key_blocks)
+    return side.scatter(p.scale * dq)
 
 
 def _segment_dkdv(p, q, k, v, do, lse, delta, q_offsets, kv_offsets):

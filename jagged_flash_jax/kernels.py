@@ -14,9 +14,12 @@ float32 log-sum-exp and delta are [segments, H, q_tokens]. Every pointer is reba
 `_rows`.
 
 Grid. Axis 0 enumerates (segment, sequence, head), with one extra "sequence" per segment whose programs
-zero the tokens that no sequence covers (each sequence's first programs zero its own tokens past the
-maximum length); axis 1 enumerates row blocks, the last ones first so that the costly blocks of long
-sequences start early. So every output element is written by the kernels: no memset is needed.
+zero the tokens that no sequence covers; axis 1 enumerates a sequence's slots: row blocks, the last ones
+first so that the costly blocks of long sequences start early, and last a program that zeroes the
+sequence's own tokens past the maximum length. So every output element is written by the kernels: no
+memset is needed. The zeroing programs return without touching the attention code: ptxas 12.8
+(Triton 3.6's) miscompiled programs that zeroed the tail and then went on to their block, clobbering a
+uniform register that held the offsets pointer.
 
 Semantics per sequence: n_q = min(len_q, Q_MAX_LEN) queries attend n_k = min(len_kv, KV_MAX_LEN) keys
 (causal: key j <= query i + n_k - n_q), o = OUT_SCALE * softmax(scale * q k^T) v. The log-sum-exp is
@@ -37,12 +40,13 @@ INF: tl.constexpr = tl.constexpr(float("inf"))
 
 @triton.jit
 def _program(batch, NUM_HEADS: tl.constexpr):
-    """(segment, sequence, head, block) of this program; sequence == batch is the zero-fill program."""
+    """(segment, sequence, head, slot) of this program: sequence == batch is the zero-fill program;
+    slots count down along axis 1, so slot 0 (the tail-zeroing program) runs last."""
     pid = tl.program_id(0)
     head = pid % NUM_HEADS
     segment_sequence = pid // NUM_HEADS
-    block = tl.num_programs(1) - 1 - tl.program_id(1)
-    return segment_sequence // (batch + 1), segment_sequence % (batch + 1), head, block
+    slot = tl.num_programs(1) - 1 - tl.program_id(1)
+    return segment_sequence // (batch + 1), segment_sequence % (batch + 1), head, slot
 
 
 @triton.jit
@@ -301,18 +305,19 @@ def attention_fwd_kernel(
     (batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
      q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
     fill_chunk = tl.load(params_ptr + 9)
-    segment, sequence, head, block = _program(batch, NUM_HEADS)
+    segment, sequence, head, slot = _program(batch, NUM_HEADS)
     q_offsets_ptr += segment * q_offsets_stride
     kv_offsets_ptr += segment * kv_offsets_stride
     if sequence == batch:
-        _zero_uncovered(o_ptr, o_ptr, q_offsets_ptr, batch, segment, head, block, fill_chunk, q_tokens,
+        _zero_uncovered(o_ptr, o_ptr, q_offsets_ptr, batch, segment, head, slot, fill_chunk, q_tokens,
                         q_token_stride, q_head_stride, Q_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=False)
         return
-    if block == 0:
+    if slot == 0:
         _zero_tail(o_ptr, o_ptr, q_offsets_ptr, sequence, segment, head, q_tokens, q_token_stride,
                    q_head_stride, Q_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=False)
+        return
     q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
-    query_start = block * BLOCK_M
+    query_start = (slot - 1) * BLOCK_M
     if query_start >= n_q:
         return
     kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
@@ -531,9 +536,10 @@ def attention_bwd_kernel(
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
     DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
-    """dq, dk and dv in one launch: even blocks are dq programs (DQ_BLOCK_M queries of one head), odd
-    blocks dk/dv programs (DKDV_BLOCK_N keys of one kv head; only the first head of each group runs
-    one). The zero-fill programs clear dq (even) and dk, dv (odd) where no sequence attends.
+    """dq, dk and dv in one launch: even slots are dq programs (DQ_BLOCK_M queries of one head), odd
+    slots dk/dv programs (DKDV_BLOCK_N keys of one kv head; only the first head of each group runs
+    one). The zero-fill programs and the last two slots clear dq (even) and dk, dv (odd) where no
+    sequence attends.
 
     Every output element has one writer and there are no atomics: the result is deterministic.
     """
@@ -541,36 +547,38 @@ def attention_bwd_kernel(
      q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
     q_fill_chunk = tl.load(params_ptr + 9)
     kv_fill_chunk = tl.load(params_ptr + 10)
-    segment, sequence, head, block = _program(batch, NUM_HEADS)
+    segment, sequence, head, slot = _program(batch, NUM_HEADS)
     q_offsets_ptr += segment * q_offsets_stride
     kv_offsets_ptr += segment * kv_offsets_stride
-    is_dq = block % 2 == 0
+    is_dq = slot % 2 == 0
     if sequence == batch:
         if is_dq:
-            _zero_uncovered(dq_ptr, dq_ptr, q_offsets_ptr, batch, segment, head, block // 2, q_fill_chunk,
+            _zero_uncovered(dq_ptr, dq_ptr, q_offsets_ptr, batch, segment, head, slot // 2, q_fill_chunk,
                             q_tokens, q_token_stride, q_head_stride, Q_MAX_LEN, D, BLOCK_D, FILL_BLOCK,
                             TWO=False)
         elif head % KV_GROUP == 0:
-            _zero_uncovered(dk_ptr, dv_ptr, kv_offsets_ptr, batch, segment, head // KV_GROUP, block // 2,
+            _zero_uncovered(dk_ptr, dv_ptr, kv_offsets_ptr, batch, segment, head // KV_GROUP, slot // 2,
                             kv_fill_chunk, kv_tokens, kv_token_stride, kv_head_stride, KV_MAX_LEN, D,
                             BLOCK_D, FILL_BLOCK, TWO=True)
         return
-    if block < 2:
+    if slot < 2:
         if is_dq:
             _zero_tail(dq_ptr, dq_ptr, q_offsets_ptr, sequence, segment, head, q_tokens, q_token_stride,
                        q_head_stride, Q_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=False)
         elif head % KV_GROUP == 0:
             _zero_tail(dk_ptr, dv_ptr, kv_offsets_ptr, sequence, segment, head // KV_GROUP, kv_tokens,
                        kv_token_stride, kv_head_stride, KV_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=True)
+        return
+    block = slot // 2 - 1
     if is_dq:
         _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr,
-                    kv_offsets_ptr, segment, sequence, head, (block // 2) * DQ_BLOCK_M, q_tokens,
+                    kv_offsets_ptr, segment, sequence, head, block * DQ_BLOCK_M, q_tokens,
                     kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
                     NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, QK_SCALE,
                     DS_SCALE, INPUT_PRECISION, DQ_BLOCK_M, DQ_BLOCK_N)
     elif head % KV_GROUP == 0:
         _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_offsets_ptr,
-                      kv_offsets_ptr, segment, sequence, head // KV_GROUP, (block // 2) * DKDV_BLOCK_N,
+                      kv_offsets_ptr, segment, sequence, head // KV_GROUP, block * DKDV_BLOCK_N,
                       q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
                       kv_head_stride, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL,
                       QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M, DKDV_BLOCK_N)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -171,9 +172,9 @@ def covered(offsets, tokens: int, max_len: int) -> np.ndarray:
     return mask
 
 
-def check_offsets_case(offsets, int64: bool) -> None:
-    """In a fresh process: forward and vjp of both ops on the interpret backend with these offsets (the
-    kv offsets, reversed, for cross-attention): every output finite, zero on tokens nothing attends."""
+def check_offsets_case(offsets, int64: bool, backend: str = "interpret") -> None:
+    """In a fresh process: forward and vjp of both ops on `backend` with these offsets (the kv offsets,
+    reversed, for cross-attention): every output finite, zero on tokens nothing attends."""
     rng = np.random.default_rng(11)
     q = jnp.asarray(rng.standard_normal((TOKENS, HEADS, DIM)), jnp.float32)
     kv = jnp.asarray(rng.standard_normal((KV_TOKENS, HEADS, DIM)), jnp.float32)
@@ -184,12 +185,12 @@ def check_offsets_case(offsets, int64: bool) -> None:
         assert q_offsets.dtype == dtype
         cases = {
             "jagged_attention": (lambda q, k, v: jfa.jagged_attention(
-                q, k, v, q_offsets, MAX_SEQ_LEN, backend="interpret"), (q, q, q), "THD", False),
+                q, k, v, q_offsets, MAX_SEQ_LEN, backend=backend), (q, q, q), "THD", False),
             "jagged_attention cross causal": (lambda q, k, v: jfa.jagged_attention(
                 q, k, v, q_offsets, MAX_SEQ_LEN, kv_offsets=kv_offsets, kv_max_seq_len=KV_MAX_SEQ_LEN,
-                causal=True, backend="interpret"), (q, kv, kv), "THD", True),
+                causal=True, backend=backend), (q, kv, kv), "THD", True),
             "multi_head_jagged_flash_attention": (lambda q, k, v: jfa.multi_head_jagged_flash_attention(
-                q, k, v, q_offsets, MAX_SEQ_LEN, backend="interpret"), (q.swapaxes(0, 1),) * 3, "HTD", False),
+                q, k, v, q_offsets, MAX_SEQ_LEN, backend=backend), (q.swapaxes(0, 1),) * 3, "HTD", False),
         }
         for name, (op, args, layout, cross) in cases.items():
             o, vjp = jax.vjp(op, *args)
@@ -261,3 +262,20 @@ def test_malformed_offsets_without_overlap_match_the_xla_backend():
                  for b in ("interpret", "xla"))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert not np.any(np.asarray(got)[np.r_[0:3, 20:24]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="needs compute-sanitizer")
+def test_adversarial_offsets_on_the_gpu_under_compute_sanitizer():
+    """The same cases on the triton backend, in one process under compute-sanitizer's memcheck. XLA's
+    platform allocator gives every buffer its own allocation, so an access just past an array is an
+    error rather than a read of a neighbouring buffer in XLA's pool."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_ALLOCATOR": "platform", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    call = (f"import test_memory_safety as t\nfor case in {CASES!r}:\n"
+            "    t.check_offsets_case(*case, backend='triton')\n")
+    result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99",
+                             "--print-limit", "20", sys.executable, "-c", call],
+                            env=env, capture_output=True, text=True, timeout=240, cwd=TESTS)
+    report = (result.stdout + result.stderr)[-6000:]
+    assert result.returncode == 0 and "ERROR SUMMARY: 0 errors" in report, report

@@ -96,7 +96,7 @@ class KernelCall:
     grid: tuple[int, int]
     out_shapes: tuple[jax.ShapeDtypeStruct, ...]
     # Runtime sizes, passed as an int32 array rather than as scalar arguments: jax-triton turns a
-    # scalar equal to 1 into a compile-time constant, and kernels compiled so gave wrong results.
+    # scalar equal to 1 into a compile-time constant, so each pattern of ones would compile a kernel.
     params: tuple[int, ...]
     constants: dict[str, Any]
     num_warps: int = 4
@@ -145,13 +145,14 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
         return jnp.zeros(p.q_shape, q.dtype), jnp.full(p.stats_shape, jnp.inf, jnp.float32)
     cfg = p.block_sizes.fwd
     params, constants = _common(p)
-    blocks = max(1, p.blocks(cfg.block_m, p.q_tokens, p.max_seq_len))
+    # A sequence's slots: its blocks, and the program that zeroes its tail (see kernels.py).
+    slots = p.blocks(cfg.block_m, p.q_tokens, p.max_seq_len) + 1
     call = KernelCall(
         kernels.attention_fwd_kernel,
-        grid=(p.num_segments * (p.batch + 1) * p.num_heads, blocks),
+        grid=(p.num_segments * (p.batch + 1) * p.num_heads, slots),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                     jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
-        params=(*params, _fill_chunk(p.q_tokens, blocks)),
+        params=(*params, _fill_chunk(p.q_tokens, slots)),
         constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     o, lse = run(call, (q, k, v, q_offsets, kv_offsets, _params(call)))
@@ -175,15 +176,16 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
                        OUT_SCALE=p.out_scale, BLOCK_M=bs.preprocess_block_m,
                        STRIDE_ALIGN=align))
     (delta,) = run(preprocess, (o, do, _params(preprocess)))
-    # dq programs take the even blocks, dk/dv programs the odd ones (see the kernel's docstring).
-    blocks = max(1, p.blocks(bs.dq.block_m, p.q_tokens, p.max_seq_len),
-                 p.blocks(bs.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len))
+    # dq programs take the even slots, dk/dv programs the odd ones; the last two zero the tails (see
+    # the kernel's docstring).
+    slots = max(p.blocks(bs.dq.block_m, p.q_tokens, p.max_seq_len),
+                p.blocks(bs.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len)) + 1
     call = KernelCall(
         kernels.attention_bwd_kernel,
-        grid=(p.num_segments * (p.batch + 1) * p.num_heads, 2 * blocks),
+        grid=(p.num_segments * (p.batch + 1) * p.num_heads, 2 * slots),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype), jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
                     jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
-        params=(*params, _fill_chunk(p.q_tokens, blocks), _fill_chunk(p.kv_tokens, blocks)),
+        params=(*params, _fill_chunk(p.q_tokens, slots), _fill_chunk(p.kv_tokens, slots)),
         constants=dict(constants, OUT_SCALE=p.out_scale, DS_SCALE=p.scale * p.out_scale,
                        DKDV_BLOCK_M=bs.dkdv.block_m, DKDV_BLOCK_N=bs.dkdv.block_n,
                        DQ_BLOCK_M=bs.dq.block_m, DQ_BLOCK_N=bs.dq.block_n),
@@ -193,14 +195,15 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
 
 
 def check_grid(p: Problem) -> None:
-    """Raise ValueError when a sequence would need more blocks than CUDA's grid allows."""
+    """Raise ValueError when a sequence would need more programs than CUDA's grid axis 1 allows."""
     bs = p.block_sizes
     for rows, tokens, max_len, factor in (
             (bs.fwd.block_m, p.q_tokens, p.max_seq_len, 1),
             (bs.dq.block_m, p.q_tokens, p.max_seq_len, 2),
             (bs.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len, 2)):
-        blocks = factor * p.blocks(rows, tokens, max_len)
-        if blocks > MAX_GRID_Y:
+        programs = factor * (p.blocks(rows, tokens, max_len) + 1)
+        if programs > MAX_GRID_Y:
             raise ValueError(
-                f"a sequence of up to {min(max_len, tokens)} tokens needs {blocks} blocks of {rows} rows; "
-                f"at most {MAX_GRID_Y} are supported (use larger blocks or a smaller max_seq_len)")
+                f"a sequence of up to {min(max_len, tokens)} tokens needs {programs} programs for its blocks "
+                f"of {rows} rows; at most {MAX_GRID_Y} are supported (use larger blocks or a smaller "
+                "max_seq_len)")

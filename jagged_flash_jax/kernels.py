@@ -22,9 +22,10 @@ memset is needed. The zeroing programs return without touching the attention cod
 uniform register that held the offsets pointer.
 
 Semantics per sequence: n_q = min(len_q, Q_MAX_LEN) queries attend n_k = min(len_kv, KV_MAX_LEN) keys
-(causal: key j <= query i + n_k - n_q), o = OUT_SCALE * softmax(scale * q k^T) v. The log-sum-exp is
-kept in base 2 of the scaled scores, as the forward computes it, so that the backward recomputes
-probabilities with the same rounding. Rows with no key get o = 0 and log-sum-exp +inf.
+(causal: key j <= query i + n_k - n_q), o = OUT_SCALE * softmax(scale * q k^T) v. The float32
+log-sum-exp is kept in units of the unscaled scores (base 2 after scaling), and both passes subtract
+before they scale: at large logits the top score of a row gets probability exactly 1 in both. Rows with
+no key get o = 0 and log-sum-exp +inf.
 """
 
 import triton
@@ -265,7 +266,8 @@ def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, 
                kv_token_stride, QK_SCALE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr):
-    """One step of the online softmax over keys [key_start, key_start + BLOCK_N), in base 2."""
+    """One step of the online softmax over keys [key_start, key_start + BLOCK_N), in base 2. row_max is
+    the running maximum of the unscaled scores."""
     key_rows = key_start + tl.arange(0, BLOCK_N)
     k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
     scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
@@ -275,16 +277,16 @@ def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, 
         if CAUSAL:
             keep = keep & (key_rows[None, :] <= query_rows[:, None] + shift)
         scores = tl.where(keep, scores, -INF)
-    # QK_SCALE > 0, so the max commutes with it. `scores * QK_SCALE - max` is one fused multiply-add
-    # per score, the very expression with which the backward recomputes probabilities.
-    new_max = tl.maximum(row_max, tl.max(scores, axis=1) * QK_SCALE)
+    # The max is subtracted before the scale (QK_SCALE > 0, so they commute): the top score gets
+    # exactly 2**0, which no rounding of a scaled max could guarantee once |scores| pass 2**24.
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
     if MASKED and CAUSAL:
         # A row whose keys are all masked so far keeps max -inf; subtract 0 there, not -inf.
         new_max_safe = tl.where(new_max == -INF, 0.0, new_max)
     else:
         new_max_safe = new_max
-    p = tl.math.exp2(scores * QK_SCALE - new_max_safe[:, None])
-    correction = tl.math.exp2(row_max - new_max_safe)
+    p = tl.math.exp2((scores - new_max_safe[:, None]) * QK_SCALE)
+    correction = tl.math.exp2((row_max - new_max_safe) * QK_SCALE)
     row_sum = row_sum * correction + tl.sum(p, axis=1)
     v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
     acc = acc * correction[:, None]
@@ -349,7 +351,8 @@ def attention_fwd_kernel(
     acc = acc * (OUT_SCALE / tl.where(attended, row_sum, 1.0))[:, None]
     o_base = _rows(o_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
     _store(o_base, query_rows, cols, n_q, acc, q_token_stride, D, BLOCK_D)
-    lse = tl.where(attended, row_max + tl.math.log2(row_sum), INF)
+    # In units of the unscaled scores: sum_j exp2((s_j - lse) * QK_SCALE) = 1.
+    lse = tl.where(attended, row_max + tl.math.log2(row_sum) * (1.0 / QK_SCALE), INF)
     lse_base = _stats(lse_ptr, segment, head, q_start, q_tokens, NUM_HEADS)
     tl.store(lse_base + query_rows, lse, mask=query_rows < n_q)
 
@@ -403,7 +406,7 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, query_start
         lse = tl.load(lse_base + query_rows)
         delta = tl.load(delta_base + query_rows)
     scores_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
-    p_t = tl.math.exp2(scores_t * QK_SCALE - lse[None, :])
+    p_t = tl.math.exp2((scores_t - lse[None, :]) * QK_SCALE)
     if MASKED and CAUSAL:
         p_t = tl.where(key_rows[:, None] <= query_rows[None, :] + shift, p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
@@ -473,7 +476,7 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start, query_rows, cols
     k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
     v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
     scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-    p = tl.math.exp2(scores * QK_SCALE - lse[:, None])
+    p = tl.math.exp2((scores - lse[:, None]) * QK_SCALE)
     if MASKED:
         keep = key_rows[None, :] < n_k
         if CAUSAL:

@@ -251,21 +251,23 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
     # Params: batch, q and kv tokens per segment, q token/head strides, kv token/head strides (in units
     # of STRIDE_ALIGN = 8 elements), offsets row strides (0: one shared row), then fill chunks.
     strides = (2, 24, 30, 4, 1, 2, 1, 0, 0)
-    # Grid axis 0: (segment, sequence or zero fill, head) = 1 * 3 * 4; axis 1: ceil(20 / 16) blocks.
-    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (12, 2),
+    # Grid axis 0: (segment, sequence or zero fill, head) = 1 * 3 * 4; axis 1: ceil(20 / 16) blocks and
+    # the tail-zeroing slot. Fill chunks: ceil(tokens / slots).
+    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (12, 3),
                 arrays=[((24, 4, 8), f32)] + [((30, 2, 8), f32)] * 2 + [((1, 3), i32)] * 2,
-                params=(*strides, 12), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
+                params=(*strides, 8), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
                 constants=dict(common, OUT_SCALE=1.0, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
     _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (2, 4),
                 arrays=[((24, 4, 8), f32), ((24, 4, 8), f32)], params=(24, 4, 1),
                 out_shapes=(_sds((1, 4, 24), f32),),
                 constants=dict(NUM_HEADS=4, D=8, BLOCK_D=16, OUT_SCALE=1.0, BLOCK_M=16, STRIDE_ALIGN=8),
                 num_warps=4, num_stages=2)
-    # Axis 1: dq (even) and dk/dv (odd) programs for max(ceil(20 / 32), ceil(24 / 16)) = 2 blocks each.
-    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (12, 4),
+    # Axis 1: dq (even) and dk/dv (odd) programs for max(ceil(20 / 32), ceil(24 / 16)) = 2 blocks each,
+    # and a tail slot of each.
+    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (12, 6),
                 arrays=[((24, 4, 8), f32), ((30, 2, 8), f32), ((30, 2, 8), f32), ((24, 4, 8), f32),
                         ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32)],
-                params=(*strides, 12, 15),
+                params=(*strides, 8, 10),
                 out_shapes=(_sds((24, 4, 8), f32), _sds((30, 2, 8), f32), _sds((30, 2, 8), f32)),
                 constants=dict(common, OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
                                DQ_BLOCK_M=32, DQ_BLOCK_N=16),
@@ -287,17 +289,17 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
     # HTD: token stride D, head stride T * D, in units of 8 elements.
     strides = (3, 40, 40, 3, 120, 3, 120, 0, 0)
     arrays = [((2, 40, 24), bf16)] * 3 + [((1, 4), i32)] * 2
-    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (8, 2), arrays=arrays,
-                params=(*strides, 20),
+    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (8, 3), arrays=arrays,
+                params=(*strides, 14),
                 out_shapes=(_sds((2, 40, 24), bf16), _sds((1, 2, 40), f32)),
                 constants=dict(common, OUT_SCALE=1 / 32, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
     _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (3, 2),
                 arrays=[((2, 40, 24), bf16)] * 2, params=(40, 3, 120), out_shapes=(_sds((1, 2, 40), f32),),
                 constants=dict(NUM_HEADS=2, D=24, BLOCK_D=32, OUT_SCALE=1 / 32, BLOCK_M=16, STRIDE_ALIGN=8),
                 num_warps=4, num_stages=2)
-    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (8, 4),
+    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (8, 6),
                 arrays=[((2, 40, 24), bf16)] * 4 + [((1, 2, 40), f32)] * 2 + [((1, 4), i32)] * 2,
-                params=(*strides, 20, 20), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
+                params=(*strides, 14, 14), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
                 constants=dict(common, OUT_SCALE=1 / 32, DS_SCALE=1 / 32, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
                                DQ_BLOCK_M=32, DQ_BLOCK_N=16),
                 num_warps=8, num_stages=1)
@@ -387,7 +389,9 @@ H200 = configs.FALLBACK_GPU
 
 @pytest.mark.parametrize("head_dim,dtype,max_seq_len,key", [
     (8, jnp.float32, 16, (H200, 32, 32, 256)),  # the smallest padded D and length bucket that cover
-    (64, jnp.bfloat16, 300, (H200, 16, 64, 256)),  # longer than every bucket of D = 64: the longest
+    (64, jnp.bfloat16, 256, (H200, 16, 64, 256)),
+    (64, jnp.bfloat16, 300, (H200, 16, 64, None)),
+    (8, jnp.float32, 5000, (H200, 32, 32, 256)),  # longer than every bucket of D = 32: the longest
     (100, jnp.float16, 1024, (H200, 16, 128, 1024)),
     (100, jnp.float16, 1025, (H200, 16, 128, None)),
     (256, jnp.float32, 5, (H200, 32, 256, None)),

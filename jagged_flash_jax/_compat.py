@@ -203,6 +203,7 @@ def _interpreted_language(internals: _Internals):
         original_patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
+    state = _language_state()
     replacements = [(internals.interpreter, "_patch_lang_tensor", patch_lang_tensor)]
     for name, module in list(sys.modules.items()):
         if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
@@ -220,6 +221,35 @@ def _interpreted_language(internals: _Internals):
     finally:
         for module, attr, original in originals:
             setattr(module, attr, original)
+        _restore_language(state)
+
+
+_MISSING = object()
+
+
+def _language_state() -> list[tuple[object, dict]]:
+    """The attributes of triton.language's modules and classes. The interpreter patches them for good
+    (tl.where, tl.store, tl.tensor's operators, ...): left so, a GPU compilation later in the process
+    fails inside the code generator."""
+    modules = [module for name, module in list(sys.modules.items()) if module is not None
+               and (name == "triton.language" or name.startswith("triton.language."))]
+    classes = {value for module in modules for value in vars(module).values()
+               if isinstance(value, type) and value.__module__.startswith("triton.language")}
+    return [(owner, dict(vars(owner))) for owner in [*modules, *classes]]
+
+
+def _restore_language(state: list[tuple[object, dict]]) -> None:
+    """Put back every attribute `_language_state` saw, and drop what the interpreter added to classes.
+    Names it adds to modules stay: it puts them in once and counts on them (interpreter_semantic in
+    triton.language.standard), and compiled code does not look them up."""
+    for owner, saved in state:
+        current = vars(owner)
+        for attr, value in saved.items():
+            if current.get(attr, _MISSING) is not value:
+                setattr(owner, attr, value)
+        if isinstance(owner, type):
+            for attr in [attr for attr in current if attr not in saved]:
+                delattr(owner, attr)
 
 
 def interpret(kernel, grid: tuple[int, ...], *args, **constants) -> None:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import triton
+import triton.language as tl
 from helpers import Batch, reference
 
 import jagged_flash_jax as jfa
@@ -122,6 +123,40 @@ def test_interpret_leaves_the_environment_alone():
     o = jfa.jagged_attention(q, q, q, [0, 2, 6], 4, backend="interpret")
     assert bool(jnp.all(jnp.isfinite(o)))
     assert dict(os.environ) == before
+
+
+@triton.jit
+def _small_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    tl.store(o_ptr + i, tl.where(x > 0, x + 1.0, tl.max(x, axis=0)), mask=i < n)
+
+
+def _language_attributes() -> dict:
+    modules = {name: module for name, module in sys.modules.items()
+               if module is not None and name.startswith("triton.language")}
+    owners = {**modules, "tl.tensor": tl.tensor}
+    return {(name, attr): value for name, owner in owners.items() for attr, value in vars(owner).items()}
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
+def test_interpret_leaves_triton_language_as_it_was_and_the_gpu_compiler_working():
+    """The interpreter patches tl.where, tl.store, tl.tensor's operators and more, for good. A process
+    that ran the interpret backend and then compiled for the GPU (the demo on a GPU machine) failed in
+    the code generator. Every attribute that existed before is put back, and compilation works."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    before = _language_attributes()
+    q = jnp.ones((6, 2, 8), jnp.float32)
+    jax.block_until_ready(jfa.jagged_attention(q, q, q, [0, 2, 6], 4, backend="interpret"))
+    after = _language_attributes()
+    assert [key for key, value in before.items() if after.get(key) is not value] == []
+    assert [key for key in after if key[0] == "tl.tensor" and key not in before] == []
+    source = ASTSource(_small_kernel, {"x_ptr": "*fp32", "o_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                       constexprs={"BLOCK": 16})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert "_small_kernel" in compiled.asm["ptx"]
 
 
 # ---------------------------------------------------------------------------------------------------

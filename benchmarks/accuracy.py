@@ -21,11 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jagged_flash_jax import (
-    jagged_attention_reference,
-    multi_head_jagged_flash_attention,
-    offsets_from_lengths,
-)
+from jagged_flash_jax import jagged_attention_reference, offsets_from_lengths
 
 from . import impls
 from .cases import Case, InputSet
@@ -40,14 +36,10 @@ def _impl(name: str, case: Case):
         return impls.cudnn_packed(case)
     if not name.startswith("jfa-"):
         raise ValueError(f"unknown implementation {name!r}: jfa-<backend> or cudnn-packed")
-
-    def attend(q, k, v, offsets):
-        return multi_head_jagged_flash_attention(q, k, v, offsets, case.max_seq_len, layout="THD",
-                                                 backend=name.removeprefix("jfa-"), allow_tf32=False)
-    return attend, lambda s: (s.q, s.k, s.v, s.do, (s.offsets,))
+    return impls.jfa(case, name.removeprefix("jfa-"), allow_tf32=False)
 
 
-def max_logit(case: Case, s: InputSet) -> float:
+def max_logit(s: InputSet) -> float:
     """max |q_i . k_j| over the attended pairs."""
     q, k = (np.asarray(x.astype(jnp.float32), np.float64) for x in s[:2])
     bounds = np.asarray(s.offsets)
@@ -120,7 +112,7 @@ def main(argv=None) -> None:
         for factor in factors:
             s = inputs(case, dtype, study, factor)
             expected = float64_results(case, s)
-            logit = max_logit(case, s)
+            logit = max_logit(s)
             for name in args.impls.split(","):
                 row = dict(study=study, dtype=jnp.dtype(dtype).name, factor=factor, impl=name,
                            max_logit=logit, **measure(name, case, s, expected))

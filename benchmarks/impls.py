@@ -26,15 +26,16 @@ def _finish(case: Case, out):
     return out / case.max_seq_len if case.fbgemm else out
 
 
-def jfa(case: Case, backend: str, block_sizes=None):
+def jfa(case: Case, backend: str, block_sizes=None, allow_tf32: bool = True):
     """This library; the fbgemm cases through multi_head_jagged_flash_attention."""
     def attend(q, k, v, offsets, kv_offsets):
         if case.fbgemm:
             return multi_head_jagged_flash_attention(q, k, v, offsets, case.max_seq_len, layout="THD",
-                                                     backend=backend, block_sizes=block_sizes)
+                                                     backend=backend, block_sizes=block_sizes,
+                                                     allow_tf32=allow_tf32)
         return jagged_attention(q, k, v, offsets, case.max_seq_len, kv_offsets=kv_offsets,
                                 kv_max_seq_len=case.kv_max_seq_len, causal=case.causal, backend=backend,
-                                block_sizes=block_sizes)
+                                block_sizes=block_sizes, allow_tf32=allow_tf32)
     return attend, lambda s: (s.q, s.k, s.v, s.do, (s.offsets, s.kv_offsets))
 
 

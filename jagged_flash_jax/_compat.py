@@ -203,36 +203,35 @@ def _interpreted_language(internals: _Internals):
         original_patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
-    state = _language_state()
-    replacements = [(internals.interpreter, "_patch_lang_tensor", patch_lang_tensor)]
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
-            continue
+    state = _language_state()  # the twins go with everything else the interpreter changes there
+    internals.interpreter._patch_lang_tensor = patch_lang_tensor
+    for module in _language_modules():
         for attr, value in list(vars(module).items()):
             if isinstance(value, internals.jit_function):
                 if id(value) not in _LANGUAGE_TWINS:
                     _LANGUAGE_TWINS[id(value)] = (value, internals.interpreted_function(value.fn))
-                replacements.append((module, attr, _LANGUAGE_TWINS[id(value)][1]))
-    originals = [(module, attr, getattr(module, attr)) for module, attr, _ in replacements]
-    for module, attr, replacement in replacements:
-        setattr(module, attr, replacement)
+                setattr(module, attr, _LANGUAGE_TWINS[id(value)][1])
     try:
         yield
     finally:
-        for module, attr, original in originals:
-            setattr(module, attr, original)
+        internals.interpreter._patch_lang_tensor = original_patch
         _restore_language(state)
 
 
 _MISSING = object()
 
 
+def _language_modules() -> list:
+    """triton.language and its submodules, as imported so far."""
+    return [module for name, module in list(sys.modules.items()) if module is not None
+            and (name == "triton.language" or name.startswith("triton.language."))]
+
+
 def _language_state() -> list[tuple[object, dict]]:
     """The attributes of triton.language's modules and classes. The interpreter patches them for good
     (tl.where, tl.store, tl.tensor's operators, ...): left so, a GPU compilation later in the process
     fails inside the code generator."""
-    modules = [module for name, module in list(sys.modules.items()) if module is not None
-               and (name == "triton.language" or name.startswith("triton.language."))]
+    modules = _language_modules()
     classes = {value for module in modules for value in vars(module).values()
                if isinstance(value, type) and value.__module__.startswith("triton.language")}
     return [(owner, dict(vars(owner))) for owner in [*modules, *classes]]

@@ -213,9 +213,14 @@ def _describe(result: subprocess.CompletedProcess) -> str:
     return f"the case's process failed ({how}):\n{result.stderr[-4000:]}"
 
 
+def _child_env(**variables) -> dict:
+    """This process's environment with `variables`, and the tests and the package importable."""
+    path = os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, **variables, "PYTHONPATH": path}
+
+
 def _run_case(offsets, int64: bool) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    env = _child_env(JAX_PLATFORMS="cpu")
     call = f"import test_memory_safety as t; t.check_offsets_case({json.dumps(offsets)}, {int64})"
     return subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=300,
                           cwd=TESTS)
@@ -270,8 +275,7 @@ def test_adversarial_offsets_on_the_gpu_under_compute_sanitizer():
     """The same cases on the triton backend, in one process under compute-sanitizer's memcheck. XLA's
     platform allocator gives every buffer its own allocation, so an access just past an array is an
     error rather than a read of a neighbouring buffer in XLA's pool."""
-    env = {**os.environ, "XLA_PYTHON_CLIENT_ALLOCATOR": "platform", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-           "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    env = _child_env(XLA_PYTHON_CLIENT_ALLOCATOR="platform", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     call = (f"import test_memory_safety as t\nfor case in {CASES!r}:\n"
             "    t.check_offsets_case(*case, backend='triton')\n")
     result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99",

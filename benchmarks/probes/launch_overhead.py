@@ -38,7 +38,7 @@ def main() -> None:
     copy = jax.jit(lambda x: jax_triton.triton_call(x, kernel=copy_kernel, out_shape=x, grid=(1,), N=1024))
     print("triton copy     ms/call", per_call_ms(copy, (x,)))
     for name in ("gr-ml1m", "rec-long"):
-        case = next(c for c in cases.CASES if c.name == name)
+        (case,) = cases.select([name], quick=False)
         s = cases.input_sets(case, "bfloat16", 1)[0]
         for impl in ("jfa", "cudnn"):
             attend, prepare = impls.jfa(case, "triton") if impl == "jfa" else impls.cudnn_padded(case)

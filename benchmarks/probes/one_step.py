@@ -12,7 +12,7 @@ from .. import cases, impls
 
 
 def main() -> None:
-    case = next(c for c in cases.CASES if c.name == "long")
+    (case,) = cases.select(["long"], quick=False)
     s = cases.input_sets(case, "bfloat16", 1)[0]
     attend, prepare = impls.jfa(case, "triton")
     q, k, v, do, aux = prepare(s)

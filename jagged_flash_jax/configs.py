@@ -103,8 +103,8 @@ def table_from_json(entries: list[dict]) -> dict:
 
 # What `python -m benchmarks.tune` chose on an H200 (jax-triton 0.3.1, triton 3.6), by case: rec-small
 # and gr-ml1m (D <= 32), rec-mid (D = 64, L = 256), L4096-D64, rec-long (D = 128, L = 1024), long and
-# dlrm-long (L = 4096), L4096-D256. Backward tiles with 8 warps were slower everywhere (1.2-2x), even
-# where the 4-warp ones spill registers: see docs/performance.md.
+# dlrm-long (L = 4096), L4096-D256. Every backward tile spills registers at D >= 128; with the one-axis
+# grid (L2 reuse), 8-warp backward tiles win from D = 128: see docs/performance.md.
 _H200 = FALLBACK_GPU
 BUILTIN_TABLE = table_from_json([
     dict(gpu=_H200, bits=16, head_dim=32, max_seq_len=256, fwd=[64, 32, 4, 3], dkdv=[32, 64, 4, 3],
@@ -113,18 +113,18 @@ BUILTIN_TABLE = table_from_json([
          dq=[64, 32, 4, 3]),
     dict(gpu=_H200, bits=16, head_dim=64, max_seq_len=None, fwd=[128, 64, 8, 3], dkdv=[32, 64, 4, 3],
          dq=[64, 32, 4, 3]),
-    dict(gpu=_H200, bits=16, head_dim=128, max_seq_len=1024, fwd=[128, 64, 8, 3], dkdv=[32, 64, 4, 3],
-         dq=[128, 32, 4, 3]),
-    dict(gpu=_H200, bits=16, head_dim=128, max_seq_len=None, fwd=[128, 64, 8, 3], dkdv=[32, 64, 4, 3],
-         dq=[128, 32, 4, 3]),
-    dict(gpu=_H200, bits=16, head_dim=256, max_seq_len=None, fwd=[128, 64, 8, 2], dkdv=[32, 64, 4, 1],
-         dq=[64, 32, 4, 1], preprocess_block_m=32),
+    dict(gpu=_H200, bits=16, head_dim=128, max_seq_len=1024, fwd=[64, 64, 4, 3], dkdv=[64, 128, 8, 2],
+         dq=[128, 64, 8, 2]),
+    dict(gpu=_H200, bits=16, head_dim=128, max_seq_len=None, fwd=[128, 64, 8, 3], dkdv=[64, 128, 8, 2],
+         dq=[128, 64, 8, 2]),
+    dict(gpu=_H200, bits=16, head_dim=256, max_seq_len=None, fwd=[128, 64, 8, 2], dkdv=[64, 64, 8, 2],
+         dq=[128, 32, 8, 2], preprocess_block_m=32),
     dict(gpu=_H200, bits=32, head_dim=32, max_seq_len=256, fwd=[64, 32, 4, 2], dkdv=[32, 64, 4, 2],
          dq=[64, 32, 4, 2]),
     dict(gpu=_H200, bits=32, head_dim=64, max_seq_len=256, fwd=[64, 32, 4, 2], dkdv=[32, 128, 8, 2],
          dq=[128, 32, 8, 2]),
-    dict(gpu=_H200, bits=32, head_dim=128, max_seq_len=None, fwd=[128, 64, 8, 2], dkdv=[16, 128, 8, 2],
-         dq=[128, 16, 8, 2]),
+    dict(gpu=_H200, bits=32, head_dim=128, max_seq_len=None, fwd=[128, 64, 8, 2], dkdv=[32, 128, 8, 2],
+         dq=[128, 32, 8, 2]),
     dict(gpu=_H200, bits=32, head_dim=256, max_seq_len=None, fwd=[64, 16, 4, 1], dkdv=[16, 64, 4, 1],
          dq=[64, 16, 4, 1], preprocess_block_m=32),
 ])

@@ -13,13 +13,13 @@ vmapped problems); offsets rows are `*_offsets_stride` apart (0 when every segme
 float32 log-sum-exp and delta are [segments, H, q_tokens]. Every pointer is rebased once per program by
 `_rows`.
 
-Grid. Axis 0 enumerates (segment, sequence, head), with one extra "sequence" per segment whose programs
-zero the tokens that no sequence covers; axis 1 enumerates a sequence's slots: row blocks, the last ones
-first so that the costly blocks of long sequences start early, and last a program that zeroes the
-sequence's own tokens past the maximum length. So every output element is written by the kernels: no
-memset is needed. The zeroing programs return without touching the attention code: ptxas 12.8
-(Triton 3.6's) miscompiled programs that zeroed the tail and then went on to their block, clobbering a
-uniform register that held the offsets pointer.
+Grid. One axis of (segment, sequence, head, slot), slots fastest (see `_program`). There is one extra
+"sequence" per segment whose programs zero the tokens that no sequence covers. A sequence's slots are
+its row blocks, the last ones first so that the costly blocks of long sequences start early, and last a
+program that zeroes the sequence's own tokens past the maximum length. So every output element is
+written by the kernels: no memset is needed. The zeroing programs return without touching the
+attention code: ptxas 12.8 (Triton 3.6's) miscompiled programs that zeroed the tail and then went on
+to their block, clobbering a uniform register that held the offsets pointer.
 
 Semantics per sequence: n_q = min(len_q, Q_MAX_LEN) queries attend n_k = min(len_kv, KV_MAX_LEN) keys
 (causal: key j <= query i + n_k - n_q), o = OUT_SCALE * softmax(scale * q k^T) v. The float32
@@ -40,13 +40,18 @@ INF: tl.constexpr = tl.constexpr(float("inf"))
 
 
 @triton.jit
-def _program(batch, NUM_HEADS: tl.constexpr):
-    """(segment, sequence, head, slot) of this program: sequence == batch is the zero-fill program;
-    slots count down along axis 1, so slot 0 (the tail-zeroing program) runs last."""
+def _program(batch, slots, NUM_HEADS: tl.constexpr):
+    """(segment, sequence, head, slot) of this program: sequence == batch is the zero-fill program.
+
+    The grid is one axis, with a sequence's slots fastest: the programs running at one time share a few
+    heads' keys and values (forward, dq) or queries (dk/dv) in L2, instead of each streaming its own
+    head from memory. Slots count down, so slot 0 (the tail-zeroing program) runs last.
+    """
     pid = tl.program_id(0)
-    head = pid % NUM_HEADS
-    segment_sequence = pid // NUM_HEADS
-    slot = tl.num_programs(1) - 1 - tl.program_id(1)
+    slot = slots - 1 - pid % slots
+    head_sequence = pid // slots
+    head = head_sequence % NUM_HEADS
+    segment_sequence = head_sequence // NUM_HEADS
     return segment_sequence // (batch + 1), segment_sequence % (batch + 1), head, slot
 
 
@@ -307,7 +312,7 @@ def attention_fwd_kernel(
     (batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
      q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
     fill_chunk = tl.load(params_ptr + 9)
-    segment, sequence, head, slot = _program(batch, NUM_HEADS)
+    segment, sequence, head, slot = _program(batch, tl.load(params_ptr + 10), NUM_HEADS)
     q_offsets_ptr += segment * q_offsets_stride
     kv_offsets_ptr += segment * kv_offsets_stride
     if sequence == batch:
@@ -550,7 +555,7 @@ def attention_bwd_kernel(
      q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
     q_fill_chunk = tl.load(params_ptr + 9)
     kv_fill_chunk = tl.load(params_ptr + 10)
-    segment, sequence, head, slot = _program(batch, NUM_HEADS)
+    segment, sequence, head, slot = _program(batch, tl.load(params_ptr + 11), NUM_HEADS)
     q_offsets_ptr += segment * q_offsets_stride
     kv_offsets_ptr += segment * kv_offsets_stride
     is_dq = slot % 2 == 0

@@ -75,9 +75,12 @@ def bad_calls():
         "block_sizes": (lambda: std(q, k, v, OFFSETS, 8, block_sizes=(64, 64)), TypeError,
                         "block_sizes must be a BlockSizes"),
         "tile": (lambda: jfa.KernelConfig(48, 64), ValueError, "power of two"),
-        "grid": (lambda: std(*arrays((2**21, 1, 16)), jnp.asarray([0, 2**21]), 2**21, backend="interpret",
-                             block_sizes=jfa.BlockSizes(*[jfa.KernelConfig(16, 16)] * 3)),
-                 ValueError, "blocks of 16 rows"),
+        # (16384 sequences + the fill) x 2 heads x (2**17 blocks of 16 rows + 1) programs > 2**31 - 1.
+        "grid": (lambda: jax.eval_shape(
+                     lambda q: std(q, q, q, jnp.zeros(16385, jnp.int32), 2**21, backend="interpret",
+                                   block_sizes=jfa.BlockSizes(*[jfa.KernelConfig(16, 16)] * 3)),
+                     jax.ShapeDtypeStruct((2**21, 2, 16), jnp.float32)),
+                 ValueError, r"forward would need 4295262210 programs"),
     }
 
 

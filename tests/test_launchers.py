@@ -262,7 +262,7 @@ def _check_call(fake, call, kernel, grid, arrays, params, out_shapes, constants,
     assert call == constants  # the compile-time constants, and nothing else
 
 
-# Distinct warps and stages per kernel, and blocks that give several programs along the grid's axis 1.
+# Distinct warps and stages per kernel, and blocks that give each sequence several slots.
 GPU_BLOCKS = BlockSizes(fwd=KernelConfig(16, 32, num_warps=2, num_stages=3),
                         dkdv=KernelConfig(32, 16, num_warps=8, num_stages=1),
                         dq=KernelConfig(32, 16, num_warps=8, num_stages=1), preprocess_block_m=16)
@@ -286,23 +286,23 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
     # Params: batch, q and kv tokens per segment, q token/head strides, kv token/head strides (in units
     # of STRIDE_ALIGN = 8 elements), offsets row strides (0: one shared row), then fill chunks.
     strides = (2, 24, 30, 4, 1, 2, 1, 0, 0)
-    # Grid axis 0: (segment, sequence or zero fill, head) = 1 * 3 * 4; axis 1: ceil(20 / 16) blocks and
-    # the tail-zeroing slot. Fill chunks: ceil(tokens / slots).
-    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (12, 3),
+    # One grid axis: (segment, sequence or zero fill, head) = 1 * 3 * 4, times 3 slots: ceil(20 / 16)
+    # blocks and the tail-zeroing slot. Params end with the fill chunk, ceil(tokens / slots), and slots.
+    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (36,),
                 arrays=[((24, 4, 8), f32)] + [((30, 2, 8), f32)] * 2 + [((1, 3), i32)] * 2,
-                params=(*strides, 8), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
+                params=(*strides, 8, 3), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
                 constants=dict(common, OUT_SCALE=1.0, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
     _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (2, 4),
                 arrays=[((24, 4, 8), f32), ((24, 4, 8), f32)], params=(24, 4, 1),
                 out_shapes=(_sds((1, 4, 24), f32),),
                 constants=dict(NUM_HEADS=4, D=8, BLOCK_D=16, OUT_SCALE=1.0, BLOCK_M=16, STRIDE_ALIGN=8),
                 num_warps=4, num_stages=2)
-    # Axis 1: dq (even) and dk/dv (odd) programs for max(ceil(20 / 32), ceil(24 / 16)) = 2 blocks each,
-    # and a tail slot of each.
-    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (12, 6),
+    # 6 slots: dq (even) and dk/dv (odd) programs for max(ceil(20 / 32), ceil(24 / 16)) = 2 blocks
+    # each, and a tail slot of each.
+    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (72,),
                 arrays=[((24, 4, 8), f32), ((30, 2, 8), f32), ((30, 2, 8), f32), ((24, 4, 8), f32),
                         ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32)],
-                params=(*strides, 8, 10),
+                params=(*strides, 8, 10, 6),
                 out_shapes=(_sds((24, 4, 8), f32), _sds((30, 2, 8), f32), _sds((30, 2, 8), f32)),
                 constants=dict(common, OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
                                DQ_BLOCK_M=32, DQ_BLOCK_N=16),
@@ -324,17 +324,17 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
     # HTD: token stride D, head stride T * D, in units of 8 elements.
     strides = (3, 40, 40, 3, 120, 3, 120, 0, 0)
     arrays = [((2, 40, 24), bf16)] * 3 + [((1, 4), i32)] * 2
-    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (8, 3), arrays=arrays,
-                params=(*strides, 14),
+    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (24,), arrays=arrays,
+                params=(*strides, 14, 3),
                 out_shapes=(_sds((2, 40, 24), bf16), _sds((1, 2, 40), f32)),
                 constants=dict(common, OUT_SCALE=1 / 32, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
     _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (3, 2),
                 arrays=[((2, 40, 24), bf16)] * 2, params=(40, 3, 120), out_shapes=(_sds((1, 2, 40), f32),),
                 constants=dict(NUM_HEADS=2, D=24, BLOCK_D=32, OUT_SCALE=1 / 32, BLOCK_M=16, STRIDE_ALIGN=8),
                 num_warps=4, num_stages=2)
-    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (8, 6),
+    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (48,),
                 arrays=[((2, 40, 24), bf16)] * 4 + [((1, 2, 40), f32)] * 2 + [((1, 4), i32)] * 2,
-                params=(*strides, 14, 14), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
+                params=(*strides, 14, 14, 6), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
                 constants=dict(common, OUT_SCALE=1 / 32, DS_SCALE=1 / 32, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
                                DQ_BLOCK_M=32, DQ_BLOCK_N=16),
                 num_warps=8, num_stages=1)
@@ -452,7 +452,7 @@ def test_default_block_sizes_reads_the_builtin_table(monkeypatch):
     assert configs.default_block_sizes(8, jnp.float32, 16) == BlockSizes(
         KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2))
     assert configs.default_block_sizes(128, jnp.bfloat16, 2048) == BlockSizes(
-        KernelConfig(128, 64, 8, 3), KernelConfig(32, 64, 4, 3), KernelConfig(128, 32, 4, 3))
+        KernelConfig(128, 64, 8, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 8, 2))
     assert configs.default_block_sizes(256, jnp.float16, 64).preprocess_block_m == 32
     with pytest.raises(ValueError, match="head dimension 300"):
         configs.default_block_sizes(300, jnp.float32, 16)

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from .. import kernels
 from ..configs import BlockSizes, head_block
 
-# CUDA's limit on the second grid dimension, which enumerates the blocks of one sequence.
-MAX_GRID_Y = 65535
+# CUDA's limit on the first grid dimension, which enumerates every program of a launch.
+MAX_GRID_X = 2**31 - 1
 # Tokens the zero-fill programs clear at a time.
 FILL_BLOCK = 32
 LOG2E = 1.4426950408889634
@@ -93,7 +93,7 @@ class Problem:
 @dataclasses.dataclass(frozen=True)
 class KernelCall:
     kernel: Any  # a @triton.jit function of kernels.py
-    grid: tuple[int, int]
+    grid: tuple[int, ...]
     out_shapes: tuple[jax.ShapeDtypeStruct, ...]
     # Runtime sizes, passed as an int32 array rather than as scalar arguments: jax-triton turns a
     # scalar equal to 1 into a compile-time constant, so each pattern of ones would compile a kernel.
@@ -149,10 +149,10 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
     slots = p.blocks(cfg.block_m, p.q_tokens, p.max_seq_len) + 1
     call = KernelCall(
         kernels.attention_fwd_kernel,
-        grid=(p.num_segments * (p.batch + 1) * p.num_heads, slots),
+        grid=(p.num_segments * (p.batch + 1) * p.num_heads * slots,),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                     jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
-        params=(*params, _fill_chunk(p.q_tokens, slots)),
+        params=(*params, _fill_chunk(p.q_tokens, slots), slots),
         constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     o, lse = run(call, (q, k, v, q_offsets, kv_offsets, _params(call)))
@@ -182,10 +182,10 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
                 p.blocks(bs.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len)) + 1
     call = KernelCall(
         kernels.attention_bwd_kernel,
-        grid=(p.num_segments * (p.batch + 1) * p.num_heads, 2 * slots),
+        grid=(p.num_segments * (p.batch + 1) * p.num_heads * 2 * slots,),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype), jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
                     jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
-        params=(*params, _fill_chunk(p.q_tokens, slots), _fill_chunk(p.kv_tokens, slots)),
+        params=(*params, _fill_chunk(p.q_tokens, slots), _fill_chunk(p.kv_tokens, slots), 2 * slots),
         constants=dict(constants, OUT_SCALE=p.out_scale, DS_SCALE=p.scale * p.out_scale,
                        DKDV_BLOCK_M=bs.dkdv.block_m, DKDV_BLOCK_N=bs.dkdv.block_n,
                        DQ_BLOCK_M=bs.dq.block_m, DQ_BLOCK_N=bs.dq.block_n),
@@ -195,15 +195,15 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
 
 
 def check_grid(p: Problem) -> None:
-    """Raise ValueError when a sequence would need more programs than CUDA's grid axis 1 allows."""
+    """Raise ValueError when a launch would need more programs than CUDA's grid allows."""
     bs = p.block_sizes
-    for rows, tokens, max_len, factor in (
-            (bs.fwd.block_m, p.q_tokens, p.max_seq_len, 1),
-            (bs.dq.block_m, p.q_tokens, p.max_seq_len, 2),
-            (bs.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len, 2)):
-        programs = factor * (p.blocks(rows, tokens, max_len) + 1)
-        if programs > MAX_GRID_Y:
+    sequences = p.num_segments * (p.batch + 1) * p.num_heads
+    slots = {"forward": p.blocks(bs.fwd.block_m, p.q_tokens, p.max_seq_len) + 1,
+             "backward": 2 * (max(p.blocks(bs.dq.block_m, p.q_tokens, p.max_seq_len),
+                                  p.blocks(bs.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len)) + 1)}
+    for name, count in slots.items():
+        if sequences * count > MAX_GRID_X:
             raise ValueError(
-                f"a sequence of up to {min(max_len, tokens)} tokens needs {programs} programs for its blocks "
-                f"of {rows} rows; at most {MAX_GRID_Y} are supported (use larger blocks or a smaller "
-                "max_seq_len)")
+                f"the {name} would need {sequences * count} programs ({sequences // p.num_heads} sequences "
+                f"and fills x {p.num_heads} heads x {count} slots); at most {MAX_GRID_X} are supported "
+                "(use a smaller max_seq_len or split the batch)")

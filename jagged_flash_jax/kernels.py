@@ -13,7 +13,7 @@ vmapped problems); offsets rows are `*_offsets_stride` apart (0 when every segme
 float32 log-sum-exp and delta are [segments, H, q_tokens]. Every pointer is rebased once per program by
 `_rows`.
 
-Grid. One axis of (segment, sequence, head, slot), slots fastest (see `_program`). There is one extra
+Grid. One axis of (segment, sequence, head) and slot (see `_program`). There is one extra
 "sequence" per segment whose programs zero the tokens that no sequence covers. A sequence's slots are
 its row blocks, the last ones first so that the costly blocks of long sequences start early, and last a
 program that zeroes the sequence's own tokens past the maximum length. So every output element is
@@ -40,19 +40,26 @@ INF: tl.constexpr = tl.constexpr(float("inf"))
 
 
 @triton.jit
-def _program(batch, slots, NUM_HEADS: tl.constexpr):
+def _program(batch, slots, slots_fastest, NUM_HEADS: tl.constexpr):
     """(segment, sequence, head, slot) of this program: sequence == batch is the zero-fill program.
 
-    The grid is one axis, with a sequence's slots fastest: the programs running at one time share a few
-    heads' keys and values (forward, dq) or queries (dk/dv) in L2, instead of each streaming its own
-    head from memory. Slots count down, so slot 0 (the tail-zeroing program) runs last.
+    The grid is one axis of (segment, sequence, head) and slot. With `slots_fastest` (the launcher's
+    choice when the operands outgrow L2), a sequence's slots are adjacent: the programs running at one
+    time share a few heads' keys and values (forward, dq) or queries (dk/dv) in L2, instead of each
+    streaming its own head from memory. Otherwise every sequence's first slot comes first, then every
+    second slot, and so on. Slots count down, so slot 0 (the tail-zeroing program) runs last.
     """
     pid = tl.program_id(0)
-    slot = slots - 1 - pid % slots
-    head_sequence = pid // slots
+    if slots_fastest:
+        slot = pid % slots
+        head_sequence = pid // slots
+    else:
+        sequences = tl.num_programs(0) // slots
+        slot = pid // sequences
+        head_sequence = pid % sequences
     head = head_sequence % NUM_HEADS
     segment_sequence = head_sequence // NUM_HEADS
-    return segment_sequence // (batch + 1), segment_sequence % (batch + 1), head, slot
+    return segment_sequence // (batch + 1), segment_sequence % (batch + 1), head, slots - 1 - slot
 
 
 @triton.jit
@@ -312,7 +319,7 @@ def attention_fwd_kernel(
     (batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
      q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
     fill_chunk = tl.load(params_ptr + 9)
-    segment, sequence, head, slot = _program(batch, tl.load(params_ptr + 10), NUM_HEADS)
+    segment, sequence, head, slot = _program(batch, tl.load(params_ptr + 10), tl.load(params_ptr + 11), NUM_HEADS)
     q_offsets_ptr += segment * q_offsets_stride
     kv_offsets_ptr += segment * kv_offsets_stride
     if sequence == batch:
@@ -555,7 +562,7 @@ def attention_bwd_kernel(
      q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
     q_fill_chunk = tl.load(params_ptr + 9)
     kv_fill_chunk = tl.load(params_ptr + 10)
-    segment, sequence, head, slot = _program(batch, tl.load(params_ptr + 11), NUM_HEADS)
+    segment, sequence, head, slot = _program(batch, tl.load(params_ptr + 11), tl.load(params_ptr + 12), NUM_HEADS)
     q_offsets_ptr += segment * q_offsets_stride
     kv_offsets_ptr += segment * kv_offsets_stride
     is_dq = slot % 2 == 0

@@ -11,6 +11,7 @@ import pytest
 from helpers import TOLERANCES, Batch, assert_matches, attended_mask, backend_params, reference, run_vjp
 
 import jagged_flash_jax as jfa
+from jagged_flash_jax.launch import plan
 
 CASES = {
     # n_q = n_k per sequence; one sequence longer than max_seq_len.
@@ -51,6 +52,15 @@ def check(case: str, backend: str, layout: str, precision="fp32", offsets_dtype=
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_float64(case, layout, backend):
     check(case, backend, layout)
+
+
+@pytest.mark.parametrize("backend", backend_params(["interpret", "triton"]))
+@pytest.mark.parametrize("case", ["cross-nq<nk-causal-gqa", "self-scale-D40"])
+def test_programs_grouped_by_sequence(case, backend, monkeypatch):
+    """The program order large problems get (each sequence's programs adjacent, for L2 reuse) computes
+    the same results as the one small problems get (the test cases are small)."""
+    monkeypatch.setattr(plan, "L2_REUSE_BYTES", 0)
+    check(case, backend, "THD")
 
 
 @pytest.mark.parametrize("backend", backend_params())

@@ -287,10 +287,11 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
     # of STRIDE_ALIGN = 8 elements), offsets row strides (0: one shared row), then fill chunks.
     strides = (2, 24, 30, 4, 1, 2, 1, 0, 0)
     # One grid axis: (segment, sequence or zero fill, head) = 1 * 3 * 4, times 3 slots: ceil(20 / 16)
-    # blocks and the tail-zeroing slot. Params end with the fill chunk, ceil(tokens / slots), and slots.
+    # blocks and the tail-zeroing slot. Params end with the fill chunk, ceil(tokens / slots), slots, and
+    # 0: the operands fit in L2, so the programs are not grouped by sequence.
     _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (36,),
                 arrays=[((24, 4, 8), f32)] + [((30, 2, 8), f32)] * 2 + [((1, 3), i32)] * 2,
-                params=(*strides, 8, 3), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
+                params=(*strides, 8, 3, 0), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
                 constants=dict(common, OUT_SCALE=1.0, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
     _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (2, 4),
                 arrays=[((24, 4, 8), f32), ((24, 4, 8), f32)], params=(24, 4, 1),
@@ -302,7 +303,7 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
     _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (72,),
                 arrays=[((24, 4, 8), f32), ((30, 2, 8), f32), ((30, 2, 8), f32), ((24, 4, 8), f32),
                         ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32)],
-                params=(*strides, 8, 10, 6),
+                params=(*strides, 8, 10, 6, 0),
                 out_shapes=(_sds((24, 4, 8), f32), _sds((30, 2, 8), f32), _sds((30, 2, 8), f32)),
                 constants=dict(common, OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
                                DQ_BLOCK_M=32, DQ_BLOCK_N=16),
@@ -325,7 +326,7 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
     strides = (3, 40, 40, 3, 120, 3, 120, 0, 0)
     arrays = [((2, 40, 24), bf16)] * 3 + [((1, 4), i32)] * 2
     _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (24,), arrays=arrays,
-                params=(*strides, 14, 3),
+                params=(*strides, 14, 3, 0),
                 out_shapes=(_sds((2, 40, 24), bf16), _sds((1, 2, 40), f32)),
                 constants=dict(common, OUT_SCALE=1 / 32, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
     _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (3, 2),
@@ -334,7 +335,7 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
                 num_warps=4, num_stages=2)
     _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (48,),
                 arrays=[((2, 40, 24), bf16)] * 4 + [((1, 2, 40), f32)] * 2 + [((1, 4), i32)] * 2,
-                params=(*strides, 14, 14, 6), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
+                params=(*strides, 14, 14, 6, 0), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
                 constants=dict(common, OUT_SCALE=1 / 32, DS_SCALE=1 / 32, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
                                DQ_BLOCK_M=32, DQ_BLOCK_N=16),
                 num_warps=8, num_stages=1)

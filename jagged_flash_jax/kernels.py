@@ -40,23 +40,22 @@ INF: tl.constexpr = tl.constexpr(float("inf"))
 
 
 @triton.jit
-def _program(batch, slots, slots_fastest, NUM_HEADS: tl.constexpr):
+def _program(batch, slots, NUM_HEADS: tl.constexpr):
     """(segment, sequence, head, slot) of this program: sequence == batch is the zero-fill program.
 
-    The grid is one axis of (segment, sequence, head) and slot. With `slots_fastest` (the launcher's
-    choice when the operands outgrow L2), a sequence's slots are adjacent: the programs running at one
-    time share a few heads' keys and values (forward, dq) or queries (dk/dv) in L2, instead of each
-    streaming its own head from memory. Otherwise every sequence's first slot comes first, then every
-    second slot, and so on. Slots count down, so slot 0 (the tail-zeroing program) runs last.
+    Two grids, chosen by the launcher. A two-axis grid [(segment, sequence, head), slot] runs every
+    sequence's first slot, then every second one, and so on. A one-axis grid keeps each sequence's
+    slots adjacent, for launches whose operands outgrow L2: the programs running at one time then share
+    a few heads' keys and values (forward, dq) or queries (dk/dv) in L2, instead of each streaming its
+    own head from memory. Slots count down, so slot 0 (the tail-zeroing program) runs last.
     """
-    pid = tl.program_id(0)
-    if slots_fastest:
+    if tl.num_programs(1) == 1:
+        pid = tl.program_id(0)
         slot = pid % slots
         head_sequence = pid // slots
     else:
-        sequences = tl.num_programs(0) // slots
-        slot = pid // sequences
-        head_sequence = pid % sequences
+        slot = tl.program_id(1)
+        head_sequence = tl.program_id(0)
     head = head_sequence % NUM_HEADS
     segment_sequence = head_sequence // NUM_HEADS
     return segment_sequence // (batch + 1), segment_sequence % (batch + 1), head, slots - 1 - slot
@@ -319,7 +318,7 @@ def attention_fwd_kernel(
     (batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
      q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
     fill_chunk = tl.load(params_ptr + 9)
-    segment, sequence, head, slot = _program(batch, tl.load(params_ptr + 10), tl.load(params_ptr + 11), NUM_HEADS)
+    segment, sequence, head, slot = _program(batch, tl.load(params_ptr + 10), NUM_HEADS)
     q_offsets_ptr += segment * q_offsets_stride
     kv_offsets_ptr += segment * kv_offsets_stride
     if sequence == batch:
@@ -562,7 +561,7 @@ def attention_bwd_kernel(
      q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
     q_fill_chunk = tl.load(params_ptr + 9)
     kv_fill_chunk = tl.load(params_ptr + 10)
-    segment, sequence, head, slot = _program(batch, tl.load(params_ptr + 11), tl.load(params_ptr + 12), NUM_HEADS)
+    segment, sequence, head, slot = _program(batch, tl.load(params_ptr + 11), NUM_HEADS)
     q_offsets_ptr += segment * q_offsets_stride
     kv_offsets_ptr += segment * kv_offsets_stride
     is_dq = slot % 2 == 0

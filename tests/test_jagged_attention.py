@@ -57,8 +57,8 @@ def test_matches_float64(case, layout, backend):
 @pytest.mark.parametrize("backend", backend_params(["interpret", "triton"]))
 @pytest.mark.parametrize("case", ["cross-nq<nk-causal-gqa", "self-scale-D40"])
 def test_programs_grouped_by_sequence(case, backend, monkeypatch):
-    """The program order large problems get (each sequence's programs adjacent, for L2 reuse) computes
-    the same results as the one small problems get (the test cases are small)."""
+    """The one-axis grid large problems get (each sequence's programs adjacent, for L2 reuse) computes
+    the same results as the two-axis grid small problems get (the test cases are small)."""
     monkeypatch.setattr(plan, "L2_REUSE_BYTES", 0)
     check(case, backend, "THD")
 

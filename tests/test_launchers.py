@@ -286,12 +286,12 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
     # Params: batch, q and kv tokens per segment, q token/head strides, kv token/head strides (in units
     # of STRIDE_ALIGN = 8 elements), offsets row strides (0: one shared row), then fill chunks.
     strides = (2, 24, 30, 4, 1, 2, 1, 0, 0)
-    # One grid axis: (segment, sequence or zero fill, head) = 1 * 3 * 4, times 3 slots: ceil(20 / 16)
-    # blocks and the tail-zeroing slot. Params end with the fill chunk, ceil(tokens / slots), slots, and
-    # 0: the operands fit in L2, so the programs are not grouped by sequence.
-    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (36,),
+    # The operands fit in L2, so the grid has two axes: (segment, sequence or zero fill, head) = 1 * 3 * 4,
+    # and 3 slots: ceil(20 / 16) blocks and the tail-zeroing slot. Params end with the fill chunk,
+    # ceil(tokens / slots), and slots.
+    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (12, 3),
                 arrays=[((24, 4, 8), f32)] + [((30, 2, 8), f32)] * 2 + [((1, 3), i32)] * 2,
-                params=(*strides, 8, 3, 0), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
+                params=(*strides, 8, 3), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
                 constants=dict(common, OUT_SCALE=1.0, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
     _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (2, 4),
                 arrays=[((24, 4, 8), f32), ((24, 4, 8), f32)], params=(24, 4, 1),
@@ -300,10 +300,10 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
                 num_warps=4, num_stages=2)
     # 6 slots: dq (even) and dk/dv (odd) programs for max(ceil(20 / 32), ceil(24 / 16)) = 2 blocks
     # each, and a tail slot of each.
-    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (72,),
+    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (12, 6),
                 arrays=[((24, 4, 8), f32), ((30, 2, 8), f32), ((30, 2, 8), f32), ((24, 4, 8), f32),
                         ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32)],
-                params=(*strides, 8, 10, 6, 0),
+                params=(*strides, 8, 10, 6),
                 out_shapes=(_sds((24, 4, 8), f32), _sds((30, 2, 8), f32), _sds((30, 2, 8), f32)),
                 constants=dict(common, OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
                                DQ_BLOCK_M=32, DQ_BLOCK_N=16),
@@ -325,20 +325,36 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
     # HTD: token stride D, head stride T * D, in units of 8 elements.
     strides = (3, 40, 40, 3, 120, 3, 120, 0, 0)
     arrays = [((2, 40, 24), bf16)] * 3 + [((1, 4), i32)] * 2
-    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (24,), arrays=arrays,
-                params=(*strides, 14, 3, 0),
+    _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (8, 3), arrays=arrays,
+                params=(*strides, 14, 3),
                 out_shapes=(_sds((2, 40, 24), bf16), _sds((1, 2, 40), f32)),
                 constants=dict(common, OUT_SCALE=1 / 32, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
     _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (3, 2),
                 arrays=[((2, 40, 24), bf16)] * 2, params=(40, 3, 120), out_shapes=(_sds((1, 2, 40), f32),),
                 constants=dict(NUM_HEADS=2, D=24, BLOCK_D=32, OUT_SCALE=1 / 32, BLOCK_M=16, STRIDE_ALIGN=8),
                 num_warps=4, num_stages=2)
-    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (48,),
+    _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (8, 6),
                 arrays=[((2, 40, 24), bf16)] * 4 + [((1, 2, 40), f32)] * 2 + [((1, 4), i32)] * 2,
-                params=(*strides, 14, 14, 6, 0), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
+                params=(*strides, 14, 14, 6), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
                 constants=dict(common, OUT_SCALE=1 / 32, DS_SCALE=1 / 32, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
                                DQ_BLOCK_M=32, DQ_BLOCK_N=16),
                 num_warps=8, num_stages=1)
+
+
+def test_gpu_launcher_groups_programs_by_sequence_past_l2(fake_jax_triton, monkeypatch):
+    """Operands larger than L2_REUSE_BYTES get a one-axis grid, each sequence's slots adjacent."""
+    q = jnp.ones((24, 4, 8), jnp.float32)  # q, k, v: 3 * 24 * 4 * 8 * 4 bytes = 9216
+    op = lambda q: jfa.jagged_attention(q, q, q, jnp.asarray([0, 5, 24], jnp.int32), 20,
+                                        backend="triton", block_sizes=GPU_BLOCKS)
+    monkeypatch.setattr(plan, "L2_REUSE_BYTES", 9216 - 1)
+    o, vjp = jax.vjp(op, q)
+    vjp(jnp.ones_like(o))
+    grids = [call["grid"] for call in fake_jax_triton.calls]
+    monkeypatch.setattr(plan, "L2_REUSE_BYTES", 9216)
+    jax.vjp(op, q)
+    # forward: 3 sequences (with the fill) * 4 heads * 3 slots; backward: * 6 slots; the preprocess
+    # keeps its own grid.
+    assert grids == [(36,), (2, 4), (72,)] and fake_jax_triton.calls[-1]["grid"] == (12, 3)
 
 
 def test_gpu_launcher_returns_what_triton_call_returns(fake_jax_triton):

@@ -24,11 +24,13 @@ from ..configs import BlockSizes, head_block
 
 # CUDA's limit on the first grid dimension, which enumerates every program of a launch.
 MAX_GRID_X = 2**31 - 1
-# Above this many bytes of q, k and v, a sequence's programs run next to each other (see
-# kernels._program), so that they share its keys, values and queries in L2 (about half of a Hopper L2).
-# Below it every operand stays in L2 anyway, and spreading each sequence's blocks over the launch
-# balances the load better.
+# Above this many bytes of q, k and v, each sequence's programs run next to each other (a one-axis
+# grid, see kernels._program), so that they share its keys, values and queries in L2 (about half of a
+# Hopper L2). Below it every operand stays in L2 anyway, and the two-axis grid, slot-major, balances the
+# load better and spares each program two integer divisions.
 L2_REUSE_BYTES = 32 << 20
+# CUDA's limit on the second grid dimension (slots, in the two-axis grid).
+MAX_GRID_Y = 65535
 # Tokens the zero-fill programs clear at a time.
 FILL_BLOCK = 32
 LOG2E = 1.4426950408889634
@@ -140,10 +142,13 @@ def _common(p: Problem):
     return params, constants
 
 
-def _slots_fastest(p: Problem, itemsize: int) -> int:
-    """1 when the launch should keep a sequence's programs together for L2 reuse (see L2_REUSE_BYTES)."""
+def _grid(p: Problem, itemsize: int, slots: int) -> tuple[int, ...]:
+    """The grid of an attention kernel with `slots` programs per (segment, sequence or fill, head)."""
+    sequences = p.num_segments * (p.batch + 1) * p.num_heads
     elements = (p.num_heads * p.q_tokens + 2 * p.num_kv_heads * p.kv_tokens) * p.num_segments * p.head_dim
-    return int(elements * itemsize > L2_REUSE_BYTES)
+    if elements * itemsize > L2_REUSE_BYTES or slots > MAX_GRID_Y:
+        return (sequences * slots,)
+    return (sequences, slots)
 
 
 def _fill_chunk(tokens: int, programs: int) -> int:
@@ -160,10 +165,10 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
     slots = p.blocks(cfg.block_m, p.q_tokens, p.max_seq_len) + 1
     call = KernelCall(
         kernels.attention_fwd_kernel,
-        grid=(p.num_segments * (p.batch + 1) * p.num_heads * slots,),
+        grid=_grid(p, q.dtype.itemsize, slots),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                     jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
-        params=(*params, _fill_chunk(p.q_tokens, slots), slots, _slots_fastest(p, q.dtype.itemsize)),
+        params=(*params, _fill_chunk(p.q_tokens, slots), slots),
         constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     o, lse = run(call, (q, k, v, q_offsets, kv_offsets, _params(call)))
@@ -193,11 +198,10 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
                 p.blocks(bs.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len)) + 1
     call = KernelCall(
         kernels.attention_bwd_kernel,
-        grid=(p.num_segments * (p.batch + 1) * p.num_heads * 2 * slots,),
+        grid=_grid(p, q.dtype.itemsize, 2 * slots),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype), jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
                     jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
-        params=(*params, _fill_chunk(p.q_tokens, slots), _fill_chunk(p.kv_tokens, slots), 2 * slots,
-                _slots_fastest(p, q.dtype.itemsize)),
+        params=(*params, _fill_chunk(p.q_tokens, slots), _fill_chunk(p.kv_tokens, slots), 2 * slots),
         constants=dict(constants, OUT_SCALE=p.out_scale, DS_SCALE=p.scale * p.out_scale,
                        DKDV_BLOCK_M=bs.dkdv.block_m, DKDV_BLOCK_N=bs.dkdv.block_n,
                        DQ_BLOCK_M=bs.dq.block_m, DQ_BLOCK_N=bs.dq.block_n),

@@ -13,7 +13,7 @@ vmapped problems); offsets rows are `*_offsets_stride` apart (0 when every segme
 float32 log-sum-exp and delta are [segments, H, q_tokens]. Every pointer is rebased once per program by
 `_rows`.
 
-Grid. One axis of (segment, sequence, head) and slot (see `_program`). There is one extra
+Grid. (segment, sequence, head) and slot, on two axes or one (see `_program`). There is one extra
 "sequence" per segment whose programs zero the tokens that no sequence covers. A sequence's slots are
 its row blocks, the last ones first so that the costly blocks of long sequences start early, and last a
 program that zeroes the sequence's own tokens past the maximum length. So every output element is

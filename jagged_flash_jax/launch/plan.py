@@ -90,6 +90,23 @@ class Problem:
         return -(-min(max_len, tokens) // rows)
 
     @property
+    def sequence_heads(self) -> int:
+        """(segment, sequence or zero fill, head) triples: the programs of one slot."""
+        return self.num_segments * (self.batch + 1) * self.num_heads
+
+    @property
+    def forward_slots(self) -> int:
+        """The forward's programs per sequence and head: its row blocks, then the tail-zeroing one."""
+        return self.blocks(self.block_sizes.fwd.block_m, self.q_tokens, self.max_seq_len) + 1
+
+    @property
+    def backward_slot_pairs(self) -> int:
+        """The backward's (dq, dk/dv) program pairs per sequence and head, the tail-zeroing pair last."""
+        bs = self.block_sizes
+        return max(self.blocks(bs.dq.block_m, self.q_tokens, self.max_seq_len),
+                   self.blocks(bs.dkdv.block_n, self.kv_tokens, self.kv_max_seq_len)) + 1
+
+    @property
     def empty(self) -> bool:
         return self.num_segments * self.num_heads * self.q_tokens * self.head_dim == 0
 
@@ -144,11 +161,10 @@ def _common(p: Problem):
 
 def _grid(p: Problem, itemsize: int, slots: int) -> tuple[int, ...]:
     """The grid of an attention kernel with `slots` programs per (segment, sequence or fill, head)."""
-    sequences = p.num_segments * (p.batch + 1) * p.num_heads
     elements = (p.num_heads * p.q_tokens + 2 * p.num_kv_heads * p.kv_tokens) * p.num_segments * p.head_dim
     if elements * itemsize > L2_REUSE_BYTES or slots > MAX_GRID_Y:
-        return (sequences * slots,)
-    return (sequences, slots)
+        return (p.sequence_heads * slots,)
+    return (p.sequence_heads, slots)
 
 
 def _fill_chunk(tokens: int, programs: int) -> int:
@@ -161,8 +177,7 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
         return jnp.zeros(p.q_shape, q.dtype), jnp.full(p.stats_shape, jnp.inf, jnp.float32)
     cfg = p.block_sizes.fwd
     params, constants = _common(p)
-    # A sequence's slots: its blocks, and the program that zeroes its tail (see kernels.py).
-    slots = p.blocks(cfg.block_m, p.q_tokens, p.max_seq_len) + 1
+    slots = p.forward_slots
     call = KernelCall(
         kernels.attention_fwd_kernel,
         grid=_grid(p, q.dtype.itemsize, slots),
@@ -194,8 +209,7 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
     (delta,) = run(preprocess, (o, do, _params(preprocess)))
     # dq programs take the even slots, dk/dv programs the odd ones; the last two zero the tails (see
     # the kernel's docstring).
-    slots = max(p.blocks(bs.dq.block_m, p.q_tokens, p.max_seq_len),
-                p.blocks(bs.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len)) + 1
+    slots = p.backward_slot_pairs
     call = KernelCall(
         kernels.attention_bwd_kernel,
         grid=_grid(p, q.dtype.itemsize, 2 * slots),
@@ -212,12 +226,8 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
 
 def check_grid(p: Problem) -> None:
     """Raise ValueError when a launch would need more programs than CUDA's grid allows."""
-    bs = p.block_sizes
-    sequences = p.num_segments * (p.batch + 1) * p.num_heads
-    slots = {"forward": p.blocks(bs.fwd.block_m, p.q_tokens, p.max_seq_len) + 1,
-             "backward": 2 * (max(p.blocks(bs.dq.block_m, p.q_tokens, p.max_seq_len),
-                                  p.blocks(bs.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len)) + 1)}
-    for name, count in slots.items():
+    sequences = p.sequence_heads
+    for name, count in (("forward", p.forward_slots), ("backward", 2 * p.backward_slot_pairs)):
         if sequences * count > MAX_GRID_X:
             raise ValueError(
                 f"the {name} would need {sequences * count} programs ({sequences // p.num_heads} sequences "

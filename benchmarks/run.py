@@ -60,6 +60,11 @@ def plan(case: C.Case, args) -> list[tuple]:
             for mode in C.MODES]
 
 
+def base_row(case: C.Case, impl: str, dtype: str, mode: str) -> dict:
+    """The fields every row of a case starts with: what was measured, on what."""
+    return dict(case=case.name, impl=impl, dtype=dtype, mode=mode, **case.describe(), flops=case.flops(mode))
+
+
 def measure(single, program, arg_sets: list, args) -> dict:
     start = time.perf_counter()  # a warm-up pass (allocations, cuDNN plans) that sizes the loops
     outputs = jax.block_until_ready([single(*a) for a in arg_sets])
@@ -80,8 +85,7 @@ def measure_case(case: C.Case, dtype: str, jobs: list[tuple], args, emit) -> Non
     """Compiles every row of a case and dtype (in threads), then times them one after another."""
     todo = []
     for _, name, mode, make, needs_gpu in jobs:
-        row = dict(case=case.name, impl=name, dtype=dtype, mode=mode, **case.describe(),
-                   flops=case.flops(mode))
+        row = base_row(case, name, dtype, mode)
         if args.deadline and time.time() > args.deadline:
             emit(dict(row, status="skipped", reason="the --budget-s ran out before this case"))
         elif needs_gpu and jax.default_backend() != "gpu":
@@ -184,8 +188,7 @@ def run_cases(args, argv) -> dict | None:
             case, pending = pending[0], pending[1:]
             error = f"the worker ended ({ended}) in this case; stderr ends:\n{log_path.read_text()[-2000:]}"
             with open(rows_path, "a") as f:
-                f.writelines(json.dumps(dict(zip(("case", "impl", "dtype", "mode"), k), **case.describe(),
-                                             flops=case.flops(k[3]), status="error", error=error)) + "\n"
+                f.writelines(json.dumps(dict(base_row(case, *k[1:]), status="error", error=error)) + "\n"
                              for k in keys[case.name] if k not in done)
     device = args.out / "device.json"
     metadata = dict(

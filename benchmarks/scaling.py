@@ -18,10 +18,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jagged_flash_jax import multi_head_jagged_flash_attention, offsets_from_lengths, pack_data_parallel
+from jagged_flash_jax import offsets_from_lengths, pack_data_parallel
 
 from . import cases as C
-from . import report
+from . import impls, report
 
 CASES = ("rec-long", "long", "dlrm-long")
 SETUPS = ("one-share", "heads-jit", "data-jit", "data-shard_map")
@@ -34,12 +34,9 @@ NOTE = ("one-share: the case on one device; heads-jit: N times the heads, sharde
 
 
 def step_fn(case: C.Case, backend: str):
-    def step(q, k, v, offsets, do):
-        attend = lambda q, k, v: multi_head_jagged_flash_attention(  # noqa: E731
-            q, k, v, offsets, case.max_seq_len, layout="THD", backend=backend)
-        _, vjp = jax.vjp(attend, q, k, v)
-        return vjp(do)
-    return step
+    """(q, k, v, offsets, do) -> (dq, dk, dv): benchmarks.run's fwd+bwd of FBGEMM's op."""
+    step = impls.timed_function(impls.jfa(case, backend)[0], "fwd+bwd")
+    return lambda q, k, v, offsets, do: step(q, k, v, (offsets, offsets), do)
 
 
 def normal(tokens: int, heads: int, dim: int) -> list[jax.Array]:

@@ -88,8 +88,8 @@ def _params(params_ptr, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN: tl.constexpr):
-    """First token (int64) and attended length (int32) of a sequence.
+def _extent(offsets_ptr, sequence, num_tokens):
+    """First and end token (int64) of a sequence.
 
     Offsets are clamped into [0, num_tokens] and each end to at least its start, so that no content of
     `offsets` (negative, decreasing, past the end) can address memory outside the arrays.
@@ -97,7 +97,13 @@ def _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN: tl.constexpr):
     start = tl.load(offsets_ptr + sequence).to(tl.int64)
     end = tl.load(offsets_ptr + sequence + 1).to(tl.int64)
     start = tl.minimum(tl.maximum(start, 0), num_tokens)
-    end = tl.minimum(tl.maximum(end, start), num_tokens)
+    return start, tl.minimum(tl.maximum(end, start), num_tokens)
+
+
+@triton.jit
+def _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN: tl.constexpr):
+    """First token (int64) and attended length (int32) of a sequence (see `_extent`)."""
+    start, end = _extent(offsets_ptr, sequence, num_tokens)
     return start, tl.minimum(end - start, MAX_LEN).to(tl.int32)
 
 
@@ -201,17 +207,25 @@ def _offsets_sorted(offsets_ptr, batch, num_tokens, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _store_zeros(first_ptr, second_ptr, rows, keep, cols, token_stride, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, TWO: tl.constexpr):
+    """Write 0 to the rows `rows` where `keep` of a [tokens, D] view (of two, with TWO)."""
+    offset = rows[:, None] * token_stride + cols[None, :]
+    mask = keep[:, None] & (cols[None, :] < D)
+    zeros = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    tl.store(first_ptr + offset, zeros.to(first_ptr.dtype.element_ty), mask=mask)
+    if TWO:
+        tl.store(second_ptr + offset, zeros.to(second_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _zero_rows(first_ptr, second_ptr, rows_start, rows_end, cols, token_stride, D: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, TWO: tl.constexpr):
     """Write 0 to rows [rows_start, rows_end) of a [tokens, D] view (of two, with TWO)."""
     for start in range(rows_start, rows_end, BLOCK):
         rows = start + tl.arange(0, BLOCK)
-        offset = rows[:, None] * token_stride + cols[None, :]
-        mask = (rows[:, None] < rows_end) & (cols[None, :] < D)
-        zeros = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-        tl.store(first_ptr + offset, zeros.to(first_ptr.dtype.element_ty), mask=mask)
-        if TWO:
-            tl.store(second_ptr + offset, zeros.to(second_ptr.dtype.element_ty), mask=mask)
+        _store_zeros(first_ptr, second_ptr, rows, rows < rows_end, cols, token_stride, D, BLOCK_D, BLOCK,
+                     TWO)
 
 
 @triton.jit
@@ -219,13 +233,11 @@ def _zero_tail(first_ptr, second_ptr, offsets_ptr, sequence, segment, head, num_
                head_stride, MAX_LEN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK: tl.constexpr, TWO: tl.constexpr):
     """Write 0 to the tokens of a sequence past its first MAX_LEN (the sequence's own, unattended)."""
-    start, length = _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
-    end = tl.load(offsets_ptr + sequence + 1).to(tl.int64)
-    end = tl.minimum(tl.maximum(end, start), num_tokens)
-    if end - start > length:
+    start, end = _extent(offsets_ptr, sequence, num_tokens)
+    if end - start > MAX_LEN:
         first = _rows(first_ptr, segment, head, start, num_tokens, token_stride, head_stride)
         second = _rows(second_ptr, segment, head, start, num_tokens, token_stride, head_stride)
-        _zero_rows(first, second, length, end - start, tl.arange(0, BLOCK_D), token_stride, D, BLOCK_D,
+        _zero_rows(first, second, MAX_LEN, end - start, tl.arange(0, BLOCK_D), token_stride, D, BLOCK_D,
                    BLOCK, TWO)
 
 
@@ -259,12 +271,8 @@ def _zero_uncovered(first_ptr, second_ptr, offsets_ptr, batch, segment, head, ch
             for sequence in range(0, batch):
                 start, length = _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
                 attended = attended | ((tokens >= start) & (tokens < start + length))
-            offset = tokens[:, None] * token_stride + cols[None, :]
-            mask = (tokens[:, None] < last) & ~attended[:, None] & (cols[None, :] < D)
-            zeros = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-            tl.store(base_first + offset, zeros.to(first_ptr.dtype.element_ty), mask=mask)
-            if TWO:
-                tl.store(base_second + offset, zeros.to(second_ptr.dtype.element_ty), mask=mask)
+            _store_zeros(base_first, base_second, tokens, (tokens < last) & ~attended, cols, token_stride,
+                         D, BLOCK_D, BLOCK, TWO)
 
 
 # ---------------------------------------------------------------------------------------------------

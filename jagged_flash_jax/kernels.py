@@ -137,6 +137,23 @@ def _load(base, rows, cols, num_rows, token_stride, D: tl.constexpr, BLOCK_D: tl
 
 
 @triton.jit
+def _load_key_major(base, rows, cols, first_row, num_rows, d_stride, D: tl.constexpr,
+                    BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """Rows `rows` of a [D, tokens] view (tokens contiguous, D rows `d_stride` apart), as [BLOCK_D,
+    len(rows)]; rows outside [first_row, num_rows) and cols >= D read 0."""
+    ptrs = base + rows[None, :] + cols[:, None] * d_stride
+    if MASKED:
+        mask = (rows[None, :] >= first_row) & (rows[None, :] < num_rows)
+        if BLOCK_D != D:
+            mask = mask & (cols[:, None] < D)
+        return tl.load(ptrs, mask=mask, other=0.0)
+    elif BLOCK_D != D:
+        return tl.load(ptrs, mask=cols[:, None] < D, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def _store(base, rows, cols, num_rows, value, token_stride, D: tl.constexpr, BLOCK_D: tl.constexpr):
     mask = rows[:, None] < num_rows
     if BLOCK_D != D:
@@ -281,18 +298,47 @@ def _zero_uncovered(first_ptr, second_ptr, offsets_ptr, batch, segment, head, ch
 
 
 @triton.jit
-def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, n_k, shift,
-               kv_token_stride, QK_SCALE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr):
+def key_major_kernel(
+    x_ptr, params_ptr,
+    out_ptr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
+    KEY_MAJOR_ALIGN: tl.constexpr,
+):
+    """out[h, d, t] = x[t, h, d] for BLOCK_T tokens (axis 0) of one head (axis 1), out's token axis
+    padded to params[3] * KEY_MAJOR_ALIGN tokens with 0: the forward's key-major v, in one pass. Params:
+    tokens, token and head strides of x (in units of STRIDE_ALIGN elements), padded tokens."""
+    tokens = tl.load(params_ptr)
+    token_stride = _aligned(tl.load(params_ptr + 1), STRIDE_ALIGN)
+    head_stride = _aligned(tl.load(params_ptr + 2), STRIDE_ALIGN)
+    padded = _aligned(tl.load(params_ptr + 3), KEY_MAJOR_ALIGN)
+    head = tl.program_id(1)
+    first = tl.program_id(0).to(tl.int64) * BLOCK_T
+    rows = tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    x_base = x_ptr + first * token_stride + head.to(tl.int64) * head_stride
+    x = _load(x_base, rows, cols, tokens - first, token_stride, D, BLOCK_D, True)
+    out = out_ptr + head.to(tl.int64) * D * padded + first
+    tl.store(out + cols[:, None].to(tl.int64) * padded + rows[None, :], tl.trans(x),
+             mask=(cols[:, None] < D) & (rows[None, :] < padded - first))
+
+
+
+@triton.jit
+def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, lead, n_k, shift,
+               kv_token_stride, v_d_stride, QK_SCALE: tl.constexpr, D: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, V_KEY_MAJOR: tl.constexpr):
     """One step of the online softmax over keys [key_start, key_start + BLOCK_N), in base 2. row_max is
-    the running maximum of the unscaled scores."""
+    the running maximum of the unscaled scores. Keys are counted from the start of the key window:
+    the first `lead` ones (before the sequence, V_KEY_MAJOR only) and those from n_k on are masked."""
     key_rows = key_start + tl.arange(0, BLOCK_N)
     k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
     scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     if MASKED:
         # Masked keys must not take part in the row max: a real score far below 0 would underflow.
         keep = key_rows[None, :] < n_k
+        if V_KEY_MAJOR:
+            keep = keep & (key_rows[None, :] >= lead)
         if CAUSAL:
             keep = keep & (key_rows[None, :] <= query_rows[:, None] + shift)
         scores = tl.where(keep, scores, -INF)
@@ -307,7 +353,10 @@ def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, 
     p = tl.math.exp2((scores - new_max_safe[:, None]) * QK_SCALE)
     correction = tl.math.exp2((row_max - new_max_safe) * QK_SCALE)
     row_sum = row_sum * correction + tl.sum(p, axis=1)
-    v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
+    if V_KEY_MAJOR:
+        v = tl.trans(_load_key_major(v_base, key_rows, cols, lead, n_k, v_d_stride, D, BLOCK_D, MASKED))
+    else:
+        v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
     acc = acc * correction[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
     return acc, row_sum, new_max
@@ -321,8 +370,16 @@ def attention_fwd_kernel(
     Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
     OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    V_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr,
 ):
-    """o and the base-2 log-sum-exp for one block of BLOCK_M queries, or the zero fill of o."""
+    """o and the base-2 log-sum-exp for one block of BLOCK_M queries, or the zero fill of o.
+
+    With V_KEY_MAJOR, v comes as [H_kv, D, tokens] (tokens contiguous, D rows params[11] *
+    KEY_MAJOR_ALIGN apart), so that the B operand of p @ v is K-major: TF32 matrix products need that
+    of both operands, and Triton otherwise copies v into shared memory one element at a time. The key
+    window then starts at the KEY_MAJOR_ALIGN-aligned token at or before the sequence's first, so that
+    its rows load in 16-byte pieces; its first `lead` keys are masked.
+    """
     (batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
      q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
     fill_chunk = tl.load(params_ptr + 9)
@@ -343,9 +400,20 @@ def attention_fwd_kernel(
         return
     kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
     kv_head = head // KV_GROUP
+    if V_KEY_MAJOR:
+        v_d_stride = _aligned(tl.load(params_ptr + 11), KEY_MAJOR_ALIGN)
+        first = segment.to(tl.int64) * kv_tokens + kv_start
+        window = first // KEY_MAJOR_ALIGN * KEY_MAJOR_ALIGN
+        # No window for no keys: a block of only masked keys would give non-causal rows a max of -inf.
+        lead = tl.where(n_k > 0, first - window, 0).to(tl.int32)
+        v_base = v_ptr + kv_head.to(tl.int64) * D * v_d_stride + window
+    else:
+        v_d_stride = 0
+        lead = 0
+        v_base = _rows(v_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    n_window = n_k + lead
     q_base = _rows(q_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
-    k_base = _rows(k_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
-    v_base = _rows(v_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    k_base = _rows(k_ptr, segment, kv_head, kv_start - lead, kv_tokens, kv_token_stride, kv_head_stride)
     cols = tl.arange(0, BLOCK_D)
     query_rows = query_start + tl.arange(0, BLOCK_M)
 
@@ -353,18 +421,28 @@ def attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], -INF, dtype=tl.float32)
-    shift = _causal_shift(n_q, n_k, CAUSAL)
-    clean_end, end = _key_ranges(query_start, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    for key_start in range(0, clean_end, BLOCK_N):
+    shift = _causal_shift(n_q, n_window, CAUSAL)
+    clean_end, end = _key_ranges(query_start, n_q, n_window, BLOCK_M, BLOCK_N, CAUSAL)
+    clean_start = 0
+    tail_start = clean_end
+    if V_KEY_MAJOR:  # a first block with keys before the sequence is masked
+        clean_start = (lead > 0).to(tl.int32) * BLOCK_N
+        tail_start = tl.maximum(clean_end, clean_start)
+        for key_start in range(0, tl.minimum(clean_start, end), BLOCK_N):
+            acc, row_sum, row_max = _fwd_block(
+                acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, lead, n_window,
+                shift, kv_token_stride, v_d_stride, QK_SCALE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION,
+                MASKED=True, CAUSAL=CAUSAL, V_KEY_MAJOR=V_KEY_MAJOR)
+    for key_start in range(clean_start, clean_end, BLOCK_N):
         acc, row_sum, row_max = _fwd_block(
-            acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, n_k, shift,
-            kv_token_stride, QK_SCALE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, MASKED=False,
-            CAUSAL=CAUSAL)
-    for key_start in range(clean_end, end, BLOCK_N):
+            acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, lead, n_window, shift,
+            kv_token_stride, v_d_stride, QK_SCALE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, MASKED=False,
+            CAUSAL=CAUSAL, V_KEY_MAJOR=V_KEY_MAJOR)
+    for key_start in range(tail_start, end, BLOCK_N):
         acc, row_sum, row_max = _fwd_block(
-            acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, n_k, shift,
-            kv_token_stride, QK_SCALE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, MASKED=True,
-            CAUSAL=CAUSAL)
+            acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, lead, n_window, shift,
+            kv_token_stride, v_d_stride, QK_SCALE, D, BLOCK_N, BLOCK_D, INPUT_PRECISION, MASKED=True,
+            CAUSAL=CAUSAL, V_KEY_MAJOR=V_KEY_MAJOR)
 
     attended = row_sum > 0  # false only for queries with no key (empty key sequence, or causal)
     acc = acc * (OUT_SCALE / tl.where(attended, row_sum, 1.0))[:, None]

@@ -27,6 +27,9 @@ CASES = {
     "cross-gqa-truncated": dict(lengths=[7, 0, 25], kv_lengths=[40, 3, 0], heads=4, kv_heads=2, dim=24,
                                 max_seq_len=16, kv_max_seq_len=32),
     "self-scale-D40": dict(lengths=[17, 2, 9], heads=2, dim=40, max_seq_len=20, scale=0.7),
+    # Sequences of several key blocks, none starting at a multiple of 16 tokens (the forward's
+    # key-major v loads its key window from the 16-aligned token before), one cut by max_seq_len.
+    "self-causal-blocks": dict(lengths=[75, 3, 110], heads=2, dim=16, max_seq_len=100, causal=True),
 }
 
 
@@ -61,6 +64,32 @@ def test_programs_grouped_by_sequence(case, backend, monkeypatch):
     the same results as the two-axis grid small problems get (the test cases are small)."""
     monkeypatch.setattr(plan, "L2_REUSE_BYTES", 0)
     check(case, backend, "THD")
+
+
+@pytest.mark.parametrize("backend", backend_params(["interpret", "triton"]))
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+@pytest.mark.parametrize("case", ["self-causal-blocks", "cross-nq<nk-causal-gqa", "cross-gqa-truncated",
+                                  "self-scale-D40"])
+def test_key_major_v(case, layout, backend, monkeypatch):
+    """The forward's key-major v, which float32 inputs with TF32 products take, forced here for exact
+    float32 products: key windows that start before the sequence, causal, cross, GQA, padded D."""
+    monkeypatch.setattr(plan, "key_major_v", lambda p, dtype: True)
+    check(case, backend, layout)
+
+
+@pytest.mark.parametrize("backend", backend_params(["interpret", "triton"]))
+def test_key_major_v_ignores_the_tokens_before_a_sequence(backend, monkeypatch):
+    """A key-major key window starts up to 15 tokens before its sequence: those tokens' k and v (inf
+    and nan here, on every token no sequence attends) reach neither the output nor the gradients."""
+    monkeypatch.setattr(plan, "key_major_v", lambda p, dtype: True)
+    max_len = 24
+    batch = Batch.make([30, 30], 2, 16, lead=5, extra=3, seed=2, scale=0.6)  # windows from 0 and 32
+    attended = attended_mask(batch.offsets, batch.q.shape[0], max_len)
+    batch.k[~attended], batch.v[~attended] = np.inf, np.nan
+    results = run_vjp(jfa.jagged_attention, batch, jnp.float32, max_seq_len=max_len, backend=backend,
+                      allow_tf32=False)
+    expected = reference(*results[:4], batch.offsets, max_len, scale=16**-0.5)
+    assert_matches(results, expected, TOLERANCES["fp32"][2], attended_q=attended, attended_kv=attended)
 
 
 @pytest.mark.parametrize("backend", backend_params())

@@ -288,11 +288,12 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
     strides = (2, 24, 30, 4, 1, 2, 1, 0, 0)
     # The operands fit in L2, so the grid has two axes: (segment, sequence or zero fill, head) = 1 * 3 * 4,
     # and 3 slots: ceil(20 / 16) blocks and the tail-zeroing slot. Params end with the fill chunk,
-    # ceil(tokens / slots), and slots.
+    # ceil(tokens / slots), slots, and the D stride of a key-major v (none at D = 8).
     _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (12, 3),
                 arrays=[((24, 4, 8), f32)] + [((30, 2, 8), f32)] * 2 + [((1, 3), i32)] * 2,
-                params=(*strides, 8, 3), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
-                constants=dict(common, OUT_SCALE=1.0, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
+                params=(*strides, 8, 3, 0), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
+                constants=dict(common, OUT_SCALE=1.0, BLOCK_M=16, BLOCK_N=32, V_KEY_MAJOR=False,
+                               KEY_MAJOR_ALIGN=16), num_warps=2, num_stages=3)
     _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (2, 4),
                 arrays=[((24, 4, 8), f32), ((24, 4, 8), f32)], params=(24, 4, 1),
                 out_shapes=(_sds((1, 4, 24), f32),),
@@ -326,9 +327,10 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
     strides = (3, 40, 40, 3, 120, 3, 120, 0, 0)
     arrays = [((2, 40, 24), bf16)] * 3 + [((1, 4), i32)] * 2
     _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (8, 3), arrays=arrays,
-                params=(*strides, 14, 3),
+                params=(*strides, 14, 3, 0),
                 out_shapes=(_sds((2, 40, 24), bf16), _sds((1, 2, 40), f32)),
-                constants=dict(common, OUT_SCALE=1 / 32, BLOCK_M=16, BLOCK_N=32), num_warps=2, num_stages=3)
+                constants=dict(common, OUT_SCALE=1 / 32, BLOCK_M=16, BLOCK_N=32, V_KEY_MAJOR=False,
+                               KEY_MAJOR_ALIGN=16), num_warps=2, num_stages=3)
     _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (3, 2),
                 arrays=[((2, 40, 24), bf16)] * 2, params=(40, 3, 120), out_shapes=(_sds((1, 2, 40), f32),),
                 constants=dict(NUM_HEADS=2, D=24, BLOCK_D=32, OUT_SCALE=1 / 32, BLOCK_M=16, STRIDE_ALIGN=8),
@@ -339,6 +341,37 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
                 constants=dict(common, OUT_SCALE=1 / 32, DS_SCALE=1 / 32, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
                                DQ_BLOCK_M=32, DQ_BLOCK_N=16),
                 num_warps=8, num_stages=1)
+
+
+@pytest.mark.parametrize("dtype,allow_tf32,key_major", [
+    (jnp.float32, True, True), (jnp.float32, False, False), (jnp.bfloat16, True, False)])
+def test_gpu_launcher_key_major_v(fake_jax_triton, dtype, allow_tf32, key_major):
+    """float32 with TF32, D >= 64: v [30, 2, 64] THD goes through key_major_kernel to [2, 64, 32] (30
+    tokens padded to 32), which the forward takes with V_KEY_MAJOR and its D stride, 32 / 16 = 2; the
+    backward keeps v as it is. Other inputs skip the transpose."""
+    f32 = jnp.dtype(jnp.float32)
+    q = jnp.ones((24, 4, 64), dtype)
+    kv = jnp.ones((30, 2, 64), dtype)
+    op = lambda q, k, v: jfa.jagged_attention(
+        q, k, v, jnp.asarray([0, 5, 24], jnp.int32), 20, kv_offsets=jnp.asarray([0, 9, 30], jnp.int32),
+        backend="triton", allow_tf32=allow_tf32, block_sizes=GPU_BLOCKS)
+    o, vjp = jax.vjp(op, q, kv, kv)
+    vjp(jnp.ones_like(o))
+    kinds = [call["kernel"] for call in fake_jax_triton.calls]
+    forward = fake_jax_triton.calls[kinds.index(kernels.attention_fwd_kernel)]
+    backward = fake_jax_triton.calls[-1]
+    assert forward["V_KEY_MAJOR"] is key_major and backward["args"][2].shape == (30, 2, 64)
+    if not key_major:
+        assert kernels.key_major_kernel not in kinds and forward["args"][2].shape == (30, 2, 64)
+        return
+    assert kinds[0] is kernels.key_major_kernel
+    # Tokens, token and head strides of v in units of 16 elements, padded tokens in units of 16.
+    _check_call(fake_jax_triton, fake_jax_triton.calls[0], kernels.key_major_kernel, (1, 2),
+                arrays=[((30, 2, 64), f32)], params=(30, 8, 4, 2), out_shapes=(_sds((2, 64, 32), f32),),
+                constants=dict(D=64, BLOCK_D=64, BLOCK_T=plan.KEY_MAJOR_BLOCK, STRIDE_ALIGN=16,
+                               KEY_MAJOR_ALIGN=16), num_warps=4, num_stages=2)
+    assert forward["args"][2].shape == (2, 64, 32)
+    assert fake_jax_triton.params[id(forward["args"][-1])][-1] == 2
 
 
 def test_gpu_launcher_groups_programs_by_sequence_past_l2(fake_jax_triton, monkeypatch):

@@ -22,7 +22,7 @@ import triton.language as tl
 from helpers import to_numpy
 
 import jagged_flash_jax as jfa
-from jagged_flash_jax.launch import interpret
+from jagged_flash_jax.launch import interpret, plan
 from jagged_flash_jax.launch.plan import KernelCall
 
 TESTS = Path(__file__).resolve().parent
@@ -192,16 +192,26 @@ def check_offsets_case(offsets, int64: bool, backend: str = "interpret") -> None
             "multi_head_jagged_flash_attention": (lambda q, k, v: jfa.multi_head_jagged_flash_attention(
                 q, k, v, q_offsets, MAX_SEQ_LEN, backend=backend), (q.swapaxes(0, 1),) * 3, "HTD", False),
         }
+        q_mask = covered(offsets, TOKENS, MAX_SEQ_LEN)
         for name, (op, args, layout, cross) in cases.items():
             o, vjp = jax.vjp(op, *args)
             results = dict(zip(["o", "dq", "dk", "dv"], (o, *vjp(jnp.ones_like(o)))))
-            q_mask = covered(offsets, TOKENS, MAX_SEQ_LEN)
             kv_mask = covered(kv_offsets, KV_TOKENS, KV_MAX_SEQ_LEN) if cross else q_mask
             for what, x in results.items():
                 x = to_numpy(x, layout)
                 assert np.all(np.isfinite(x)), f"{name}: {what} is not finite (a read outside, or unset)"
                 mask = q_mask if what in ("o", "dq") else kv_mask
                 assert not np.any(x[~mask]), f"{name}: {what} is not zero on tokens {np.flatnonzero(~mask)}"
+        # The forward again with a key-major v (which float32 inputs with TF32 and D >= 64 take): its
+        # transpose, and key windows that start before their sequence.
+        key_major_v, plan.key_major_v = plan.key_major_v, lambda p, dtype: True
+        try:
+            for name, (op, args, layout, _) in cases.items():
+                o = to_numpy(op(*args), layout)
+                assert np.all(np.isfinite(o)), f"{name}, key-major v: o is not finite (a read outside)"
+                assert not np.any(o[~q_mask]), f"{name}, key-major v: o is not zero where unattended"
+        finally:
+            plan.key_major_v = key_major_v
     print("ok")
 
 

@@ -15,6 +15,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jagged_flash_jax as jfa
+from jagged_flash_jax.launch import plan
 
 V, T, H, HK, D, MAX_LEN = 2, 40, 4, 2, 8, 16
 OFFSETS = np.array([0, 5, 5, 22, 33])  # 7 tokens after the last sequence are not covered
@@ -43,16 +44,22 @@ def close(got, want, tol=1e-5):
 # ---------------------------------------------------------------------------------------------------
 
 # The folding rules (into heads or segments) are shared by the backends: the kernels (interpret) are
-# checked on every path, the xla backend on one.
-VMAP_CASES = [pytest.param(backend, layout, batched, id=f"{backend}-{layout}-{batched}")
-              for backend, layout, batched in [("interpret", "THD", False), ("interpret", "THD", True),
-                                               ("interpret", "HTD", False), ("interpret", "HTD", True),
-                                               ("xla", "HTD", True)]]
+# checked on every path, the xla backend on one; and the forward's key-major v (which float32 inputs
+# with TF32 take) on the segments paths.
+VMAP_CASES = [pytest.param(backend, layout, batched, key_major,
+                           id=f"{backend}-{layout}-{batched}" + "-key_major" * key_major)
+              for backend, layout, batched, key_major in [
+                  ("interpret", "THD", False, False), ("interpret", "THD", True, False),
+                  ("interpret", "HTD", False, False), ("interpret", "HTD", True, False),
+                  ("interpret", "THD", True, True), ("interpret", "HTD", True, True),
+                  ("xla", "HTD", True, False)]]
 
 
-@pytest.mark.parametrize("backend,layout,offsets_batched", VMAP_CASES)
-def test_vmap_equals_a_loop(backend, layout, offsets_batched):
+@pytest.mark.parametrize("backend,layout,offsets_batched,key_major", VMAP_CASES)
+def test_vmap_equals_a_loop(backend, layout, offsets_batched, key_major, monkeypatch):
     """Forward, vmap(grad) and grad(vmap) of a vmapped call equal a Python loop of single calls."""
+    if key_major:
+        monkeypatch.setattr(plan, "key_major_v", lambda p, dtype: True)
     q, k, v = arrays(layout)
     offsets = jnp.asarray(ROWS if offsets_batched else OFFSETS, jnp.int32)
     in_axes = (0, 0, 0, 0 if offsets_batched else None)

@@ -33,6 +33,11 @@ L2_REUSE_BYTES = 32 << 20
 MAX_GRID_Y = 65535
 # Tokens the zero-fill programs clear at a time.
 FILL_BLOCK = 32
+# Alignment, in tokens, of the rows of a key-major v (kernels.attention_fwd_kernel's V_KEY_MAJOR), and
+# the tokens each program of kernels.key_major_kernel transposes.
+KEY_MAJOR_ALIGN = 16
+KEY_MAJOR_BLOCK = 64
+KEY_MAJOR_MIN_HEAD_DIM = 64
 LOG2E = 1.4426950408889634
 
 
@@ -171,6 +176,30 @@ def _fill_chunk(tokens: int, programs: int) -> int:
     return max(1, -(-tokens // programs))
 
 
+def key_major_v(p: Problem, dtype) -> bool:
+    """Whether the forward takes v as [H_kv, D, tokens]: for TF32 products (float32 inputs), whose
+    operands must both be K-major in shared memory (see kernels.attention_fwd_kernel), from a padded
+    head dimension of KEY_MAJOR_MIN_HEAD_DIM (below it the forward gained nothing on an H200)."""
+    return (p.input_precision == "tf32" and jnp.dtype(dtype).itemsize == 4
+            and head_block(p.head_dim) >= KEY_MAJOR_MIN_HEAD_DIM)
+
+
+def _keys_contiguous(run: Runner, p: Problem, v) -> jax.Array:
+    """v as [H_kv, D, tokens], the token axis padded with 0 to a multiple of KEY_MAJOR_ALIGN."""
+    tokens = p.num_segments * p.kv_tokens
+    padded = -(-tokens // KEY_MAJOR_ALIGN) * KEY_MAJOR_ALIGN
+    strides = p.strides(p.num_kv_heads, p.kv_tokens)
+    align = _stride_align(*strides)
+    call = KernelCall(
+        kernels.key_major_kernel, grid=(-(-padded // KEY_MAJOR_BLOCK), p.num_kv_heads),
+        out_shapes=(jax.ShapeDtypeStruct((p.num_kv_heads, p.head_dim, padded), v.dtype),),
+        params=(tokens, *(s // align for s in strides), padded // KEY_MAJOR_ALIGN),
+        constants=dict(D=p.head_dim, BLOCK_D=head_block(p.head_dim), BLOCK_T=KEY_MAJOR_BLOCK,
+                       STRIDE_ALIGN=align, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN))
+    (out,) = run(call, (v, _params(call)))
+    return out
+
+
 def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
     """o (zero where no query is attended) and the float32 base-2 log-sum-exp [Z, H, T_q]."""
     if p.empty:
@@ -178,13 +207,18 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
     cfg = p.block_sizes.fwd
     params, constants = _common(p)
     slots = p.forward_slots
+    key_major = key_major_v(p, v.dtype)
+    if key_major:
+        v = _keys_contiguous(run, p, v)
     call = KernelCall(
         kernels.attention_fwd_kernel,
         grid=_grid(p, q.dtype.itemsize, slots),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                     jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
-        params=(*params, _fill_chunk(p.q_tokens, slots), slots),
-        constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
+        params=(*params, _fill_chunk(p.q_tokens, slots), slots,
+                v.shape[-1] // KEY_MAJOR_ALIGN if key_major else 0),
+        constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                       V_KEY_MAJOR=key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     o, lse = run(call, (q, k, v, q_offsets, kv_offsets, _params(call)))
     return o, lse

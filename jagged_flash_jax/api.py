@@ -180,7 +180,7 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
     backend = _resolve_backend(backend)
     if block_sizes is None:
         block_sizes = (INTERPRET_BLOCK_SIZES if backend == "interpret"
-                       else default_block_sizes(dim, q.dtype, max(max_seq_len, kv_max_seq_len)))
+                       else default_block_sizes(dim, q.dtype, max_seq_len, kv_max_seq_len))
     problem = plan.Problem(
         layout=layout, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
         batch=offsets.shape[-1] - 1, num_segments=rows, q_tokens=q_tokens // rows,

@@ -22,6 +22,8 @@ TUNED_CONFIGS_ENV = "JAGGED_FLASH_JAX_TUNED_CONFIGS"
 MAX_HEAD_DIM = 256
 # The GPU whose table is used for GPUs (and head dimensions) that have no entry of their own.
 FALLBACK_GPU = "NVIDIA H200"
+# The longest key block `fit_to_lengths` grows a key block to.
+FITTED_MAX_BLOCK_N = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,8 @@ class BlockSizes:
 
 
 def head_block(head_dim: int) -> int:
-    """The padded head dimension the kernels work on: a power of two, at least 16 (tl.dot's minimum)."""
+    """The padded head dimension the kernels work on: a power of two, at least 16 (tl.dot's minimum).
+    Also the longest block that rows of this many tokens need."""
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
@@ -172,10 +175,37 @@ def table_key(head_dim: int, dtype, max_seq_len: int, gpu: str | None = None,
     return None
 
 
-def default_block_sizes(head_dim: int, dtype, max_seq_len: int) -> BlockSizes:
-    """Tiles for the GPU kernels, by GPU, element size, padded head dimension and max_seq_len."""
+def fit_to_lengths(tiles: BlockSizes, max_seq_len: int, kv_max_seq_len: int) -> BlockSizes:
+    """`tiles` with each block no longer than the sequences it covers needs (a power of two, at least
+    16): query blocks (block_m) up to max_seq_len, key blocks (block_n) up to kv_max_seq_len. So that a
+    few queries against long keys (cross-attention) do not pad every query block to the keys' tile.
+
+    A query block cut this way gives its rows to the key block (up to FITTED_MAX_BLOCK_N), keeping each
+    program's work, and a forward of 16-32 query rows runs on at most 4 warps: on an H200, 8 queries
+    against 512-4096 keys ran 1.4x faster that way than with the query blocks cut alone.
+    """
+    q_rows, kv_rows = head_block(max_seq_len), head_block(kv_max_seq_len)
+
+    def fit(c: KernelConfig, forward: bool = False) -> KernelConfig:
+        block_m = min(c.block_m, q_rows)
+        block_n = c.block_n
+        warps = c.num_warps
+        if block_m < c.block_m:
+            block_n = max(block_n, min(block_n * (c.block_m // block_m), FITTED_MAX_BLOCK_N))
+            warps = min(warps, 4) if forward else warps
+        return dataclasses.replace(c, block_m=block_m, block_n=min(block_n, kv_rows), num_warps=warps)
+
+    return dataclasses.replace(tiles, fwd=fit(tiles.fwd, forward=True), dkdv=fit(tiles.dkdv),
+                               dq=fit(tiles.dq))
+
+
+def default_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None
+                        ) -> BlockSizes:
+    """Tiles for the GPU kernels: the table's entry by GPU, element size, padded head dimension and the
+    longer of max_seq_len and kv_max_seq_len (default: max_seq_len), fitted to both lengths."""
+    kv_max_seq_len = max_seq_len if kv_max_seq_len is None else kv_max_seq_len
     table = load_table(os.environ.get(TUNED_CONFIGS_ENV) or None)
-    key = table_key(head_dim, dtype, max_seq_len, table=table)
+    key = table_key(head_dim, dtype, max(max_seq_len, kv_max_seq_len), table=table)
     if key is None:
         raise ValueError(f"no tile configuration covers head dimension {head_dim} (at most {MAX_HEAD_DIM})")
-    return table[key]
+    return fit_to_lengths(table[key], max_seq_len, kv_max_seq_len)

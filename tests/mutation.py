@@ -38,6 +38,7 @@ MUTANTS = [
  ("kernels: a key-major window attends the keys before its sequence", "jagged_flash_jax/kernels.py", "            keep = keep & (key_rows[None, :] >= lead)", "            keep = keep", "tests/test_jagged_attention.py -k key_major"),
  ("kernels: a key-major window ignores the segment", "jagged_flash_jax/kernels.py", "        first = segment.to(tl.int64) * kv_tokens + kv_start", "        first = kv_start.to(tl.int64)", "tests/test_transforms.py -k vmap_equals"),
  ("plan: bfloat16 takes a key-major v", "jagged_flash_jax/launch/plan.py", 'return p.input_precision == "tf32" and jnp.dtype(dtype).itemsize == 4', 'return p.input_precision == "tf32"', "tests/test_launchers.py"),
+ ("configs: query blocks not fitted to max_seq_len", "jagged_flash_jax/configs.py", "block_m=min(c.block_m, q_rows)", "block_m=c.block_m", "tests/test_launchers.py"),
  ("kernels: the key-major transpose writes past its padded tokens", "jagged_flash_jax/kernels.py", "mask=(cols[:, None] < D) & (rows[None, :] < padded - first))", "mask=(cols[:, None] < D) & (rows[None, :] < padded - first + 16))", "tests/test_memory_safety.py -k adversarial"),
  ("compat: triton.language left patched after an interpreted run", "jagged_flash_jax/_compat.py", "        _restore_language(state)\n", "\n", "tests/test_launchers.py -k triton_language"),
  ("plan: dq/dk miss the output scale", "jagged_flash_jax/launch/plan.py", "DS_SCALE=p.scale * p.out_scale", "DS_SCALE=p.scale", "tests/test_fbgemm.py -k interpret"),

@@ -499,13 +499,26 @@ def test_a_gpu_with_entries_of_its_own_takes_them():
 
 def test_default_block_sizes_reads_the_builtin_table(monkeypatch):
     monkeypatch.delenv(configs.TUNED_CONFIGS_ENV, raising=False)
-    assert configs.default_block_sizes(8, jnp.float32, 16) == BlockSizes(
+    assert configs.default_block_sizes(8, jnp.float32, 200) == BlockSizes(
         KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2))
     assert configs.default_block_sizes(128, jnp.bfloat16, 2048) == BlockSizes(
         KernelConfig(128, 64, 8, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 8, 2))
     assert configs.default_block_sizes(256, jnp.float16, 64).preprocess_block_m == 32
     with pytest.raises(ValueError, match="head dimension 300"):
         configs.default_block_sizes(300, jnp.float32, 16)
+
+
+def test_default_block_sizes_fit_the_sequence_lengths(monkeypatch):
+    """Blocks no longer than the sequences they cover: 8 queries against 4096 keys take the long keys'
+    entry with 16-row query blocks, whose rows go to the key blocks (up to 128), and a 4-warp forward;
+    20 tokens take 32-row blocks."""
+    monkeypatch.delenv(configs.TUNED_CONFIGS_ENV, raising=False)
+    assert configs.default_block_sizes(128, jnp.bfloat16, 8, 4096) == BlockSizes(
+        KernelConfig(16, 128, 4, 3), KernelConfig(16, 128, 8, 2), KernelConfig(16, 128, 8, 2))
+    assert configs.default_block_sizes(128, jnp.bfloat16, 4096, 8) == BlockSizes(
+        KernelConfig(128, 16, 8, 3), KernelConfig(64, 16, 8, 2), KernelConfig(128, 16, 8, 2))
+    assert configs.default_block_sizes(8, jnp.float32, 20) == BlockSizes(
+        KernelConfig(32, 32, 4, 2), KernelConfig(32, 32, 4, 2), KernelConfig(32, 32, 4, 2))
 
 
 def test_the_table_round_trips_through_json():
@@ -546,7 +559,8 @@ def test_a_malformed_override_file_is_refused(tmp_path, monkeypatch):
 
 def test_the_gpu_launcher_takes_its_tiles_from_the_table(fake_jax_triton, tmp_path, monkeypatch):
     """block_sizes=None on the triton backend: the override file's tiles, chosen by the longer of
-    max_seq_len and kv_max_seq_len (2000 is past the D = 128 bucket of 1024)."""
+    max_seq_len and kv_max_seq_len (2000 is past the D = 128 bucket of 1024), their query blocks cut to
+    max_seq_len = 16 and their key blocks grown by as much."""
     entry = dict(gpu=H200, bits=16, head_dim=128, max_seq_len=None, fwd=[32, 16, 2, 5], dkdv=[16, 64, 1, 6],
                  dq=[64, 16, 1, 6], preprocess_block_m=128)
     monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, _override(tmp_path, entry))
@@ -556,8 +570,8 @@ def test_the_gpu_launcher_takes_its_tiles_from_the_table(fake_jax_triton, tmp_pa
     vjp(jnp.ones_like(o))
     forward, preprocess, backward = fake_jax_triton.calls
     assert (forward["num_warps"], forward["num_stages"]) == (2, 5)
-    assert (forward["BLOCK_M"], forward["BLOCK_N"]) == (32, 16)
+    assert (forward["BLOCK_M"], forward["BLOCK_N"]) == (16, 32)
     assert preprocess["BLOCK_M"] == 128
     assert (backward["num_warps"], backward["num_stages"]) == (1, 6)
     assert (backward["DKDV_BLOCK_M"], backward["DKDV_BLOCK_N"], backward["DQ_BLOCK_M"],
-            backward["DQ_BLOCK_N"]) == (16, 64, 64, 16)
+            backward["DQ_BLOCK_N"]) == (16, 64, 16, 64)

@@ -278,8 +278,10 @@ def jagged_attention(
       backend: "triton" (GPU kernels via jax-triton), "interpret" (the same kernels in Triton's
         interpreter on the CPU), "xla" (blockwise pure JAX, any device), or "auto" ("triton" on a GPU
         with jax-triton, else "xla").
-      allow_tf32: float32 only: whether the GPU matrix products may use TF32.
-      block_sizes: tile configuration of the Triton kernels; None picks a tuned default.
+      allow_tf32: float32 only: whether the GPU matrix products may use TF32 (with D > 32 the
+        forward then reads a transposed copy of v, made once per call).
+      block_sizes: tile configuration of the Triton kernels; None picks a tuned default, its blocks
+        cut to the sequence lengths.
 
     Returns:
       The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v.

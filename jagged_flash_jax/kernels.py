@@ -322,7 +322,6 @@ def key_major_kernel(
              mask=(cols[:, None] < D) & (rows[None, :] < padded - first))
 
 
-
 @triton.jit
 def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, lead, n_k, shift,
                kv_token_stride, v_d_stride, QK_SCALE: tl.constexpr, D: tl.constexpr,

@@ -15,22 +15,27 @@ from jagged_flash_jax import configs
 
 from . import impls, run
 
-# (bits, padded D up to) -> forward tiles (block_m, block_n, warps, stages) and backward tiles
-# (dkdv_m, dkdv_n, dq_m, dq_n, warps, stages), tried one kernel at a time with the default for the other.
+# (bits, padded D up to) -> forward tiles (block_m, block_n, warps, stages) and backward tiles, pairs of
+# (dk/dv, dq) tiles of that form, tried one kernel at a time with the default for the other. dk/dv and dq
+# with unequal warps or stages run in separate launches.
 CANDIDATES = {
     (16, 64): dict(fwd=[(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3)],
-                   bwd=[(32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 8, 2),
-                        (64, 64, 64, 64, 8, 2), (32, 64, 128, 32, 8, 2)]),
+                   bwd=[((32, 64, 4, 3), (64, 32, 4, 3)), ((32, 64, 4, 3), (128, 32, 8, 3)),
+                        ((32, 64, 4, 2), (128, 32, 8, 3)), ((64, 128, 8, 2), (128, 64, 8, 2)),
+                        ((64, 64, 8, 2), (64, 64, 8, 2)), ((32, 64, 4, 2), (64, 32, 4, 3))]),
     (16, 128): dict(fwd=[(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2)],
-                    bwd=[(64, 128, 128, 64, 8, 2), (32, 64, 128, 32, 4, 3), (64, 128, 128, 32, 8, 2),
-                         (64, 128, 128, 64, 8, 3), (32, 128, 128, 64, 8, 2), (128, 128, 128, 64, 8, 2)]),
+                    bwd=[((64, 128, 8, 2), (128, 128, 8, 2)), ((64, 128, 8, 2), (128, 64, 8, 2)),
+                         ((64, 128, 8, 2), (128, 64, 8, 3)), ((32, 64, 4, 3), (128, 32, 4, 3)),
+                         ((32, 128, 8, 2), (128, 64, 8, 2)), ((128, 128, 8, 2), (128, 64, 8, 2))]),
     (16, 256): dict(fwd=[(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 3)],
-                    bwd=[(64, 64, 128, 32, 8, 2), (64, 64, 64, 64, 8, 2), (32, 64, 64, 32, 4, 1),
-                         (32, 64, 64, 64, 8, 2), (64, 128, 128, 64, 8, 1)]),
+                    bwd=[((64, 64, 8, 2), (128, 32, 8, 3)), ((64, 64, 8, 2), (128, 32, 8, 2)),
+                         ((64, 64, 8, 2), (64, 64, 8, 2)), ((32, 64, 4, 1), (64, 32, 4, 1))]),
     (32, 64): dict(fwd=[(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 2)],
-                   bwd=[(32, 64, 64, 32, 4, 2), (32, 128, 128, 32, 8, 2)]),
+                   bwd=[((32, 64, 4, 2), (64, 32, 4, 2)), ((32, 128, 8, 2), (128, 32, 8, 2)),
+                        ((32, 128, 8, 2), (64, 32, 4, 2))]),
     (32, 128): dict(fwd=[(128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
-                    bwd=[(32, 128, 128, 32, 8, 2), (16, 128, 128, 16, 8, 2), (32, 64, 128, 32, 8, 2)]),
+                    bwd=[((32, 128, 8, 2), (128, 32, 8, 2)), ((16, 128, 8, 2), (128, 16, 8, 2)),
+                         ((32, 64, 8, 2), (128, 32, 8, 2)), ((32, 128, 8, 2), (128, 64, 8, 1))]),
 }
 TUNE_CASES = "long,rec-long,L4096-D256,L4096-D64,rec-mid,rec-small"  # one per entry of the table
 
@@ -40,7 +45,7 @@ def tile_jobs(case, dtype: str, backend: str) -> list[tuple]:
     bits = 16 if jnp.dtype(dtype).itemsize <= 2 else 32
     table = next((v for (b, d), v in sorted(CANDIDATES.items()) if b == bits and d >= case.head_dim), {})
     tries = [("fwd", dict(fwd=t)) for t in table.get("fwd", [])]
-    tries += [("fwd+bwd", dict(dkdv=(*t[:2], *t[4:]), dq=(*t[2:4], *t[4:]))) for t in table.get("bwd", [])]
+    tries += [("fwd+bwd", dict(dkdv=dkdv, dq=dq)) for dkdv, dq in table.get("bwd", [])]
     jobs = []
     for mode, tiles in tries:
         def make(case, tiles=tiles):

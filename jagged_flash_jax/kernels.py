@@ -626,18 +626,18 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offse
 
 
 @triton.jit
-def attention_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-    dq_ptr, dk_ptr, dv_ptr,
-    NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
-    DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
-    DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
-):
-    """dq, dk and dv in one launch: even slots are dq programs (DQ_BLOCK_M queries of one head), odd
-    slots dk/dv programs (DKDV_BLOCK_N keys of one kv head; only the first head of each group runs
-    one). The zero-fill programs and the last two slots clear dq (even) and dk, dv (odd) where no
+def _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+              dq_ptr, dk_ptr, dv_ptr, NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MAX_LEN: tl.constexpr,
+              KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
+              DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+              DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
+              DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
+              DQ_PROGRAMS: tl.constexpr, DKDV_PROGRAMS: tl.constexpr):
+    """One program of a backward launch of dq programs, dk/dv programs or both (then even slots are dq
+    programs and odd slots dk/dv ones). A dq program takes DQ_BLOCK_M queries of one head, a dk/dv
+    program DKDV_BLOCK_N keys of one kv head (only the first head of each group runs one). The
+    zero-fill programs and each sequence's last slot (of each kind) clear dq, and dk and dv, where no
     sequence attends.
 
     Every output element has one writer and there are no atomics: the result is deterministic.
@@ -649,18 +649,23 @@ def attention_bwd_kernel(
     segment, sequence, head, slot = _program(batch, tl.load(params_ptr + 11), NUM_HEADS)
     q_offsets_ptr += segment * q_offsets_stride
     kv_offsets_ptr += segment * kv_offsets_stride
-    is_dq = slot % 2 == 0
+    if DQ_PROGRAMS and DKDV_PROGRAMS:
+        is_dq = slot % 2 == 0
+        block = slot // 2
+    else:
+        is_dq = DQ_PROGRAMS
+        block = slot
     if sequence == batch:
         if is_dq:
-            _zero_uncovered(dq_ptr, dq_ptr, q_offsets_ptr, batch, segment, head, slot // 2, q_fill_chunk,
+            _zero_uncovered(dq_ptr, dq_ptr, q_offsets_ptr, batch, segment, head, block, q_fill_chunk,
                             q_tokens, q_token_stride, q_head_stride, Q_MAX_LEN, D, BLOCK_D, FILL_BLOCK,
                             TWO=False)
         elif head % KV_GROUP == 0:
-            _zero_uncovered(dk_ptr, dv_ptr, kv_offsets_ptr, batch, segment, head // KV_GROUP, slot // 2,
+            _zero_uncovered(dk_ptr, dv_ptr, kv_offsets_ptr, batch, segment, head // KV_GROUP, block,
                             kv_fill_chunk, kv_tokens, kv_token_stride, kv_head_stride, KV_MAX_LEN, D,
                             BLOCK_D, FILL_BLOCK, TWO=True)
         return
-    if slot < 2:
+    if block == 0:
         if is_dq:
             _zero_tail(dq_ptr, dq_ptr, q_offsets_ptr, sequence, segment, head, q_tokens, q_token_stride,
                        q_head_stride, Q_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=False)
@@ -668,7 +673,7 @@ def attention_bwd_kernel(
             _zero_tail(dk_ptr, dv_ptr, kv_offsets_ptr, sequence, segment, head // KV_GROUP, kv_tokens,
                        kv_token_stride, kv_head_stride, KV_MAX_LEN, D, BLOCK_D, FILL_BLOCK, TWO=True)
         return
-    block = slot // 2 - 1
+    block -= 1
     if is_dq:
         _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr,
                     kv_offsets_ptr, segment, sequence, head, block * DQ_BLOCK_M, q_tokens,
@@ -681,3 +686,55 @@ def attention_bwd_kernel(
                       q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
                       kv_head_stride, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL,
                       QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M, DKDV_BLOCK_N)
+
+
+# The backward's entry points: both kinds of program in one launch (when they share warps and stages),
+# or dq and dk/dv in a launch each (see `_backward`; a launch passes its one output for the others).
+
+
+@triton.jit
+def attention_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+    dq_ptr, dk_ptr, dv_ptr,
+    NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
+    DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
+    DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
+):
+    _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+              dq_ptr, dk_ptr, dv_ptr, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL,
+              QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M,
+              DQ_BLOCK_N, STRIDE_ALIGN, FILL_BLOCK, DQ_PROGRAMS=True, DKDV_PROGRAMS=True)
+
+
+@triton.jit
+def attention_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+    dq_ptr,
+    NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
+    DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
+    DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
+):
+    _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+              dq_ptr, dq_ptr, dq_ptr, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL,
+              QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M,
+              DQ_BLOCK_N, STRIDE_ALIGN, FILL_BLOCK, DQ_PROGRAMS=True, DKDV_PROGRAMS=False)
+
+
+@triton.jit
+def attention_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+    dk_ptr, dv_ptr,
+    NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
+    DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
+    DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
+):
+    _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+              dk_ptr, dk_ptr, dv_ptr, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL,
+              QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M,
+              DQ_BLOCK_N, STRIDE_ALIGN, FILL_BLOCK, DQ_PROGRAMS=False, DKDV_PROGRAMS=True)

@@ -119,13 +119,17 @@ TILES = {
                         preprocess_block_m=16),
     "unequal": BlockSizes(KernelConfig(32, 16), KernelConfig(block_m=64, block_n=16), KernelConfig(16, 64),
                           preprocess_block_m=32),
+    # Unequal warps: dq and dk/dv programs run in a launch each.
+    "two-launches": BlockSizes(KernelConfig(32, 16), KernelConfig(16, 32, num_warps=8),
+                               KernelConfig(64, 16, num_stages=3), preprocess_block_m=16),
 }
 
 
 @pytest.mark.parametrize("backend", backend_params(KERNEL_BACKENDS))
 @pytest.mark.parametrize("tiles", TILES, ids=str)
 def test_tile_sizes(tiles, backend):
-    """dq and dk/dv programs have their own tiles: they need not be equal."""
+    """dq and dk/dv programs have their own tiles: they need not be equal, and with their own warps or
+    stages they run in separate launches."""
     batch = Batch.make([5, 0, 40, 1, 70], 2, 25, extra=3, seed=11, scale=25**-0.25)
     check(batch, 48, "fp32", backend, block_sizes=TILES[tiles])
 

@@ -4,6 +4,7 @@ backend choice when jax-triton cannot run, and the tuned tile table."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.abc
 import importlib.machinery
 import json
@@ -311,6 +312,36 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
                 num_warps=8, num_stages=1)
 
 
+def test_gpu_launcher_two_backward_launches(fake_jax_triton):
+    """dq tiles with their own warps and stages: dq and dk/dv programs run in a launch each, each with
+    its own slots, fill chunks, warps and stages (the problem of the test above)."""
+    f32, i32 = jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
+    q = jnp.ones((24, 4, 8), jnp.float32)
+    kv = jnp.ones((30, 2, 8), jnp.float32)
+    tiles = dataclasses.replace(GPU_BLOCKS, dq=KernelConfig(32, 16, num_warps=4, num_stages=3))
+    op = lambda q, k, v: jfa.jagged_attention(
+        q, k, v, jnp.asarray([0, 5, 24], jnp.int32), 20, kv_offsets=jnp.asarray([0, 9, 30], jnp.int32),
+        kv_max_seq_len=24, scale=0.5, causal=True, backend="triton", block_sizes=tiles)
+    o, vjp = jax.vjp(op, q, kv, kv)
+    vjp(jnp.ones_like(o))
+    _, _, dq_call, dkdv_call = fake_jax_triton.calls
+    constants = dict(NUM_HEADS=4, KV_GROUP=2, D=8, BLOCK_D=16, Q_MAX_LEN=20, KV_MAX_LEN=24, CAUSAL=True,
+                     QK_SCALE=0.5 * LOG2E, INPUT_PRECISION="tf32", STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK,
+                     OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16, DQ_BLOCK_M=32,
+                     DQ_BLOCK_N=16)
+    strides = (2, 24, 30, 4, 1, 2, 1, 0, 0)
+    arrays = [((24, 4, 8), f32), ((30, 2, 8), f32), ((30, 2, 8), f32), ((24, 4, 8), f32),
+              ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32)]
+    # dq: ceil(20 / 32) = 1 block and the tail slot; fill chunks ceil(tokens / 2).
+    _check_call(fake_jax_triton, dq_call, kernels.attention_dq_kernel, (12, 2), arrays=arrays,
+                params=(*strides, 12, 15, 2), out_shapes=(_sds((24, 4, 8), f32),), constants=constants,
+                num_warps=4, num_stages=3)
+    # dk/dv: ceil(24 / 16) = 2 blocks and the tail slot; fill chunks ceil(tokens / 3).
+    _check_call(fake_jax_triton, dkdv_call, kernels.attention_dkdv_kernel, (12, 3), arrays=arrays,
+                params=(*strides, 8, 10, 3), out_shapes=(_sds((30, 2, 8), f32),) * 2, constants=constants,
+                num_warps=8, num_stages=1)
+
+
 def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
     """FBGEMM's op, [H=2, T=40, D=24] bfloat16: no scale, output / max_seq_len, float32 statistics."""
     bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
@@ -502,7 +533,10 @@ def test_default_block_sizes_reads_the_builtin_table(monkeypatch):
     assert configs.default_block_sizes(8, jnp.float32, 200) == BlockSizes(
         KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2))
     assert configs.default_block_sizes(128, jnp.bfloat16, 2048) == BlockSizes(
-        KernelConfig(128, 64, 8, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 8, 2))
+        KernelConfig(128, 64, 8, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 128, 8, 2))
+    assert configs.default_block_sizes(128, jnp.bfloat16, 2048).one_backward_launch
+    # Long sequences at D = 64: dq programs on 8 warps, dk/dv on 4, in a launch each.
+    assert not configs.default_block_sizes(64, jnp.bfloat16, 4096).one_backward_launch
     assert configs.default_block_sizes(256, jnp.float16, 64).preprocess_block_m == 32
     with pytest.raises(ValueError, match="head dimension 300"):
         configs.default_block_sizes(300, jnp.float32, 16)

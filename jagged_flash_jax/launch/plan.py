@@ -105,11 +105,16 @@ class Problem:
         return self.blocks(self.block_sizes.fwd.block_m, self.q_tokens, self.max_seq_len) + 1
 
     @property
-    def backward_slot_pairs(self) -> int:
-        """The backward's (dq, dk/dv) program pairs per sequence and head, the tail-zeroing pair last."""
+    def backward_launches(self) -> tuple[tuple[Any, int], ...]:
+        """The backward's kernels with their slots per sequence and head: the dq and dk/dv programs in
+        one launch (even and odd slots, in pairs) or in one each; in each, a sequence's row blocks and
+        then its tail-zeroing slot (a pair in the shared launch)."""
         bs = self.block_sizes
-        return max(self.blocks(bs.dq.block_m, self.q_tokens, self.max_seq_len),
-                   self.blocks(bs.dkdv.block_n, self.kv_tokens, self.kv_max_seq_len)) + 1
+        dq = self.blocks(bs.dq.block_m, self.q_tokens, self.max_seq_len) + 1
+        dkdv = self.blocks(bs.dkdv.block_n, self.kv_tokens, self.kv_max_seq_len) + 1
+        if bs.one_backward_launch:
+            return ((kernels.attention_bwd_kernel, 2 * max(dq, dkdv)),)
+        return (kernels.attention_dq_kernel, dq), (kernels.attention_dkdv_kernel, dkdv)
 
     @property
     def empty(self) -> bool:
@@ -225,7 +230,8 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
 
 
 def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
-    """dq, dk, dv: the preprocess (delta = rowsum(o * do)), then one launch of dq and dk/dv programs."""
+    """dq, dk, dv: the preprocess (delta = rowsum(o * do)), then the dq and dk/dv programs (in one launch
+    or two, see Problem.backward_launches)."""
     if p.empty:
         return jnp.zeros(p.q_shape, q.dtype), jnp.zeros(p.kv_shape, k.dtype), jnp.zeros(p.kv_shape, v.dtype)
     bs = p.block_sizes
@@ -241,27 +247,33 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
                        OUT_SCALE=p.out_scale, BLOCK_M=bs.preprocess_block_m,
                        STRIDE_ALIGN=align))
     (delta,) = run(preprocess, (o, do, _params(preprocess)))
-    # dq programs take the even slots, dk/dv programs the odd ones; the last two zero the tails (see
-    # the kernel's docstring).
-    slots = p.backward_slot_pairs
-    call = KernelCall(
-        kernels.attention_bwd_kernel,
-        grid=_grid(p, q.dtype.itemsize, 2 * slots),
-        out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype), jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
-                    jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
-        params=(*params, _fill_chunk(p.q_tokens, slots), _fill_chunk(p.kv_tokens, slots), 2 * slots),
-        constants=dict(constants, OUT_SCALE=p.out_scale, DS_SCALE=p.scale * p.out_scale,
-                       DKDV_BLOCK_M=bs.dkdv.block_m, DKDV_BLOCK_N=bs.dkdv.block_n,
-                       DQ_BLOCK_M=bs.dq.block_m, DQ_BLOCK_N=bs.dq.block_n),
-        num_warps=bs.dkdv.num_warps, num_stages=bs.dkdv.num_stages)
-    dq, dk, dv = run(call, (q, k, v, do, lse, delta, q_offsets, kv_offsets, _params(call)))
-    return dq, dk, dv
+    constants = dict(constants, OUT_SCALE=p.out_scale, DS_SCALE=p.scale * p.out_scale,
+                     DKDV_BLOCK_M=bs.dkdv.block_m, DKDV_BLOCK_N=bs.dkdv.block_n,
+                     DQ_BLOCK_M=bs.dq.block_m, DQ_BLOCK_N=bs.dq.block_n)
+    outputs = {kernels.attention_bwd_kernel: ("dq", "dk", "dv"), kernels.attention_dq_kernel: ("dq",),
+               kernels.attention_dkdv_kernel: ("dk", "dv")}
+    shapes = dict(dq=jax.ShapeDtypeStruct(p.q_shape, q.dtype), dk=jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
+                  dv=jax.ShapeDtypeStruct(p.kv_shape, v.dtype))
+    grads = {}
+    for kernel, slots in p.backward_launches:
+        names = outputs[kernel]
+        # A shared launch's programs come in (dq, dk/dv) pairs: each kind fills its chunk per pair.
+        programs = slots // 2 if len(names) == 3 else slots
+        cfg = bs.dq if names == ("dq",) else bs.dkdv
+        call = KernelCall(
+            kernel, grid=_grid(p, q.dtype.itemsize, slots),
+            out_shapes=tuple(shapes[name] for name in names),
+            params=(*params, _fill_chunk(p.q_tokens, programs), _fill_chunk(p.kv_tokens, programs), slots),
+            constants=constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        grads.update(zip(names, run(call, (q, k, v, do, lse, delta, q_offsets, kv_offsets, _params(call)))))
+    return grads["dq"], grads["dk"], grads["dv"]
 
 
 def check_grid(p: Problem) -> None:
     """Raise ValueError when a launch would need more programs than CUDA's grid allows."""
     sequences = p.sequence_heads
-    for name, count in (("forward", p.forward_slots), ("backward", 2 * p.backward_slot_pairs)):
+    launches = [("forward", p.forward_slots)] + [("backward", n) for _, n in p.backward_launches]
+    for name, count in launches:
         if sequences * count > MAX_GRID_X:
             raise ValueError(
                 f"the {name} would need {sequences * count} programs ({sequences // p.num_heads} sequences "

@@ -127,7 +127,7 @@ BUILTIN_TABLE = table_from_json([
          dq=[64, 32, 4, 2]),
     dict(gpu=_H200, bits=32, head_dim=64, max_seq_len=256, fwd=[64, 32, 4, 2], dkdv=[32, 128, 8, 2],
          dq=[128, 32, 8, 2]),
-    dict(gpu=_H200, bits=32, head_dim=128, max_seq_len=None, fwd=[128, 64, 8, 2], dkdv=[32, 128, 8, 2],
+    dict(gpu=_H200, bits=32, head_dim=128, max_seq_len=None, fwd=[128, 64, 8, 2], dkdv=[16, 128, 8, 2],
          dq=[128, 32, 8, 2]),
     dict(gpu=_H200, bits=32, head_dim=256, max_seq_len=None, fwd=[64, 16, 4, 1], dkdv=[16, 64, 4, 1],
          dq=[64, 16, 4, 1], preprocess_block_m=32),

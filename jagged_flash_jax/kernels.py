@@ -483,50 +483,81 @@ def attention_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, query_start, key_rows, cols,
-                n_q, shift, q_token_stride, QK_SCALE: tl.constexpr, D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def _dkdv_block(dk, dv, k, v, q_base, do_base, q_km_base, do_km_base, lse_base, delta_base, query_start,
+                key_rows, cols, lead, n_q, shift, q_token_stride, km_d_stride, QK_SCALE: tl.constexpr,
+                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                QDO_KEY_MAJOR: tl.constexpr):
     """Accumulate into dk, dv (unscaled) the queries [query_start, +BLOCK_M) of one query head.
 
     Works on transposed scores [keys, queries], so that no operand of dk and dv needs a transpose.
-    Queries past n_q read a log-sum-exp of +inf, hence probability 0.
+    Queries are counted from the start of the query window: the first `lead` ones (before the sequence,
+    QDO_KEY_MAJOR only) and those from n_q on are masked; past n_q they read a log-sum-exp of +inf,
+    hence probability 0. With QDO_KEY_MAJOR the B operands of dv and dk (do and q, read along the
+    queries) come from the key-major copies, so that both operands of those TF32 products are K-major.
     """
     query_rows = query_start + tl.arange(0, BLOCK_M)
     q = _load(q_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, MASKED)
     do = _load(do_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, MASKED)
     if MASKED:
-        lse = tl.load(lse_base + query_rows, mask=query_rows < n_q, other=INF)
-        delta = tl.load(delta_base + query_rows, mask=query_rows < n_q, other=0.0)
+        valid = (query_rows >= lead) & (query_rows < n_q)
+        lse = tl.load(lse_base + query_rows, mask=valid, other=INF)
+        delta = tl.load(delta_base + query_rows, mask=valid, other=0.0)
     else:
         lse = tl.load(lse_base + query_rows)
         delta = tl.load(delta_base + query_rows)
+    if QDO_KEY_MAJOR:
+        q_b = tl.trans(_load_key_major(q_km_base, query_rows, cols, lead, n_q, km_d_stride, D, BLOCK_D,
+                                       MASKED))
+        do_b = tl.trans(_load_key_major(do_km_base, query_rows, cols, lead, n_q, km_d_stride, D, BLOCK_D,
+                                        MASKED))
+    else:
+        q_b = q
+        do_b = do
     scores_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
     p_t = tl.math.exp2((scores_t - lse[None, :]) * QK_SCALE)
-    if MASKED and CAUSAL:
-        p_t = tl.where(key_rows[:, None] <= query_rows[None, :] + shift, p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+    if MASKED and (CAUSAL or QDO_KEY_MAJOR):
+        # The tokens before the sequence (QDO_KEY_MAJOR) may hold anything, inf and nan included.
+        if CAUSAL and QDO_KEY_MAJOR:
+            keep = (key_rows[:, None] <= query_rows[None, :] + shift) & (query_rows[None, :] >= lead)
+        elif CAUSAL:
+            keep = key_rows[:, None] <= query_rows[None, :] + shift
+        else:
+            keep = query_rows[None, :] >= lead
+        p_t = tl.where(keep, p_t, 0.0)
+    dv = tl.dot(p_t.to(do_b.dtype), do_b, dv, input_precision=INPUT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+    if MASKED and QDO_KEY_MAJOR:
+        ds_t = tl.where(keep, ds_t, 0.0)
+    dk = tl.dot(ds_t.to(q_b.dtype), q_b, dk, input_precision=INPUT_PRECISION)
     return dk, dv
 
 
 @triton.jit
-def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_offsets_ptr,
-                  kv_offsets_ptr, segment, sequence, kv_head, key_start, q_tokens, kv_tokens,
-                  q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
+def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_km_ptr, dk_ptr, dv_ptr,
+                  q_offsets_ptr, kv_offsets_ptr, segment, sequence, kv_head, key_start, q_tokens,
+                  kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride, km_d_stride,
                   NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr,
                   BLOCK_D: tl.constexpr, Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr,
                   CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr, DS_SCALE: tl.constexpr,
                   OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+                  BLOCK_N: tl.constexpr, QDO_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr):
     """dk and dv of keys [key_start, +BLOCK_N) of one kv head: every query block of every query head
-    of its group, in order (deterministic)."""
+    of its group, in order (deterministic). With QDO_KEY_MAJOR the query window starts at the
+    KEY_MAJOR_ALIGN-aligned token at or before the sequence's first (as the forward's key window)."""
     kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
     if key_start >= n_k:
         return
     q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+    if QDO_KEY_MAJOR:
+        first = segment.to(tl.int64) * q_tokens + q_start
+        window = first // KEY_MAJOR_ALIGN * KEY_MAJOR_ALIGN
+        lead = tl.where(n_q > 0, first - window, 0).to(tl.int32)
+    else:
+        window = 0
+        lead = 0
+    n_window = n_q + lead
     cols = tl.arange(0, BLOCK_D)
     key_rows = key_start + tl.arange(0, BLOCK_N)
     k_base = _rows(k_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
@@ -536,26 +567,36 @@ def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
     v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    shift = _causal_shift(n_q, n_k, CAUSAL)
-    start, clean_start, clean_end = _query_ranges(key_start, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    shift = _causal_shift(n_window, n_k, CAUSAL)
+    start, clean_start, clean_end = _query_ranges(key_start, n_window, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    if QDO_KEY_MAJOR:
+        # A first block with queries before the sequence is masked. Every bound stays a visible
+        # multiple of BLOCK_M, so that the compiler knows the key-major rows 16-byte aligned.
+        clean_start = tl.maximum(clean_start, (lead > 0).to(tl.int32) * BLOCK_M) // BLOCK_M * BLOCK_M
+        clean_end = tl.maximum(clean_end, clean_start) // BLOCK_M * BLOCK_M
     for member in range(0, KV_GROUP):
         head = kv_head * KV_GROUP + member
-        q_base = _rows(q_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
-        do_base = _rows(do_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
-        lse_base = _stats(lse_ptr, segment, head, q_start, q_tokens, NUM_HEADS)
-        delta_base = _stats(delta_ptr, segment, head, q_start, q_tokens, NUM_HEADS)
+        q_base = _rows(q_ptr, segment, head, q_start - lead, q_tokens, q_token_stride, q_head_stride)
+        do_base = _rows(do_ptr, segment, head, q_start - lead, q_tokens, q_token_stride, q_head_stride)
+        lse_base = _stats(lse_ptr, segment, head, q_start - lead, q_tokens, NUM_HEADS)
+        delta_base = _stats(delta_ptr, segment, head, q_start - lead, q_tokens, NUM_HEADS)
+        q_km_base = q_km_ptr + head.to(tl.int64) * D * km_d_stride + window
+        do_km_base = do_km_ptr + head.to(tl.int64) * D * km_d_stride + window
         for query_start in range(start, clean_start, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, query_start,
-                                 key_rows, cols, n_q, shift, q_token_stride, QK_SCALE, D, BLOCK_M,
-                                 BLOCK_D, INPUT_PRECISION, MASKED=True, CAUSAL=CAUSAL)
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_km_base, do_km_base, lse_base,
+                                 delta_base, query_start, key_rows, cols, lead, n_window, shift,
+                                 q_token_stride, km_d_stride, QK_SCALE, D, BLOCK_M, BLOCK_D,
+                                 INPUT_PRECISION, MASKED=True, CAUSAL=CAUSAL, QDO_KEY_MAJOR=QDO_KEY_MAJOR)
         for query_start in range(clean_start, clean_end, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, query_start,
-                                 key_rows, cols, n_q, shift, q_token_stride, QK_SCALE, D, BLOCK_M,
-                                 BLOCK_D, INPUT_PRECISION, MASKED=False, CAUSAL=CAUSAL)
-        for query_start in range(clean_end, n_q, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, query_start,
-                                 key_rows, cols, n_q, shift, q_token_stride, QK_SCALE, D, BLOCK_M,
-                                 BLOCK_D, INPUT_PRECISION, MASKED=True, CAUSAL=CAUSAL)
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_km_base, do_km_base, lse_base,
+                                 delta_base, query_start, key_rows, cols, lead, n_window, shift,
+                                 q_token_stride, km_d_stride, QK_SCALE, D, BLOCK_M, BLOCK_D,
+                                 INPUT_PRECISION, MASKED=False, CAUSAL=CAUSAL, QDO_KEY_MAJOR=QDO_KEY_MAJOR)
+        for query_start in range(clean_end, n_window, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, q_km_base, do_km_base, lse_base,
+                                 delta_base, query_start, key_rows, cols, lead, n_window, shift,
+                                 q_token_stride, km_d_stride, QK_SCALE, D, BLOCK_M, BLOCK_D,
+                                 INPUT_PRECISION, MASKED=True, CAUSAL=CAUSAL, QDO_KEY_MAJOR=QDO_KEY_MAJOR)
     dk_base = _rows(dk_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
     dv_base = _rows(dv_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
     _store(dk_base, key_rows, cols, n_k, dk * DS_SCALE, kv_token_stride, D, BLOCK_D)
@@ -626,19 +667,24 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offse
 
 
 @triton.jit
-def _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-              dq_ptr, dk_ptr, dv_ptr, NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr,
+def _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr,
+              do_km_ptr, params_ptr, dq_ptr, dk_ptr, dv_ptr, NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr,
               D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MAX_LEN: tl.constexpr,
               KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
               DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
               DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
               DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
-              DQ_PROGRAMS: tl.constexpr, DKDV_PROGRAMS: tl.constexpr):
+              QDO_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr, DQ_PROGRAMS: tl.constexpr,
+              DKDV_PROGRAMS: tl.constexpr):
     """One program of a backward launch of dq programs, dk/dv programs or both (then even slots are dq
     programs and odd slots dk/dv ones). A dq program takes DQ_BLOCK_M queries of one head, a dk/dv
     program DKDV_BLOCK_N keys of one kv head (only the first head of each group runs one). The
     zero-fill programs and each sequence's last slot (of each kind) clear dq, and dk and dv, where no
     sequence attends.
+
+    With QDO_KEY_MAJOR, q_km and do_km are q and do as [H, D, tokens] (see key_major_kernel; D rows
+    params[12] * KEY_MAJOR_ALIGN apart), for the dk/dv programs (see `_dkdv_block`); otherwise they are
+    q and do again, unused.
 
     Every output element has one writer and there are no atomics: the result is deterministic.
     """
@@ -681,11 +727,16 @@ def _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv
                     NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, QK_SCALE,
                     DS_SCALE, INPUT_PRECISION, DQ_BLOCK_M, DQ_BLOCK_N)
     elif head % KV_GROUP == 0:
-        _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_offsets_ptr,
-                      kv_offsets_ptr, segment, sequence, head // KV_GROUP, block * DKDV_BLOCK_N,
-                      q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
-                      kv_head_stride, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL,
-                      QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M, DKDV_BLOCK_N)
+        if QDO_KEY_MAJOR:
+            km_d_stride = _aligned(tl.load(params_ptr + 12), KEY_MAJOR_ALIGN)
+        else:
+            km_d_stride = 0
+        _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_km_ptr, dk_ptr, dv_ptr,
+                      q_offsets_ptr, kv_offsets_ptr, segment, sequence, head // KV_GROUP,
+                      block * DKDV_BLOCK_N, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                      kv_token_stride, kv_head_stride, km_d_stride, NUM_HEADS, KV_GROUP, D, BLOCK_D,
+                      Q_MAX_LEN, KV_MAX_LEN, CAUSAL, QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION,
+                      DKDV_BLOCK_M, DKDV_BLOCK_N, QDO_KEY_MAJOR, KEY_MAJOR_ALIGN)
 
 
 # The backward's entry points: both kinds of program in one launch (when they share warps and stages),
@@ -694,47 +745,53 @@ def _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv
 
 @triton.jit
 def attention_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-    dq_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr, do_km_ptr,
+    params_ptr, dq_ptr, dk_ptr, dv_ptr,
     NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
     DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
     DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    QDO_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr,
 ):
-    _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-              dq_ptr, dk_ptr, dv_ptr, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL,
-              QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M,
-              DQ_BLOCK_N, STRIDE_ALIGN, FILL_BLOCK, DQ_PROGRAMS=True, DKDV_PROGRAMS=True)
+    _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr,
+              do_km_ptr, params_ptr, dq_ptr, dk_ptr, dv_ptr, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN,
+              KV_MAX_LEN, CAUSAL, QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M,
+              DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, STRIDE_ALIGN, FILL_BLOCK, QDO_KEY_MAJOR,
+              KEY_MAJOR_ALIGN, DQ_PROGRAMS=True, DKDV_PROGRAMS=True)
 
 
 @triton.jit
 def attention_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-    dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr, do_km_ptr,
+    params_ptr, dq_ptr,
     NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
     DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
     DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    QDO_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr,
 ):
-    _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-              dq_ptr, dq_ptr, dq_ptr, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL,
-              QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M,
-              DQ_BLOCK_N, STRIDE_ALIGN, FILL_BLOCK, DQ_PROGRAMS=True, DKDV_PROGRAMS=False)
+    _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr,
+              do_km_ptr, params_ptr, dq_ptr, dq_ptr, dq_ptr, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN,
+              KV_MAX_LEN, CAUSAL, QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M,
+              DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, STRIDE_ALIGN, FILL_BLOCK, QDO_KEY_MAJOR,
+              KEY_MAJOR_ALIGN, DQ_PROGRAMS=True, DKDV_PROGRAMS=False)
 
 
 @triton.jit
 def attention_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-    dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr, do_km_ptr,
+    params_ptr, dk_ptr, dv_ptr,
     NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
     DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
     DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    QDO_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr,
 ):
-    _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-              dk_ptr, dk_ptr, dv_ptr, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL,
-              QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M,
-              DQ_BLOCK_N, STRIDE_ALIGN, FILL_BLOCK, DQ_PROGRAMS=False, DKDV_PROGRAMS=True)
+    _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr,
+              do_km_ptr, params_ptr, dk_ptr, dk_ptr, dv_ptr, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN,
+              KV_MAX_LEN, CAUSAL, QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M,
+              DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, STRIDE_ALIGN, FILL_BLOCK, QDO_KEY_MAJOR,
+              KEY_MAJOR_ALIGN, DQ_PROGRAMS=False, DKDV_PROGRAMS=True)

@@ -70,22 +70,24 @@ def test_programs_grouped_by_sequence(case, backend, monkeypatch):
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
 @pytest.mark.parametrize("case", ["self-causal-blocks", "cross-nq<nk-causal-gqa", "cross-gqa-truncated",
                                   "self-scale-D40"])
-def test_key_major_v(case, layout, backend, monkeypatch):
-    """The forward's key-major v, which float32 inputs with TF32 products take, forced here for exact
-    float32 products: key windows that start before the sequence, causal, cross, GQA, padded D."""
-    monkeypatch.setattr(plan, "key_major_v", lambda p, dtype: True)
+def test_key_major_operands(case, layout, backend, monkeypatch):
+    """The key-major v of the forward and q and do of the dk/dv programs, which float32 inputs with TF32
+    products take, forced here for exact float32 products: key and query windows that start before the
+    sequence, causal, cross, GQA, padded D."""
+    monkeypatch.setattr(plan, "key_major", lambda p, dtype, operands: True)
     check(case, backend, layout)
 
 
 @pytest.mark.parametrize("backend", backend_params(["interpret", "triton"]))
-def test_key_major_v_ignores_the_tokens_before_a_sequence(backend, monkeypatch):
-    """A key-major key window starts up to 15 tokens before its sequence: those tokens' k and v (inf
-    and nan here, on every token no sequence attends) reach neither the output nor the gradients."""
-    monkeypatch.setattr(plan, "key_major_v", lambda p, dtype: True)
+def test_key_major_windows_ignore_the_tokens_before_a_sequence(backend, monkeypatch):
+    """A key-major key or query window starts up to 15 tokens before its sequence: those tokens' q, k
+    and v (inf and nan here, on every token no sequence attends) reach neither the output nor the
+    gradients."""
+    monkeypatch.setattr(plan, "key_major", lambda p, dtype, operands: True)
     max_len = 24
     batch = Batch.make([30, 30], 2, 16, lead=5, extra=3, seed=2, scale=0.6)  # windows from 0 and 32
     attended = attended_mask(batch.offsets, batch.q.shape[0], max_len)
-    batch.k[~attended], batch.v[~attended] = np.inf, np.nan
+    batch.q[~attended], batch.k[~attended], batch.v[~attended] = -np.inf, np.inf, np.nan
     results = run_vjp(jfa.jagged_attention, batch, jnp.float32, max_seq_len=max_len, backend=backend,
                       allow_tf32=False)
     expected = reference(*results[:4], batch.offsets, max_len, scale=16**-0.5)

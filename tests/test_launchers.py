@@ -301,14 +301,16 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
                 constants=dict(NUM_HEADS=4, D=8, BLOCK_D=16, OUT_SCALE=1.0, BLOCK_M=16, STRIDE_ALIGN=8),
                 num_warps=4, num_stages=2)
     # 6 slots: dq (even) and dk/dv (odd) programs for max(ceil(20 / 32), ceil(24 / 16)) = 2 blocks
-    # each, and a tail slot of each.
+    # each, and a tail slot of each. q and do come twice (no key-major copies at D = 8); params end
+    # with the fill chunks, slots and the key-major copies' D stride (none).
     _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (12, 6),
                 arrays=[((24, 4, 8), f32), ((30, 2, 8), f32), ((30, 2, 8), f32), ((24, 4, 8), f32),
-                        ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32)],
-                params=(*strides, 8, 10, 6),
+                        ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32),
+                        ((24, 4, 8), f32), ((24, 4, 8), f32)],
+                params=(*strides, 8, 10, 6, 0),
                 out_shapes=(_sds((24, 4, 8), f32), _sds((30, 2, 8), f32), _sds((30, 2, 8), f32)),
                 constants=dict(common, OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
-                               DQ_BLOCK_M=32, DQ_BLOCK_N=16),
+                               DQ_BLOCK_M=32, DQ_BLOCK_N=16, QDO_KEY_MAJOR=False, KEY_MAJOR_ALIGN=16),
                 num_warps=8, num_stages=1)
 
 
@@ -328,17 +330,18 @@ def test_gpu_launcher_two_backward_launches(fake_jax_triton):
     constants = dict(NUM_HEADS=4, KV_GROUP=2, D=8, BLOCK_D=16, Q_MAX_LEN=20, KV_MAX_LEN=24, CAUSAL=True,
                      QK_SCALE=0.5 * LOG2E, INPUT_PRECISION="tf32", STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK,
                      OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16, DQ_BLOCK_M=32,
-                     DQ_BLOCK_N=16)
+                     DQ_BLOCK_N=16, QDO_KEY_MAJOR=False, KEY_MAJOR_ALIGN=16)
     strides = (2, 24, 30, 4, 1, 2, 1, 0, 0)
     arrays = [((24, 4, 8), f32), ((30, 2, 8), f32), ((30, 2, 8), f32), ((24, 4, 8), f32),
-              ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32)]
+              ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32), ((24, 4, 8), f32),
+              ((24, 4, 8), f32)]
     # dq: ceil(20 / 32) = 1 block and the tail slot; fill chunks ceil(tokens / 2).
     _check_call(fake_jax_triton, dq_call, kernels.attention_dq_kernel, (12, 2), arrays=arrays,
-                params=(*strides, 12, 15, 2), out_shapes=(_sds((24, 4, 8), f32),), constants=constants,
+                params=(*strides, 12, 15, 2, 0), out_shapes=(_sds((24, 4, 8), f32),), constants=constants,
                 num_warps=4, num_stages=3)
     # dk/dv: ceil(24 / 16) = 2 blocks and the tail slot; fill chunks ceil(tokens / 3).
     _check_call(fake_jax_triton, dkdv_call, kernels.attention_dkdv_kernel, (12, 3), arrays=arrays,
-                params=(*strides, 8, 10, 3), out_shapes=(_sds((30, 2, 8), f32),) * 2, constants=constants,
+                params=(*strides, 8, 10, 3, 0), out_shapes=(_sds((30, 2, 8), f32),) * 2, constants=constants,
                 num_warps=8, num_stages=1)
 
 
@@ -367,42 +370,57 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
                 constants=dict(NUM_HEADS=2, D=24, BLOCK_D=32, OUT_SCALE=1 / 32, BLOCK_M=16, STRIDE_ALIGN=8),
                 num_warps=4, num_stages=2)
     _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (8, 6),
-                arrays=[((2, 40, 24), bf16)] * 4 + [((1, 2, 40), f32)] * 2 + [((1, 4), i32)] * 2,
-                params=(*strides, 14, 14, 6), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
+                arrays=[((2, 40, 24), bf16)] * 4 + [((1, 2, 40), f32)] * 2 + [((1, 4), i32)] * 2
+                + [((2, 40, 24), bf16)] * 2,
+                params=(*strides, 14, 14, 6, 0), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
                 constants=dict(common, OUT_SCALE=1 / 32, DS_SCALE=1 / 32, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
-                               DQ_BLOCK_M=32, DQ_BLOCK_N=16),
+                               DQ_BLOCK_M=32, DQ_BLOCK_N=16, QDO_KEY_MAJOR=False, KEY_MAJOR_ALIGN=16),
                 num_warps=8, num_stages=1)
 
 
-@pytest.mark.parametrize("dtype,allow_tf32,key_major", [
-    (jnp.float32, True, True), (jnp.float32, False, False), (jnp.bfloat16, True, False)])
-def test_gpu_launcher_key_major_v(fake_jax_triton, dtype, allow_tf32, key_major):
-    """float32 with TF32, D >= 64: v [30, 2, 64] THD goes through key_major_kernel to [2, 64, 32] (30
+@pytest.mark.parametrize("dtype,allow_tf32,head_dim,v_key_major,qdo_key_major", [
+    (jnp.float32, True, 128, True, True), (jnp.float32, True, 64, True, False),
+    (jnp.float32, False, 128, False, False), (jnp.bfloat16, True, 128, False, False)])
+def test_gpu_launcher_key_major_operands(fake_jax_triton, dtype, allow_tf32, head_dim, v_key_major,
+                                         qdo_key_major):
+    """float32 with TF32: from D = 64, v [30, 2, D] THD goes through key_major_kernel to [2, D, 32] (30
     tokens padded to 32), which the forward takes with V_KEY_MAJOR and its D stride, 32 / 16 = 2; the
-    backward keeps v as it is. Other inputs skip the transpose."""
+    backward keeps v as it is. At D = 128 the backward also takes q and do [24, 4, D] as [4, D, 32],
+    besides themselves. Other inputs skip the transposes."""
     f32 = jnp.dtype(jnp.float32)
-    q = jnp.ones((24, 4, 64), dtype)
-    kv = jnp.ones((30, 2, 64), dtype)
+    q = jnp.ones((24, 4, head_dim), dtype)
+    kv = jnp.ones((30, 2, head_dim), dtype)
     op = lambda q, k, v: jfa.jagged_attention(
         q, k, v, jnp.asarray([0, 5, 24], jnp.int32), 20, kv_offsets=jnp.asarray([0, 9, 30], jnp.int32),
         backend="triton", allow_tf32=allow_tf32, block_sizes=GPU_BLOCKS)
     o, vjp = jax.vjp(op, q, kv, kv)
     vjp(jnp.ones_like(o))
     kinds = [call["kernel"] for call in fake_jax_triton.calls]
+    assert kinds == ([kernels.key_major_kernel] * v_key_major
+                     + [kernels.attention_fwd_kernel, kernels.attention_bwd_preprocess_kernel]
+                     + [kernels.key_major_kernel] * (2 * qdo_key_major) + [kernels.attention_bwd_kernel])
     forward = fake_jax_triton.calls[kinds.index(kernels.attention_fwd_kernel)]
     backward = fake_jax_triton.calls[-1]
-    assert forward["V_KEY_MAJOR"] is key_major and backward["args"][2].shape == (30, 2, 64)
-    if not key_major:
-        assert kernels.key_major_kernel not in kinds and forward["args"][2].shape == (30, 2, 64)
-        return
-    assert kinds[0] is kernels.key_major_kernel
-    # Tokens, token and head strides of v in units of 16 elements, padded tokens in units of 16.
-    _check_call(fake_jax_triton, fake_jax_triton.calls[0], kernels.key_major_kernel, (1, 2),
-                arrays=[((30, 2, 64), f32)], params=(30, 8, 4, 2), out_shapes=(_sds((2, 64, 32), f32),),
-                constants=dict(D=64, BLOCK_D=64, BLOCK_T=plan.KEY_MAJOR_BLOCK, STRIDE_ALIGN=16,
-                               KEY_MAJOR_ALIGN=16), num_warps=4, num_stages=2)
-    assert forward["args"][2].shape == (2, 64, 32)
-    assert fake_jax_triton.params[id(forward["args"][-1])][-1] == 2
+    assert forward["V_KEY_MAJOR"] is v_key_major and backward["QDO_KEY_MAJOR"] is qdo_key_major
+    assert [a.shape for a in backward["args"][:4]] == [(24, 4, head_dim), (30, 2, head_dim),
+                                                      (30, 2, head_dim), (24, 4, head_dim)]
+    transpose = dict(BLOCK_T=plan.KEY_MAJOR_BLOCK, STRIDE_ALIGN=16, KEY_MAJOR_ALIGN=16)
+    # Params: tokens, token and head strides in units of 16 elements, padded tokens in units of 16.
+    if v_key_major:
+        _check_call(fake_jax_triton, fake_jax_triton.calls[0], kernels.key_major_kernel, (1, 2),
+                    arrays=[((30, 2, head_dim), f32)], params=(30, head_dim // 8, head_dim // 16, 2),
+                    out_shapes=(_sds((2, head_dim, 32), f32),),
+                    constants=dict(transpose, D=head_dim, BLOCK_D=head_dim), num_warps=4, num_stages=2)
+    assert forward["args"][2].shape == ((2, head_dim, 32) if v_key_major else (30, 2, head_dim))
+    assert fake_jax_triton.params[id(forward["args"][-1])][-1] == 2 * v_key_major
+    for call in fake_jax_triton.calls[-3:-1] if qdo_key_major else ():
+        _check_call(fake_jax_triton, call, kernels.key_major_kernel, (1, 4),
+                    arrays=[((24, 4, head_dim), f32)], params=(24, head_dim // 4, head_dim // 16, 2),
+                    out_shapes=(_sds((4, head_dim, 32), f32),),
+                    constants=dict(transpose, D=head_dim, BLOCK_D=head_dim), num_warps=4, num_stages=2)
+    assert [a.shape for a in backward["args"][8:10]] == (
+        [(4, head_dim, 32)] * 2 if qdo_key_major else [(24, 4, head_dim)] * 2)
+    assert fake_jax_triton.params[id(backward["args"][-1])][-1] == 2 * qdo_key_major
 
 
 def test_gpu_launcher_groups_programs_by_sequence_past_l2(fake_jax_triton, monkeypatch):

@@ -193,25 +193,25 @@ def check_offsets_case(offsets, int64: bool, backend: str = "interpret") -> None
                 q, k, v, q_offsets, MAX_SEQ_LEN, backend=backend), (q.swapaxes(0, 1),) * 3, "HTD", False),
         }
         q_mask = covered(offsets, TOKENS, MAX_SEQ_LEN)
-        for name, (op, args, layout, cross) in cases.items():
-            o, vjp = jax.vjp(op, *args)
-            results = dict(zip(["o", "dq", "dk", "dv"], (o, *vjp(jnp.ones_like(o)))))
-            kv_mask = covered(kv_offsets, KV_TOKENS, KV_MAX_SEQ_LEN) if cross else q_mask
-            for what, x in results.items():
-                x = to_numpy(x, layout)
-                assert np.all(np.isfinite(x)), f"{name}: {what} is not finite (a read outside, or unset)"
-                mask = q_mask if what in ("o", "dq") else kv_mask
-                assert not np.any(x[~mask]), f"{name}: {what} is not zero on tokens {np.flatnonzero(~mask)}"
-        # The forward again with a key-major v (which float32 inputs with TF32 and D >= 64 take): its
-        # transpose, and key windows that start before their sequence.
-        key_major_v, plan.key_major_v = plan.key_major_v, lambda p, dtype: True
+        # Every case twice: as chosen, then with key-major operands (which float32 inputs with TF32 and
+        # D >= 64 take): their transposes, and key and query windows that start before their sequence.
+        chosen = plan.key_major
         try:
-            for name, (op, args, layout, _) in cases.items():
-                o = to_numpy(op(*args), layout)
-                assert np.all(np.isfinite(o)), f"{name}, key-major v: o is not finite (a read outside)"
-                assert not np.any(o[~q_mask]), f"{name}, key-major v: o is not zero where unattended"
+            for key_major in (chosen, lambda p, dtype, operands: True):
+                plan.key_major = key_major
+                for name, (op, args, layout, cross) in cases.items():
+                    name += ", key-major" * (key_major is not chosen)
+                    o, vjp = jax.vjp(op, *args)
+                    results = dict(zip(["o", "dq", "dk", "dv"], (o, *vjp(jnp.ones_like(o)))))
+                    kv_mask = covered(kv_offsets, KV_TOKENS, KV_MAX_SEQ_LEN) if cross else q_mask
+                    for what, x in results.items():
+                        x = to_numpy(x, layout)
+                        assert np.all(np.isfinite(x)), f"{name}: {what} is not finite (a read outside)"
+                        mask = q_mask if what in ("o", "dq") else kv_mask
+                        assert not np.any(x[~mask]), (f"{name}: {what} is not zero on tokens "
+                                                      f"{np.flatnonzero(~mask)}")
         finally:
-            plan.key_major_v = key_major_v
+            plan.key_major = chosen
     print("ok")
 
 

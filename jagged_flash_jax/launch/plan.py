@@ -33,11 +33,14 @@ L2_REUSE_BYTES = 32 << 20
 MAX_GRID_Y = 65535
 # Tokens the zero-fill programs clear at a time.
 FILL_BLOCK = 32
-# Alignment, in tokens, of the rows of a key-major v (kernels.attention_fwd_kernel's V_KEY_MAJOR), and
-# the tokens each program of kernels.key_major_kernel transposes.
+# Alignment, in tokens, of the rows of key-major operands (the forward's V_KEY_MAJOR, the backward's
+# QDO_KEY_MAJOR), and the tokens each program of kernels.key_major_kernel transposes.
 KEY_MAJOR_ALIGN = 16
 KEY_MAJOR_BLOCK = 64
-KEY_MAJOR_MIN_HEAD_DIM = 64
+# The padded head dimensions at which float32 inputs (TF32 products) take key-major operands, as measured
+# on an H200: the forward's v gained nothing at D = 32; the backward's q and do lost on rec-mid (D = 64,
+# where two transposes cost more than the kernel gained), and its D = 256 tiles load synchronously.
+KEY_MAJOR_HEAD_DIMS = {"v": (64, 128, 256), "q_do": (128,)}
 LOG2E = 1.4426950408889634
 
 
@@ -181,27 +184,28 @@ def _fill_chunk(tokens: int, programs: int) -> int:
     return max(1, -(-tokens // programs))
 
 
-def key_major_v(p: Problem, dtype) -> bool:
-    """Whether the forward takes v as [H_kv, D, tokens]: for TF32 products (float32 inputs), whose
-    operands must both be K-major in shared memory (see kernels.attention_fwd_kernel), from a padded
-    head dimension of KEY_MAJOR_MIN_HEAD_DIM (below it the forward gained nothing on an H200)."""
+def key_major(p: Problem, dtype, operands: str) -> bool:
+    """Whether the kernels take `operands` ("v": the forward's v; "q_do": the dk/dv programs' q and
+    do), which TF32 products read along D, as [H, D, tokens]: TF32 products (float32 inputs) need both
+    operands K-major in shared memory (see kernels.attention_fwd_kernel). Only at the padded head
+    dimensions of KEY_MAJOR_HEAD_DIMS."""
     return (p.input_precision == "tf32" and jnp.dtype(dtype).itemsize == 4
-            and head_block(p.head_dim) >= KEY_MAJOR_MIN_HEAD_DIM)
+            and head_block(p.head_dim) in KEY_MAJOR_HEAD_DIMS[operands])
 
 
-def _keys_contiguous(run: Runner, p: Problem, v) -> jax.Array:
-    """v as [H_kv, D, tokens], the token axis padded with 0 to a multiple of KEY_MAJOR_ALIGN."""
-    tokens = p.num_segments * p.kv_tokens
+def _tokens_contiguous(run: Runner, p: Problem, x, heads: int, tokens: int) -> jax.Array:
+    """x ([*, heads, D] with `tokens` tokens per segment, in p's layout) as [heads, D, all tokens], the
+    token axis padded with 0 to a multiple of KEY_MAJOR_ALIGN."""
+    tokens, strides = p.num_segments * tokens, p.strides(heads, tokens)
     padded = -(-tokens // KEY_MAJOR_ALIGN) * KEY_MAJOR_ALIGN
-    strides = p.strides(p.num_kv_heads, p.kv_tokens)
     align = _stride_align(*strides)
     call = KernelCall(
-        kernels.key_major_kernel, grid=(-(-padded // KEY_MAJOR_BLOCK), p.num_kv_heads),
-        out_shapes=(jax.ShapeDtypeStruct((p.num_kv_heads, p.head_dim, padded), v.dtype),),
+        kernels.key_major_kernel, grid=(-(-padded // KEY_MAJOR_BLOCK), heads),
+        out_shapes=(jax.ShapeDtypeStruct((heads, p.head_dim, padded), x.dtype),),
         params=(tokens, *(s // align for s in strides), padded // KEY_MAJOR_ALIGN),
         constants=dict(D=p.head_dim, BLOCK_D=head_block(p.head_dim), BLOCK_T=KEY_MAJOR_BLOCK,
                        STRIDE_ALIGN=align, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN))
-    (out,) = run(call, (v, _params(call)))
+    (out,) = run(call, (x, _params(call)))
     return out
 
 
@@ -212,18 +216,18 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
     cfg = p.block_sizes.fwd
     params, constants = _common(p)
     slots = p.forward_slots
-    key_major = key_major_v(p, v.dtype)
-    if key_major:
-        v = _keys_contiguous(run, p, v)
+    v_key_major = key_major(p, v.dtype, "v")
+    if v_key_major:
+        v = _tokens_contiguous(run, p, v, p.num_kv_heads, p.kv_tokens)
     call = KernelCall(
         kernels.attention_fwd_kernel,
         grid=_grid(p, q.dtype.itemsize, slots),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                     jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
         params=(*params, _fill_chunk(p.q_tokens, slots), slots,
-                v.shape[-1] // KEY_MAJOR_ALIGN if key_major else 0),
+                v.shape[-1] // KEY_MAJOR_ALIGN if v_key_major else 0),
         constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                       V_KEY_MAJOR=key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN),
+                       V_KEY_MAJOR=v_key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     o, lse = run(call, (q, k, v, q_offsets, kv_offsets, _params(call)))
     return o, lse
@@ -247,9 +251,14 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
                        OUT_SCALE=p.out_scale, BLOCK_M=bs.preprocess_block_m,
                        STRIDE_ALIGN=align))
     (delta,) = run(preprocess, (o, do, _params(preprocess)))
+    # The dk/dv programs' q and do, key-major, for TF32 products; else q and do again (unused).
+    qdo_key_major = key_major(p, q.dtype, "q_do")
+    q_km, do_km = ([_tokens_contiguous(run, p, x, p.num_heads, p.q_tokens) for x in (q, do)]
+                   if qdo_key_major else (q, do))
     constants = dict(constants, OUT_SCALE=p.out_scale, DS_SCALE=p.scale * p.out_scale,
                      DKDV_BLOCK_M=bs.dkdv.block_m, DKDV_BLOCK_N=bs.dkdv.block_n,
-                     DQ_BLOCK_M=bs.dq.block_m, DQ_BLOCK_N=bs.dq.block_n)
+                     DQ_BLOCK_M=bs.dq.block_m, DQ_BLOCK_N=bs.dq.block_n, QDO_KEY_MAJOR=qdo_key_major,
+                     KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN)
     outputs = {kernels.attention_bwd_kernel: ("dq", "dk", "dv"), kernels.attention_dq_kernel: ("dq",),
                kernels.attention_dkdv_kernel: ("dk", "dv")}
     shapes = dict(dq=jax.ShapeDtypeStruct(p.q_shape, q.dtype), dk=jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
@@ -263,9 +272,11 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
         call = KernelCall(
             kernel, grid=_grid(p, q.dtype.itemsize, slots),
             out_shapes=tuple(shapes[name] for name in names),
-            params=(*params, _fill_chunk(p.q_tokens, programs), _fill_chunk(p.kv_tokens, programs), slots),
+            params=(*params, _fill_chunk(p.q_tokens, programs), _fill_chunk(p.kv_tokens, programs), slots,
+                    q_km.shape[-1] // KEY_MAJOR_ALIGN if qdo_key_major else 0),
             constants=constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        grads.update(zip(names, run(call, (q, k, v, do, lse, delta, q_offsets, kv_offsets, _params(call)))))
+        arrays = (q, k, v, do, lse, delta, q_offsets, kv_offsets, q_km, do_km, _params(call))
+        grads.update(zip(names, run(call, arrays)))
     return grads["dq"], grads["dk"], grads["dv"]
 
 

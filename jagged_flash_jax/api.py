@@ -279,9 +279,11 @@ def jagged_attention(
         interpreter on the CPU), "xla" (blockwise pure JAX, any device), or "auto" ("triton" on a GPU
         with jax-triton, else "xla").
       allow_tf32: float32 only: whether the GPU matrix products may use TF32 (with D > 32 the
-        forward then reads a transposed copy of v, made once per call).
+        forward then reads a transposed copy of v, made once per call, and at D in (64, 128] the
+        backward transposed copies of q and the output gradient).
       block_sizes: tile configuration of the Triton kernels; None picks a tuned default, its blocks
-        cut to the sequence lengths.
+        cut to the sequence lengths. dq and dk/dv tiles with different warps or stages run in
+        separate launches.
 
     Returns:
       The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v.

@@ -39,6 +39,7 @@ MUTANTS = [
  ("kernels: a key-major window ignores the segment", "jagged_flash_jax/kernels.py", "        first = segment.to(tl.int64) * kv_tokens + kv_start", "        first = kv_start.to(tl.int64)", "tests/test_transforms.py -k vmap_equals"),
  ("kernels: a key-major query window attends the queries before its sequence", "jagged_flash_jax/kernels.py", "            keep = query_rows[None, :] >= lead", "            keep = query_rows[None, :] >= 0", "tests/test_jagged_attention.py -k key_major"),
  ("kernels: a key-major query window ignores the segment", "jagged_flash_jax/kernels.py", "        first = segment.to(tl.int64) * q_tokens + q_start", "        first = q_start.to(tl.int64)", "tests/test_transforms.py -k vmap_equals"),
+ ("kernels: a launch of one kind of program takes its slots as pairs", "jagged_flash_jax/kernels.py", "        is_dq = DQ_PROGRAMS\n        block = slot\n", "        is_dq = DQ_PROGRAMS\n        block = slot // 2\n", "tests/test_fbgemm.py -k tile_sizes"),
  ("plan: bfloat16 takes a key-major v", "jagged_flash_jax/launch/plan.py", "and jnp.dtype(dtype).itemsize == 4", "and jnp.dtype(dtype).itemsize >= 2", "tests/test_launchers.py"),
  ("plan: key-major operands at any head dimension", "jagged_flash_jax/launch/plan.py", "head_block(p.head_dim) in KEY_MAJOR_HEAD_DIMS[operands]", "head_block(p.head_dim) > 0", "tests/test_launchers.py"),
  ("configs: query blocks not fitted to max_seq_len", "jagged_flash_jax/configs.py", "block_m = min(c.block_m, q_rows)", "block_m = c.block_m", "tests/test_launchers.py"),

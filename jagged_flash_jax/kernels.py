@@ -667,20 +667,23 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offse
 
 
 @triton.jit
-def _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr,
-              do_km_ptr, params_ptr, dq_ptr, dk_ptr, dv_ptr, NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr,
-              D: tl.constexpr, BLOCK_D: tl.constexpr, Q_MAX_LEN: tl.constexpr,
-              KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
-              DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-              DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
-              DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
-              QDO_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr, DQ_PROGRAMS: tl.constexpr,
-              DKDV_PROGRAMS: tl.constexpr):
+def attention_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr, do_km_ptr,
+    params_ptr, dq_ptr, dk_ptr, dv_ptr,
+    NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
+    DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
+    DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    QDO_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr, DQ_PROGRAMS: tl.constexpr,
+    DKDV_PROGRAMS: tl.constexpr,
+):
     """One program of a backward launch of dq programs, dk/dv programs or both (then even slots are dq
-    programs and odd slots dk/dv ones). A dq program takes DQ_BLOCK_M queries of one head, a dk/dv
-    program DKDV_BLOCK_N keys of one kv head (only the first head of each group runs one). The
-    zero-fill programs and each sequence's last slot (of each kind) clear dq, and dk and dv, where no
-    sequence attends.
+    programs and odd slots dk/dv ones): both kinds share a launch when they share warps and stages. A
+    dq program takes DQ_BLOCK_M queries of one head, a dk/dv program DKDV_BLOCK_N keys of one kv head
+    (only the first head of each group runs one). The zero-fill programs and each sequence's last slot
+    (of each kind) clear dq, and dk and dv, where no sequence attends. A launch of one kind never
+    touches the other kind's outputs (one-element placeholders).
 
     With QDO_KEY_MAJOR, q_km and do_km are q and do as [H, D, tokens] (see key_major_kernel; D rows
     params[12] * KEY_MAJOR_ALIGN apart), for the dk/dv programs (see `_dkdv_block`); otherwise they are
@@ -737,61 +740,3 @@ def _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv
                       kv_token_stride, kv_head_stride, km_d_stride, NUM_HEADS, KV_GROUP, D, BLOCK_D,
                       Q_MAX_LEN, KV_MAX_LEN, CAUSAL, QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION,
                       DKDV_BLOCK_M, DKDV_BLOCK_N, QDO_KEY_MAJOR, KEY_MAJOR_ALIGN)
-
-
-# The backward's entry points: both kinds of program in one launch (when they share warps and stages),
-# or dq and dk/dv in a launch each (see `_backward`; a launch passes its one output for the others).
-
-
-@triton.jit
-def attention_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr, do_km_ptr,
-    params_ptr, dq_ptr, dk_ptr, dv_ptr,
-    NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
-    DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
-    DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
-    QDO_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr,
-):
-    _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr,
-              do_km_ptr, params_ptr, dq_ptr, dk_ptr, dv_ptr, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN,
-              KV_MAX_LEN, CAUSAL, QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M,
-              DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, STRIDE_ALIGN, FILL_BLOCK, QDO_KEY_MAJOR,
-              KEY_MAJOR_ALIGN, DQ_PROGRAMS=True, DKDV_PROGRAMS=True)
-
-
-@triton.jit
-def attention_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr, do_km_ptr,
-    params_ptr, dq_ptr,
-    NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
-    DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
-    DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
-    QDO_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr,
-):
-    _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr,
-              do_km_ptr, params_ptr, dq_ptr, dq_ptr, dq_ptr, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN,
-              KV_MAX_LEN, CAUSAL, QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M,
-              DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, STRIDE_ALIGN, FILL_BLOCK, QDO_KEY_MAJOR,
-              KEY_MAJOR_ALIGN, DQ_PROGRAMS=True, DKDV_PROGRAMS=False)
-
-
-@triton.jit
-def attention_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr, do_km_ptr,
-    params_ptr, dk_ptr, dv_ptr,
-    NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
-    DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
-    DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
-    QDO_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr,
-):
-    _backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr,
-              do_km_ptr, params_ptr, dk_ptr, dk_ptr, dv_ptr, NUM_HEADS, KV_GROUP, D, BLOCK_D, Q_MAX_LEN,
-              KV_MAX_LEN, CAUSAL, QK_SCALE, DS_SCALE, OUT_SCALE, INPUT_PRECISION, DKDV_BLOCK_M,
-              DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, STRIDE_ALIGN, FILL_BLOCK, QDO_KEY_MAJOR,
-              KEY_MAJOR_ALIGN, DQ_PROGRAMS=False, DKDV_PROGRAMS=True)

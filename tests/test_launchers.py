@@ -310,7 +310,8 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
                 params=(*strides, 8, 10, 6, 0),
                 out_shapes=(_sds((24, 4, 8), f32), _sds((30, 2, 8), f32), _sds((30, 2, 8), f32)),
                 constants=dict(common, OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
-                               DQ_BLOCK_M=32, DQ_BLOCK_N=16, QDO_KEY_MAJOR=False, KEY_MAJOR_ALIGN=16),
+                               DQ_BLOCK_M=32, DQ_BLOCK_N=16, QDO_KEY_MAJOR=False, KEY_MAJOR_ALIGN=16,
+                               DQ_PROGRAMS=True, DKDV_PROGRAMS=True),
                 num_warps=8, num_stages=1)
 
 
@@ -335,14 +336,16 @@ def test_gpu_launcher_two_backward_launches(fake_jax_triton):
     arrays = [((24, 4, 8), f32), ((30, 2, 8), f32), ((30, 2, 8), f32), ((24, 4, 8), f32),
               ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32), ((24, 4, 8), f32),
               ((24, 4, 8), f32)]
-    # dq: ceil(20 / 32) = 1 block and the tail slot; fill chunks ceil(tokens / 2).
-    _check_call(fake_jax_triton, dq_call, kernels.attention_dq_kernel, (12, 2), arrays=arrays,
-                params=(*strides, 12, 15, 2, 0), out_shapes=(_sds((24, 4, 8), f32),), constants=constants,
-                num_warps=4, num_stages=3)
+    # dq: ceil(20 / 32) = 1 block and the tail slot; fill chunks ceil(tokens / 2); dk and dv are
+    # one-element placeholders.
+    _check_call(fake_jax_triton, dq_call, kernels.attention_bwd_kernel, (12, 2), arrays=arrays,
+                params=(*strides, 12, 15, 2, 0),
+                out_shapes=(_sds((24, 4, 8), f32), _sds((1,), f32), _sds((1,), f32)),
+                constants=dict(constants, DQ_PROGRAMS=True, DKDV_PROGRAMS=False), num_warps=4, num_stages=3)
     # dk/dv: ceil(24 / 16) = 2 blocks and the tail slot; fill chunks ceil(tokens / 3).
-    _check_call(fake_jax_triton, dkdv_call, kernels.attention_dkdv_kernel, (12, 3), arrays=arrays,
-                params=(*strides, 8, 10, 3, 0), out_shapes=(_sds((30, 2, 8), f32),) * 2, constants=constants,
-                num_warps=8, num_stages=1)
+    _check_call(fake_jax_triton, dkdv_call, kernels.attention_bwd_kernel, (12, 3), arrays=arrays,
+                params=(*strides, 8, 10, 3, 0), out_shapes=(_sds((1,), f32),) + (_sds((30, 2, 8), f32),) * 2,
+                constants=dict(constants, DQ_PROGRAMS=False, DKDV_PROGRAMS=True), num_warps=8, num_stages=1)
 
 
 def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
@@ -374,7 +377,8 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
                 + [((2, 40, 24), bf16)] * 2,
                 params=(*strides, 14, 14, 6, 0), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
                 constants=dict(common, OUT_SCALE=1 / 32, DS_SCALE=1 / 32, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
-                               DQ_BLOCK_M=32, DQ_BLOCK_N=16, QDO_KEY_MAJOR=False, KEY_MAJOR_ALIGN=16),
+                               DQ_BLOCK_M=32, DQ_BLOCK_N=16, QDO_KEY_MAJOR=False, KEY_MAJOR_ALIGN=16,
+                               DQ_PROGRAMS=True, DKDV_PROGRAMS=True),
                 num_warps=8, num_stages=1)
 
 

@@ -108,16 +108,24 @@ class Problem:
         return self.blocks(self.block_sizes.fwd.block_m, self.q_tokens, self.max_seq_len) + 1
 
     @property
-    def backward_launches(self) -> tuple[tuple[Any, int], ...]:
-        """The backward's kernels with their slots per sequence and head: the dq and dk/dv programs in
-        one launch (even and odd slots, in pairs) or in one each; in each, a sequence's row blocks and
-        then its tail-zeroing slot (a pair in the shared launch)."""
+    def backward_launches(self) -> tuple[tuple[str, ...], ...]:
+        """The backward's launches, each as the gradients its programs compute: dq and dk/dv together
+        (in even and odd slots), or ("dq",) and ("dk", "dv") apart, when their tiles' warps or stages
+        differ."""
+        return ((("dq", "dk", "dv"),) if self.block_sizes.one_backward_launch
+                else (("dq",), ("dk", "dv")))
+
+    def backward_slots(self, grads: tuple[str, ...]) -> int:
+        """A backward launch's slots per sequence and head: a sequence's row blocks and then its
+        tail-zeroing slot, of each kind of program (in pairs when both share the launch)."""
         bs = self.block_sizes
         dq = self.blocks(bs.dq.block_m, self.q_tokens, self.max_seq_len) + 1
         dkdv = self.blocks(bs.dkdv.block_n, self.kv_tokens, self.kv_max_seq_len) + 1
-        if bs.one_backward_launch:
-            return ((kernels.attention_bwd_kernel, 2 * max(dq, dkdv)),)
-        return (kernels.attention_dq_kernel, dq), (kernels.attention_dkdv_kernel, dkdv)
+        if grads == ("dq",):
+            return dq
+        if grads == ("dk", "dv"):
+            return dkdv
+        return 2 * max(dq, dkdv)
 
     @property
     def empty(self) -> bool:
@@ -259,31 +267,33 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
                      DKDV_BLOCK_M=bs.dkdv.block_m, DKDV_BLOCK_N=bs.dkdv.block_n,
                      DQ_BLOCK_M=bs.dq.block_m, DQ_BLOCK_N=bs.dq.block_n, QDO_KEY_MAJOR=qdo_key_major,
                      KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN)
-    outputs = {kernels.attention_bwd_kernel: ("dq", "dk", "dv"), kernels.attention_dq_kernel: ("dq",),
-               kernels.attention_dkdv_kernel: ("dk", "dv")}
     shapes = dict(dq=jax.ShapeDtypeStruct(p.q_shape, q.dtype), dk=jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
                   dv=jax.ShapeDtypeStruct(p.kv_shape, v.dtype))
     grads = {}
-    for kernel, slots in p.backward_launches:
-        names = outputs[kernel]
+    for names in p.backward_launches:
+        slots = p.backward_slots(names)
         # A shared launch's programs come in (dq, dk/dv) pairs: each kind fills its chunk per pair.
         programs = slots // 2 if len(names) == 3 else slots
         cfg = bs.dq if names == ("dq",) else bs.dkdv
         call = KernelCall(
-            kernel, grid=_grid(p, q.dtype.itemsize, slots),
-            out_shapes=tuple(shapes[name] for name in names),
+            kernels.attention_bwd_kernel, grid=_grid(p, q.dtype.itemsize, slots),
+            # The outputs a launch does not compute are one-element placeholders it never touches.
+            out_shapes=tuple(shapes[name] if name in names else jax.ShapeDtypeStruct((1,), shapes[name].dtype)
+                             for name in ("dq", "dk", "dv")),
             params=(*params, _fill_chunk(p.q_tokens, programs), _fill_chunk(p.kv_tokens, programs), slots,
                     q_km.shape[-1] // KEY_MAJOR_ALIGN if qdo_key_major else 0),
-            constants=constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            constants=dict(constants, DQ_PROGRAMS="dq" in names, DKDV_PROGRAMS="dk" in names),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         arrays = (q, k, v, do, lse, delta, q_offsets, kv_offsets, q_km, do_km, _params(call))
-        grads.update(zip(names, run(call, arrays)))
+        grads.update((name, x) for name, x in zip(("dq", "dk", "dv"), run(call, arrays)) if name in names)
     return grads["dq"], grads["dk"], grads["dv"]
 
 
 def check_grid(p: Problem) -> None:
     """Raise ValueError when a launch would need more programs than CUDA's grid allows."""
     sequences = p.sequence_heads
-    launches = [("forward", p.forward_slots)] + [("backward", n) for _, n in p.backward_launches]
+    launches = [("forward", p.forward_slots)]
+    launches += [("backward", p.backward_slots(grads)) for grads in p.backward_launches]
     for name, count in launches:
         if sequences * count > MAX_GRID_X:
             raise ValueError(

@@ -1,24 +1,32 @@
-"""Two forward + backward steps of the `long` case (bfloat16) on the triton backend, for a profiler:
+"""Two steps of one benchmark case on the triton backend (default: `long`, bfloat16, forward + backward),
+for a profiler:
 
     ncu --clock-control none --target-processes all --kernel-name 'regex:^attention_(fwd|bwd)_kernel$' \
         --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-        python -m benchmarks.probes.one_step
+        python -m benchmarks.probes.one_step [--case rec-mid --dtype float32 --mode fwd]
 """
+
+import argparse
 
 import jax
 
 from .. import cases, impls
 
 
-def main() -> None:
-    (case,) = cases.select(["long"], quick=False)
-    s = cases.input_sets(case, "bfloat16", 1)[0]
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.one_step", description=__doc__)
+    p.add_argument("--case", default="long")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--mode", default="fwd+bwd", choices=cases.MODES)
+    args = p.parse_args(argv)
+    (case,) = cases.select([args.case], quick=False)
+    s = cases.input_sets(case, args.dtype, 1)[0]
     attend, prepare = impls.jfa(case, "triton")
     q, k, v, do, aux = prepare(s)
-    step = jax.jit(impls.timed_function(attend, "fwd+bwd"))
+    step = jax.jit(impls.timed_function(attend, args.mode))
     for _ in range(2):
-        jax.block_until_ready(step(q, k, v, aux, do))
+        jax.block_until_ready(step(q, k, v, aux, do) if args.mode == "fwd+bwd" else step(q, k, v, aux))
 
 
 if __name__ == "__main__":

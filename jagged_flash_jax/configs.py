@@ -123,7 +123,7 @@ BUILTIN_TABLE = table_from_json([
          dq=[128, 128, 8, 2]),
     dict(gpu=_H200, bits=16, head_dim=256, max_seq_len=None, fwd=[128, 64, 8, 2], dkdv=[64, 64, 8, 2],
          dq=[128, 32, 8, 3], preprocess_block_m=32),
-    dict(gpu=_H200, bits=32, head_dim=32, max_seq_len=256, fwd=[64, 32, 4, 2], dkdv=[32, 64, 4, 2],
+    dict(gpu=_H200, bits=32, head_dim=32, max_seq_len=256, fwd=[32, 16, 2, 2], dkdv=[32, 64, 4, 2],
          dq=[64, 32, 4, 2]),
     dict(gpu=_H200, bits=32, head_dim=64, max_seq_len=256, fwd=[64, 32, 4, 2], dkdv=[32, 128, 8, 2],
          dq=[128, 32, 8, 2]),

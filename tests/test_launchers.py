@@ -553,7 +553,7 @@ def test_a_gpu_with_entries_of_its_own_takes_them():
 def test_default_block_sizes_reads_the_builtin_table(monkeypatch):
     monkeypatch.delenv(configs.TUNED_CONFIGS_ENV, raising=False)
     assert configs.default_block_sizes(8, jnp.float32, 200) == BlockSizes(
-        KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2))
+        KernelConfig(32, 16, 2, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2))
     assert configs.default_block_sizes(128, jnp.bfloat16, 2048) == BlockSizes(
         KernelConfig(128, 64, 8, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 128, 8, 2))
     assert configs.default_block_sizes(128, jnp.bfloat16, 2048).one_backward_launch
@@ -574,7 +574,7 @@ def test_default_block_sizes_fit_the_sequence_lengths(monkeypatch):
     assert configs.default_block_sizes(128, jnp.bfloat16, 4096, 8) == BlockSizes(
         KernelConfig(128, 16, 8, 3), KernelConfig(64, 16, 8, 2), KernelConfig(128, 16, 8, 2))
     assert configs.default_block_sizes(8, jnp.float32, 20) == BlockSizes(
-        KernelConfig(32, 32, 4, 2), KernelConfig(32, 32, 4, 2), KernelConfig(32, 32, 4, 2))
+        KernelConfig(32, 16, 2, 2), KernelConfig(32, 32, 4, 2), KernelConfig(32, 32, 4, 2))
 
 
 def test_the_table_round_trips_through_json():

@@ -6,6 +6,14 @@ running max and sum, so memory is O(T*H*D + T*H*block) whatever the lengths; not
 [B, L, L]. Work is about one block per step for every query block, so a batch whose lengths differ much
 does some masked work. They run on any device (CPU, GPU, TPU).
 
+Two rules keep them exact where the kernels are. A block reads only its sequence's tokens (the others,
+past its end or after the last sequence, are gathered as 0: they may hold inf or nan, and a masked weight
+of 0 times nan is nan). Scores stay unscaled, as in the kernels: the row max is subtracted before the
+scale multiplies, so the top score gets exactly exp(0) = 1 in both passes whatever the scale (a scaled
+score is rounded, and at |scores| ~ 1e8 one rounding is worth a factor e^30). So the log-sum-exp residual
+is the kernels' too: float32, in units of the unscaled scores (sum_j exp(scale * (s_j - lse)) = 1; the
+natural log-sum-exp of the scaled scores is scale * lse), +inf for rows with no key.
+
 `jagged_attention_reference` is the dense version (O(B*H*L^2) memory) that JAX differentiates itself,
 in both modes: for checking, small problems, and forward-mode autodiff.
 """
@@ -82,6 +90,12 @@ def _other_side(blocks: _Blocks, offsets, tokens: int, max_len: int):
     return starts[blocks.sequence], lengths[blocks.sequence]
 
 
+def _index_within(starts, rows, lengths, tokens: int):
+    """[N, block] token index of rows of each block's sequence; `tokens` (out of range, so a gather
+    fills it) for rows past the sequence's length."""
+    return jnp.where(rows[None, :] < lengths[:, None], starts[:, None] + rows, tokens)
+
+
 def _allowed(query_rows, key_rows, n_q, n_k, causal):
     """[N, Q, K]: key j < n_k, and j <= i + n_k - n_q when causal (bottom-right aligned)."""
     keep = key_rows[:, None, :] < n_k[:, None, None]
@@ -108,11 +122,12 @@ class _QueryBlocks:
         return self.blocks.gather(x).reshape(*self.split, self.p.head_dim)
 
     def scores(self, key_block):
-        """(k, v blocks [N, K, G, D], scaled scores [N, Q, G, R, K], which scores count) of a key block."""
+        """(k, v blocks [N, K, G, D], unscaled scores [N, Q, G, R, K], which scores count) of a key block;
+        keys past the sequence's n_k read 0."""
         key_rows = key_block * BLOCK + jnp.arange(BLOCK)
-        index = self.kv_start[:, None] + key_rows
+        index = _index_within(self.kv_start, key_rows, self.n_k, self.p.kv_tokens)
         kb, vb = (jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (self.k, self.v))
-        scores = self.p.scale * jnp.einsum("nqgrd,nkgd->nqgrk", self.q, kb, precision=_precision(self.p))
+        scores = jnp.einsum("nqgrd,nkgd->nqgrk", self.q, kb, precision=_precision(self.p))
         keep = _allowed(self.blocks.rows, key_rows[None], self.n_q, self.n_k, self.p.causal)
         return kb, vb, scores, keep[:, :, None, None, :]
 
@@ -132,8 +147,8 @@ def _segment_forward(p, q, k, v, q_offsets, kv_offsets):
         scores = jnp.where(keep, scores, -jnp.inf)
         new_max = jnp.maximum(row_max, scores.max(-1))
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-        weights = jnp.exp(scores - safe_max[..., None])
-        correction = jnp.exp(row_max - safe_max)
+        weights = jnp.exp((scores - safe_max[..., None]) * p.scale)
+        correction = jnp.exp((row_max - safe_max) * p.scale)
         row_sum = row_sum * correction + weights.sum(-1)
         acc = acc * correction[..., None] + jnp.einsum("nqgrk,nkgd->nqgrd", weights, vb,
                                                        precision=_precision(p))
@@ -143,7 +158,7 @@ def _segment_forward(p, q, k, v, q_offsets, kv_offsets):
     (acc, row_sum, row_max), _ = lax.scan(step, _varying_like(init, side.q), side.key_blocks)
     seen = row_sum > 0
     o = acc * (p.out_scale / jnp.where(seen, row_sum, 1.0))[..., None]
-    lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), jnp.inf)
+    lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)) / p.scale, jnp.inf)
     return side.scatter(o), side.scatter(lse, jnp.inf).T
 
 
@@ -155,7 +170,7 @@ def _segment_dq(p, q, k, v, do, lse, delta, q_offsets, kv_offsets):
 
     def step(dq, key_block):
         kb, vb, scores, keep = side.scores(key_block)
-        probs = jnp.where(keep, jnp.exp(scores - lseb[..., None]), 0.0)
+        probs = jnp.where(keep, jnp.exp((scores - lseb[..., None]) * p.scale), 0.0)
         dp = p.out_scale * jnp.einsum("nqgrd,nkgd->nqgrk", dob, vb, precision=_precision(p))
         ds = probs * (dp - deltab[..., None])
         return dq + jnp.einsum("nqgrk,nkgd->nqgrd", ds, kb, precision=_precision(p)), None
@@ -177,16 +192,12 @@ def _segment_dkdv(p, q, k, v, do, lse, delta, q_offsets, kv_offsets):
     def step(carry, query_block):
         dk, dv = carry
         query_rows = query_block * BLOCK + jnp.arange(BLOCK)
-        index = q_start[:, None] + query_rows
-        valid = query_rows[None, :] < n_q[:, None]
-        qb, dob = (jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (q, do))
-        lseb = jnp.take(lse, index, axis=0, mode="fill", fill_value=0)
-        lseb = jnp.where(valid[..., None, None], lseb, jnp.inf)
-        deltab = jnp.take(delta, index, axis=0, mode="fill", fill_value=0)
-        scores = p.scale * jnp.einsum("nqgrd,nkgd->nqgrk", qb, kb, precision=_precision(p))
-        keep = _allowed(query_rows[None], blocks.rows, n_q, n_k, p.causal)
-        keep = keep[:, :, None, None, :] & valid[:, :, None, None, None]
-        probs = jnp.where(keep, jnp.exp(scores - lseb[..., None]), 0.0)
+        index = _index_within(q_start, query_rows, n_q, p.q_tokens)  # queries past n_q read 0, lse inf
+        qb, dob, deltab = (jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (q, do, delta))
+        lseb = jnp.take(lse, index, axis=0, mode="fill", fill_value=jnp.inf)
+        scores = jnp.einsum("nqgrd,nkgd->nqgrk", qb, kb, precision=_precision(p))
+        keep = _allowed(query_rows[None], blocks.rows, n_q, n_k, p.causal)[:, :, None, None, :]
+        probs = jnp.where(keep, jnp.exp((scores - lseb[..., None]) * p.scale), 0.0)
         dv = dv + p.out_scale * jnp.einsum("nqgrk,nqgrd->nkgd", probs, dob, precision=_precision(p))
         dp = p.out_scale * jnp.einsum("nqgrd,nkgd->nqgrk", dob, vb, precision=_precision(p))
         ds = probs * (dp - deltab[..., None])
@@ -200,7 +211,8 @@ def _segment_dkdv(p, q, k, v, do, lse, delta, q_offsets, kv_offsets):
 
 
 def forward(p, q, k, v, q_offsets, kv_offsets):
-    """The `xla` backend's forward: o and the log-sum-exp [Z, H, T_q] (natural log, +inf where no key)."""
+    """The `xla` backend's forward: o and the log-sum-exp [Z, H, T_q] (in units of the unscaled
+    scores, as the kernels', +inf where no key)."""
     if p.empty or p.kv_tokens == 0 or p.batch == 0:
         return jnp.zeros(p.q_shape, q.dtype), jnp.full(p.stats_shape, jnp.inf, jnp.float32)
     q32, k32, v32 = _canonical(q, p, p.q_tokens), _canonical(k, p, p.kv_tokens), _canonical(v, p, p.kv_tokens)
@@ -246,10 +258,11 @@ def jagged_attention_reference(q, k, v, offsets, max_seq_len: int, *, kv_offsets
     kp, n_k = pad(jnp.repeat(k, group, axis=1), kv_offsets, kv_max_seq_len)
     vp, _ = pad(jnp.repeat(v, group, axis=1), kv_offsets, kv_max_seq_len)
     keep = _allowed(jnp.arange(max_seq_len)[None], jnp.arange(kv_max_seq_len)[None], n_q, n_k, causal)
-    scores = scale * jnp.einsum("bqhd,bkhd->bhqk", qp, kp, precision=lax.Precision.HIGHEST)
+    # Unscaled scores, the max subtracted before the scale, as in the kernels (see the module docstring).
+    scores = jnp.einsum("bqhd,bkhd->bhqk", qp, kp, precision=lax.Precision.HIGHEST)
     scores = jnp.where(keep[:, None], scores, -jnp.inf)
     row_max = lax.stop_gradient(scores.max(-1, keepdims=True))
-    weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    weights = jnp.exp((scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)) * scale)
     total = weights.sum(-1, keepdims=True)
     probs = weights / jnp.where(total > 0, total, 1.0)
     out = out_scale * jnp.einsum("bhqk,bkhd->bqhd", probs, vp, precision=lax.Precision.HIGHEST)

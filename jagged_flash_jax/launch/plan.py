@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import kernels
-from ..configs import BlockSizes, head_block
+from ..configs import BlockSizes, KernelConfig, head_block
 
 # CUDA's limit on the first grid dimension, which enumerates every program of a launch.
 MAX_GRID_X = 2**31 - 1
@@ -108,24 +108,17 @@ class Problem:
         return self.blocks(self.block_sizes.fwd.block_m, self.q_tokens, self.max_seq_len) + 1
 
     @property
-    def backward_launches(self) -> tuple[tuple[str, ...], ...]:
-        """The backward's launches, each as the gradients its programs compute: dq and dk/dv together
-        (in even and odd slots), or ("dq",) and ("dk", "dv") apart, when their tiles' warps or stages
-        differ."""
-        return ((("dq", "dk", "dv"),) if self.block_sizes.one_backward_launch
-                else (("dq",), ("dk", "dv")))
-
-    def backward_slots(self, grads: tuple[str, ...]) -> int:
-        """A backward launch's slots per sequence and head: a sequence's row blocks and then its
-        tail-zeroing slot, of each kind of program (in pairs when both share the launch)."""
+    def backward_launches(self) -> tuple[BackwardLaunch, ...]:
+        """The backward's launches: dq and dk/dv programs together (in even and odd slots), or apart when
+        their tiles' warps or stages differ. Each kind has, per sequence and head, its row blocks and a
+        tail-zeroing program."""
         bs = self.block_sizes
         dq = self.blocks(bs.dq.block_m, self.q_tokens, self.max_seq_len) + 1
         dkdv = self.blocks(bs.dkdv.block_n, self.kv_tokens, self.kv_max_seq_len) + 1
-        if grads == ("dq",):
-            return dq
-        if grads == ("dk", "dv"):
-            return dkdv
-        return 2 * max(dq, dkdv)
+        if bs.one_backward_launch:
+            pairs = max(dq, dkdv)
+            return (BackwardLaunch(("dq", "dk", "dv"), 2 * pairs, pairs, bs.dkdv),)
+        return BackwardLaunch(("dq",), dq, dq, bs.dq), BackwardLaunch(("dk", "dv"), dkdv, dkdv, bs.dkdv)
 
     @property
     def empty(self) -> bool:
@@ -133,6 +126,18 @@ class Problem:
 
     def with_(self, **changes) -> Problem:
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardLaunch:
+    """One launch of kernels.attention_bwd_kernel: the gradients its programs compute, its slots per
+    (segment, sequence or fill, head), how many of those belong to each kind of program (the zero-fill
+    "sequence" splits the uncovered tokens into that many chunks), and its tile's warps and stages."""
+
+    grads: tuple[str, ...]
+    slots: int
+    programs_per_kind: int
+    config: KernelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,17 +164,17 @@ def _params(call: KernelCall) -> jax.Array:
     return jnp.stack([jnp.int32(value) for value in call.params])
 
 
-def _stride_align(*strides: int) -> int:
-    """The largest power of two up to 16 dividing every stride: kernels get strides in these units."""
-    return math.gcd(16, *strides)
+def _in_units(*strides: int) -> tuple[int, tuple[int, ...]]:
+    """The largest power of two up to 16 dividing every stride, and the strides in its units: the form
+    in which kernels get strides (see kernels._aligned)."""
+    align = math.gcd(16, *strides)
+    return align, tuple(s // align for s in strides)
 
 
 def _common(p: Problem):
     """The params and constants every attention kernel shares."""
-    q_strides = p.strides(p.num_heads, p.q_tokens)
-    kv_strides = p.strides(p.num_kv_heads, p.kv_tokens)
-    align = _stride_align(*q_strides, *kv_strides)
-    params = (p.batch, p.q_tokens, p.kv_tokens, *(s // align for s in (*q_strides, *kv_strides)),
+    align, strides = _in_units(*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))
+    params = (p.batch, p.q_tokens, p.kv_tokens, *strides,
               0 if p.q_offsets_rows == 1 else p.batch + 1,
               0 if p.kv_offsets_rows == 1 else p.batch + 1)
     constants = dict(
@@ -204,13 +209,13 @@ def key_major(p: Problem, dtype, operands: str) -> bool:
 def _tokens_contiguous(run: Runner, p: Problem, x, heads: int, tokens: int) -> jax.Array:
     """x ([*, heads, D] with `tokens` tokens per segment, in p's layout) as [heads, D, all tokens], the
     token axis padded with 0 to a multiple of KEY_MAJOR_ALIGN."""
-    tokens, strides = p.num_segments * tokens, p.strides(heads, tokens)
+    align, strides = _in_units(*p.strides(heads, tokens))
+    tokens *= p.num_segments
     padded = -(-tokens // KEY_MAJOR_ALIGN) * KEY_MAJOR_ALIGN
-    align = _stride_align(*strides)
     call = KernelCall(
         kernels.key_major_kernel, grid=(-(-padded // KEY_MAJOR_BLOCK), heads),
         out_shapes=(jax.ShapeDtypeStruct((heads, p.head_dim, padded), x.dtype),),
-        params=(tokens, *(s // align for s in strides), padded // KEY_MAJOR_ALIGN),
+        params=(tokens, *strides, padded // KEY_MAJOR_ALIGN),
         constants=dict(D=p.head_dim, BLOCK_D=head_block(p.head_dim), BLOCK_T=KEY_MAJOR_BLOCK,
                        STRIDE_ALIGN=align, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN))
     (out,) = run(call, (x, _params(call)))
@@ -248,13 +253,12 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
         return jnp.zeros(p.q_shape, q.dtype), jnp.zeros(p.kv_shape, k.dtype), jnp.zeros(p.kv_shape, v.dtype)
     bs = p.block_sizes
     params, constants = _common(p)
-    token_stride, head_stride = p.strides(p.num_heads, p.q_tokens)
-    align = _stride_align(token_stride, head_stride)
+    align, strides = _in_units(*p.strides(p.num_heads, p.q_tokens))
     preprocess = KernelCall(
         kernels.attention_bwd_preprocess_kernel,
         grid=(-(-p.q_tokens // bs.preprocess_block_m), p.num_segments * p.num_heads),
         out_shapes=(jax.ShapeDtypeStruct(p.stats_shape, jnp.float32),),
-        params=(p.q_tokens, token_stride // align, head_stride // align),
+        params=(p.q_tokens, *strides),
         constants=dict(NUM_HEADS=p.num_heads, D=p.head_dim, BLOCK_D=constants["BLOCK_D"],
                        OUT_SCALE=p.out_scale, BLOCK_M=bs.preprocess_block_m,
                        STRIDE_ALIGN=align))
@@ -270,22 +274,19 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
     shapes = dict(dq=jax.ShapeDtypeStruct(p.q_shape, q.dtype), dk=jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
                   dv=jax.ShapeDtypeStruct(p.kv_shape, v.dtype))
     grads = {}
-    for names in p.backward_launches:
-        slots = p.backward_slots(names)
-        # A shared launch's programs come in (dq, dk/dv) pairs: each kind fills its chunk per pair.
-        programs = slots // 2 if len(names) == 3 else slots
-        cfg = bs.dq if names == ("dq",) else bs.dkdv
+    for launch in p.backward_launches:
         call = KernelCall(
-            kernels.attention_bwd_kernel, grid=_grid(p, q.dtype.itemsize, slots),
+            kernels.attention_bwd_kernel, grid=_grid(p, q.dtype.itemsize, launch.slots),
             # The outputs a launch does not compute are one-element placeholders it never touches.
-            out_shapes=tuple(shapes[name] if name in names else jax.ShapeDtypeStruct((1,), shapes[name].dtype)
-                             for name in ("dq", "dk", "dv")),
-            params=(*params, _fill_chunk(p.q_tokens, programs), _fill_chunk(p.kv_tokens, programs), slots,
+            out_shapes=tuple(shape if name in launch.grads else jax.ShapeDtypeStruct((1,), shape.dtype)
+                             for name, shape in shapes.items()),
+            params=(*params, _fill_chunk(p.q_tokens, launch.programs_per_kind),
+                    _fill_chunk(p.kv_tokens, launch.programs_per_kind), launch.slots,
                     q_km.shape[-1] // KEY_MAJOR_ALIGN if qdo_key_major else 0),
-            constants=dict(constants, DQ_PROGRAMS="dq" in names, DKDV_PROGRAMS="dk" in names),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            constants=dict(constants, DQ_PROGRAMS="dq" in launch.grads, DKDV_PROGRAMS="dk" in launch.grads),
+            num_warps=launch.config.num_warps, num_stages=launch.config.num_stages)
         arrays = (q, k, v, do, lse, delta, q_offsets, kv_offsets, q_km, do_km, _params(call))
-        grads.update((name, x) for name, x in zip(("dq", "dk", "dv"), run(call, arrays)) if name in names)
+        grads.update((name, x) for name, x in zip(shapes, run(call, arrays)) if name in launch.grads)
     return grads["dq"], grads["dk"], grads["dv"]
 
 
@@ -293,7 +294,7 @@ def check_grid(p: Problem) -> None:
     """Raise ValueError when a launch would need more programs than CUDA's grid allows."""
     sequences = p.sequence_heads
     launches = [("forward", p.forward_slots)]
-    launches += [("backward", p.backward_slots(grads)) for grads in p.backward_launches]
+    launches += [("backward", launch.slots) for launch in p.backward_launches]
     for name, count in launches:
         if sequences * count > MAX_GRID_X:
             raise ValueError(

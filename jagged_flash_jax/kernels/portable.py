@@ -254,12 +254,9 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_km_base, do_km_base, lse_base, 
     p_t = tl.math.exp2((scores_t - lse[None, :]) * QK_SCALE)
     if MASKED and (CAUSAL or QDO_KEY_MAJOR):
         # The tokens before the sequence (QDO_KEY_MAJOR) may hold anything, inf and nan included.
-        if CAUSAL and QDO_KEY_MAJOR:
-            keep = (key_rows[:, None] <= query_rows[None, :] + shift) & (query_rows[None, :] >= lead)
-        elif CAUSAL:
-            keep = key_rows[:, None] <= query_rows[None, :] + shift
-        else:
-            keep = query_rows[None, :] >= lead
+        keep = (query_rows[None, :] >= lead) if QDO_KEY_MAJOR else True
+        if CAUSAL:
+            keep = (key_rows[:, None] <= query_rows[None, :] + shift) & keep
         p_t = tl.where(keep, p_t, 0.0)
     dv = tl.dot(p_t.to(do_b.dtype), do_b, dv, input_precision=INPUT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)

@@ -27,10 +27,11 @@ from ..kernels import common as layout
 
 # CUDA's limit on the first grid dimension, which enumerates every program of a launch.
 MAX_GRID_X = 2**31 - 1
-# Above this many bytes of q, k and v, each sequence's programs run next to each other (a one-axis
-# grid, see kernels.common._program), so that they share its keys, values and queries in L2 (about half of a
-# Hopper L2). Below it every operand stays in L2 anyway, and the two-axis grid, slot-major, balances the
-# load better and spares each program two integer divisions.
+# Above this many bytes of q, k and v (about half of a Hopper L2), each sequence's programs run next to
+# each other (a one-axis grid, see kernels.common._program), so that they share its keys, values and
+# queries in L2. Below it every operand stays in L2 anyway, and the two-axis grid, slot-major, balances
+# the load better and spares each program two integer divisions. docs/performance.md ("Program order")
+# has the measurements.
 L2_REUSE_BYTES = 32 << 20
 # CUDA's limit on the second grid dimension (slots, in the two-axis grid).
 MAX_GRID_Y = 65535
@@ -40,9 +41,9 @@ FILL_BLOCK = 32
 # QDO_KEY_MAJOR), and the tokens each program of kernels.key_major_kernel transposes.
 KEY_MAJOR_ALIGN = 16
 KEY_MAJOR_BLOCK = 64
-# The padded head dimensions at which float32 inputs (TF32 products) take key-major operands, as measured
-# on an H200: the forward's v gained nothing at D = 32; the backward's q and do lost on rec-mid (D = 64,
-# where two transposes cost more than the kernel gained), and its D = 256 tiles load synchronously.
+# The padded head dimensions at which float32 inputs (TF32 products) take key-major operands: those where
+# the kernel gains more than the transposes cost, and whose tiles load asynchronously (measured:
+# docs/performance.md, "Float32: key-major operands").
 KEY_MAJOR_HEAD_DIMS = {"v": (64, 128, 256), "q_do": (128,)}
 LOG2E = 1.4426950408889634
 

@@ -155,29 +155,40 @@ _gluon_imported = False
 
 def _twin_namespace(internals: _Internals, namespace: dict) -> dict[int, tuple[object, object]]:
     """Twins of the `@triton.jit` functions among a module's globals, living in a copy of those globals
-    in which every such function is its twin (so that the twins call each other)."""
+    in which every such function is its twin (so that the twins call each other). A function imported
+    from another module is that module's twin, which runs with its own module's globals, as compiled
+    code does."""
     twin_globals = dict(namespace)
     twins = {}
     for name, value in namespace.items():
         if isinstance(value, internals.jit_function):
             fn = value.fn
-            copy = types.FunctionType(fn.__code__, twin_globals, fn.__name__, fn.__defaults__, fn.__closure__)
-            copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
-            twin_globals[name] = internals.interpreted_function(copy)
+            if fn.__globals__ is not namespace:
+                twin_globals[name] = _module_twins(internals, fn.__globals__, value)[id(value)][1]
+            else:
+                copy = types.FunctionType(fn.__code__, twin_globals, fn.__name__, fn.__defaults__,
+                                          fn.__closure__)
+                copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+                twin_globals[name] = internals.interpreted_function(copy)
             twins[id(value)] = (value, twin_globals[name])
     return twins
+
+
+def _module_twins(internals: _Internals, namespace: dict, function) -> dict[int, tuple[object, object]]:
+    """The twins of a module's namespace, made again when `function` is not among them (a new module, or
+    a function defined since)."""
+    entry = _MODULE_TWINS.get(id(namespace))
+    if entry is None or id(function) not in entry[1]:
+        entry = _MODULE_TWINS[id(namespace)] = (namespace, _twin_namespace(internals, namespace))
+    if id(function) not in entry[1]:
+        raise ValueError(f"{function.fn.__name__} must be a module-level @triton.jit function")
+    return entry[1]
 
 
 def _kernel_twin(internals: _Internals, kernel):
     if not isinstance(kernel, internals.jit_function):
         raise TypeError(f"expected a @triton.jit function, got {type(kernel).__name__}")
-    namespace = kernel.fn.__globals__
-    entry = _MODULE_TWINS.get(id(namespace))
-    if entry is None or id(kernel) not in entry[1]:  # new module, or a kernel defined since
-        entry = _MODULE_TWINS[id(namespace)] = (namespace, _twin_namespace(internals, namespace))
-    if id(kernel) not in entry[1]:
-        raise ValueError(f"{kernel.fn.__name__} must be a module-level @triton.jit function")
-    return entry[1][id(kernel)][1]
+    return _module_twins(internals, kernel.fn.__globals__, kernel)[id(kernel)][1]
 
 
 def _import_gluon_once() -> None:

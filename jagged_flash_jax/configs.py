@@ -104,11 +104,9 @@ def table_from_json(entries: list[dict]) -> dict:
     return dict(entry_from_json(entry) for entry in entries)
 
 
-# What `python -m benchmarks.tune` chose on an H200 (jax-triton 0.3.1, triton 3.6), by case: rec-small
-# and gr-ml1m (D <= 32), rec-mid (D = 64, L = 256), L4096-D64, rec-long (D = 128, L = 1024), long and
-# dlrm-long (L = 4096), L4096-D256. Every backward tile spills registers at D >= 128; with the one-axis
-# grid (L2 reuse), 8-warp backward tiles win from D = 128. Where dq's warps or stages differ from dk/dv's
-# (long sequences at D = 64 and 256) the two run in separate launches: see docs/performance.md.
+# What `python -m benchmarks.tune` chose on an H200, an entry per benchmark case it was tuned on. Where
+# dq's warps or stages differ from dk/dv's the two run in separate launches. docs/performance.md ("Tile
+# configurations") gives each entry's case and the measurements behind the choices.
 _H200 = FALLBACK_GPU
 BUILTIN_TABLE = table_from_json([
     dict(gpu=_H200, bits=16, head_dim=32, max_seq_len=256, fwd=[64, 32, 4, 3], dkdv=[32, 64, 4, 3],
@@ -182,8 +180,8 @@ def fit_to_lengths(tiles: BlockSizes, max_seq_len: int, kv_max_seq_len: int) -> 
     few queries against long keys (cross-attention) do not pad every query block to the keys' tile.
 
     A query block cut this way gives its rows to the key block (up to FITTED_MAX_BLOCK_N), keeping each
-    program's work, and a forward of 16-32 query rows runs on at most 4 warps: on an H200, 8 queries
-    against 512-4096 keys ran 1.4x faster that way than with the query blocks cut alone.
+    program's work, and a forward of 16-32 query rows runs on at most 4 warps, which on few queries
+    against many keys beat cutting the query blocks alone (docs/performance.md, "Tile configurations").
     """
     q_rows, kv_rows = head_block(max_seq_len), head_block(kv_max_seq_len)
 

@@ -2,7 +2,8 @@
 
 A launcher is a function `run(call, arrays) -> outputs` that executes one `KernelCall`; gpu.py does it
 with jax-triton, interpret.py with Triton's interpreter. A kernel's parameters are the call's arrays
-(the last one the int32 array of its runtime sizes, `params`), its outputs, then `constants` by keyword.
+(the last one the int32 array of its runtime sizes, `params`, built by the slots' names in
+kernels.common), its outputs, then `constants` by keyword.
 
 Arrays at this level: q, o, do, dq are [Z*T_q, H, D] ("THD") or [H, Z*T_q, D] ("HTD"), k, v, dk, dv
 the same with H_kv and T_kv: Z segments of T tokens each along the token axis, every segment with its
@@ -20,14 +21,17 @@ import jax
 import jax.numpy as jnp
 
 from .. import kernels
-from ..configs import BlockSizes, head_block
+from .._util import cdiv
+from ..configs import BlockSizes, KernelConfig, head_block
+from ..kernels import common as layout
 
 # CUDA's limit on the first grid dimension, which enumerates every program of a launch.
 MAX_GRID_X = 2**31 - 1
-# Above this many bytes of q, k and v, each sequence's programs run next to each other (a one-axis
-# grid, see kernels._program), so that they share its keys, values and queries in L2 (about half of a
-# Hopper L2). Below it every operand stays in L2 anyway, and the two-axis grid, slot-major, balances the
-# load better and spares each program two integer divisions.
+# Above this many bytes of q, k and v (about half of a Hopper L2), each sequence's programs run next to
+# each other (a one-axis grid, see kernels.common._program), so that they share its keys, values and
+# queries in L2. Below it every operand stays in L2 anyway, and the two-axis grid, slot-major, balances
+# the load better and spares each program two integer divisions. docs/performance.md ("Program order")
+# has the measurements.
 L2_REUSE_BYTES = 32 << 20
 # CUDA's limit on the second grid dimension (slots, in the two-axis grid).
 MAX_GRID_Y = 65535
@@ -37,9 +41,9 @@ FILL_BLOCK = 32
 # QDO_KEY_MAJOR), and the tokens each program of kernels.key_major_kernel transposes.
 KEY_MAJOR_ALIGN = 16
 KEY_MAJOR_BLOCK = 64
-# The padded head dimensions at which float32 inputs (TF32 products) take key-major operands, as measured
-# on an H200: the forward's v gained nothing at D = 32; the backward's q and do lost on rec-mid (D = 64,
-# where two transposes cost more than the kernel gained), and its D = 256 tiles load synchronously.
+# The padded head dimensions at which float32 inputs (TF32 products) take key-major operands: those where
+# the kernel gains more than the transposes cost, and whose tiles load asynchronously (measured:
+# docs/performance.md, "Float32: key-major operands").
 KEY_MAJOR_HEAD_DIMS = {"v": (64, 128, 256), "q_do": (128,)}
 LOG2E = 1.4426950408889634
 
@@ -95,7 +99,7 @@ class Problem:
     # -- grid ----------------------------------------------------------------------------------------
     def blocks(self, rows: int, tokens: int, max_len: int) -> int:
         """Blocks of `rows` covering the longest attended sequence (at most min(max_len, tokens))."""
-        return -(-min(max_len, tokens) // rows)
+        return cdiv(min(max_len, tokens), rows)
 
     @property
     def sequence_heads(self) -> int:
@@ -108,24 +112,17 @@ class Problem:
         return self.blocks(self.block_sizes.fwd.block_m, self.q_tokens, self.max_seq_len) + 1
 
     @property
-    def backward_launches(self) -> tuple[tuple[str, ...], ...]:
-        """The backward's launches, each as the gradients its programs compute: dq and dk/dv together
-        (in even and odd slots), or ("dq",) and ("dk", "dv") apart, when their tiles' warps or stages
-        differ."""
-        return ((("dq", "dk", "dv"),) if self.block_sizes.one_backward_launch
-                else (("dq",), ("dk", "dv")))
-
-    def backward_slots(self, grads: tuple[str, ...]) -> int:
-        """A backward launch's slots per sequence and head: a sequence's row blocks and then its
-        tail-zeroing slot, of each kind of program (in pairs when both share the launch)."""
+    def backward_launches(self) -> tuple[BackwardLaunch, ...]:
+        """The backward's launches: dq and dk/dv programs together (in even and odd slots), or apart when
+        their tiles' warps or stages differ. Each kind has, per sequence and head, its row blocks and a
+        tail-zeroing program."""
         bs = self.block_sizes
         dq = self.blocks(bs.dq.block_m, self.q_tokens, self.max_seq_len) + 1
         dkdv = self.blocks(bs.dkdv.block_n, self.kv_tokens, self.kv_max_seq_len) + 1
-        if grads == ("dq",):
-            return dq
-        if grads == ("dk", "dv"):
-            return dkdv
-        return 2 * max(dq, dkdv)
+        if bs.one_backward_launch:
+            pairs = max(dq, dkdv)
+            return (BackwardLaunch(("dq", "dk", "dv"), 2 * pairs, pairs, bs.dkdv),)
+        return BackwardLaunch(("dq",), dq, dq, bs.dq), BackwardLaunch(("dk", "dv"), dkdv, dkdv, bs.dkdv)
 
     @property
     def empty(self) -> bool:
@@ -136,8 +133,20 @@ class Problem:
 
 
 @dataclasses.dataclass(frozen=True)
+class BackwardLaunch:
+    """One launch of kernels.attention_bwd_kernel: the gradients its programs compute, its slots per
+    (segment, sequence or fill, head), how many of those belong to each kind of program (the zero-fill
+    "sequence" splits the uncovered tokens into that many chunks), and its tile's warps and stages."""
+
+    grads: tuple[str, ...]
+    slots: int
+    programs_per_kind: int
+    config: KernelConfig
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelCall:
-    kernel: Any  # a @triton.jit function of kernels.py
+    kernel: Any  # a @triton.jit kernel of the kernels package
     grid: tuple[int, ...]
     out_shapes: tuple[jax.ShapeDtypeStruct, ...]
     # Runtime sizes, passed as an int32 array rather than as scalar arguments: jax-triton turns a
@@ -159,19 +168,32 @@ def _params(call: KernelCall) -> jax.Array:
     return jnp.stack([jnp.int32(value) for value in call.params])
 
 
-def _stride_align(*strides: int) -> int:
-    """The largest power of two up to 16 dividing every stride: kernels get strides in these units."""
-    return math.gcd(16, *strides)
+def _pack(slots: dict) -> tuple[int, ...]:
+    """A kernel's params from {slot: value}, the slots being kernels.common's PARAM_* constants (the
+    names the kernels read them by): every slot from 0 up, once."""
+    values = {int(slot.value): value for slot, value in slots.items()}
+    if sorted(values) != list(range(len(slots))):
+        raise AssertionError(f"params slots {sorted(values)} are not 0 to {len(slots) - 1}")
+    return tuple(values[index] for index in range(len(values)))
+
+
+def _in_units(*strides: int) -> tuple[int, tuple[int, ...]]:
+    """The largest power of two up to 16 dividing every stride, and the strides in its units: the form
+    in which kernels get strides (see kernels.common._aligned)."""
+    align = math.gcd(16, *strides)
+    return align, tuple(s // align for s in strides)
 
 
 def _common(p: Problem):
-    """The params and constants every attention kernel shares."""
-    q_strides = p.strides(p.num_heads, p.q_tokens)
-    kv_strides = p.strides(p.num_kv_heads, p.kv_tokens)
-    align = _stride_align(*q_strides, *kv_strides)
-    params = (p.batch, p.q_tokens, p.kv_tokens, *(s // align for s in (*q_strides, *kv_strides)),
-              0 if p.q_offsets_rows == 1 else p.batch + 1,
-              0 if p.kv_offsets_rows == 1 else p.batch + 1)
+    """The params (by slot, see `_pack`) and constants every attention kernel shares."""
+    align, (q_token, q_head, kv_token, kv_head) = _in_units(*p.strides(p.num_heads, p.q_tokens),
+                                                            *p.strides(p.num_kv_heads, p.kv_tokens))
+    params = {
+        layout.PARAM_BATCH: p.batch, layout.PARAM_Q_TOKENS: p.q_tokens, layout.PARAM_KV_TOKENS: p.kv_tokens,
+        layout.PARAM_Q_TOKEN_STRIDE: q_token, layout.PARAM_Q_HEAD_STRIDE: q_head,
+        layout.PARAM_KV_TOKEN_STRIDE: kv_token, layout.PARAM_KV_HEAD_STRIDE: kv_head,
+        layout.PARAM_Q_OFFSETS_STRIDE: 0 if p.q_offsets_rows == 1 else p.batch + 1,
+        layout.PARAM_KV_OFFSETS_STRIDE: 0 if p.kv_offsets_rows == 1 else p.batch + 1}
     constants = dict(
         NUM_HEADS=p.num_heads, KV_GROUP=p.num_heads // p.num_kv_heads, D=p.head_dim,
         BLOCK_D=head_block(p.head_dim), Q_MAX_LEN=p.max_seq_len, KV_MAX_LEN=p.kv_max_seq_len,
@@ -189,7 +211,7 @@ def _grid(p: Problem, itemsize: int, slots: int) -> tuple[int, ...]:
 
 
 def _fill_chunk(tokens: int, programs: int) -> int:
-    return max(1, -(-tokens // programs))
+    return max(1, cdiv(tokens, programs))
 
 
 def key_major(p: Problem, dtype, operands: str) -> bool:
@@ -204,13 +226,15 @@ def key_major(p: Problem, dtype, operands: str) -> bool:
 def _tokens_contiguous(run: Runner, p: Problem, x, heads: int, tokens: int) -> jax.Array:
     """x ([*, heads, D] with `tokens` tokens per segment, in p's layout) as [heads, D, all tokens], the
     token axis padded with 0 to a multiple of KEY_MAJOR_ALIGN."""
-    tokens, strides = p.num_segments * tokens, p.strides(heads, tokens)
-    padded = -(-tokens // KEY_MAJOR_ALIGN) * KEY_MAJOR_ALIGN
-    align = _stride_align(*strides)
+    align, (token_stride, head_stride) = _in_units(*p.strides(heads, tokens))
+    tokens *= p.num_segments
+    padded = cdiv(tokens, KEY_MAJOR_ALIGN) * KEY_MAJOR_ALIGN
     call = KernelCall(
-        kernels.key_major_kernel, grid=(-(-padded // KEY_MAJOR_BLOCK), heads),
+        kernels.key_major_kernel, grid=(cdiv(padded, KEY_MAJOR_BLOCK), heads),
         out_shapes=(jax.ShapeDtypeStruct((heads, p.head_dim, padded), x.dtype),),
-        params=(tokens, *(s // align for s in strides), padded // KEY_MAJOR_ALIGN),
+        params=_pack({layout.PARAM_ARRAY_TOKENS: tokens, layout.PARAM_ARRAY_TOKEN_STRIDE: token_stride,
+                      layout.PARAM_ARRAY_HEAD_STRIDE: head_stride,
+                      layout.PARAM_KEY_MAJOR_PADDED: padded // KEY_MAJOR_ALIGN}),
         constants=dict(D=p.head_dim, BLOCK_D=head_block(p.head_dim), BLOCK_T=KEY_MAJOR_BLOCK,
                        STRIDE_ALIGN=align, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN))
     (out,) = run(call, (x, _params(call)))
@@ -232,8 +256,9 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
         grid=_grid(p, q.dtype.itemsize, slots),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                     jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
-        params=(*params, _fill_chunk(p.q_tokens, slots), slots,
-                v.shape[-1] // KEY_MAJOR_ALIGN if v_key_major else 0),
+        params=_pack({**params, layout.PARAM_FWD_FILL_CHUNK: _fill_chunk(p.q_tokens, slots),
+                      layout.PARAM_FWD_SLOTS: slots,
+                      layout.PARAM_FWD_V_D_STRIDE: v.shape[-1] // KEY_MAJOR_ALIGN if v_key_major else 0}),
         constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                        V_KEY_MAJOR=v_key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -248,13 +273,13 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
         return jnp.zeros(p.q_shape, q.dtype), jnp.zeros(p.kv_shape, k.dtype), jnp.zeros(p.kv_shape, v.dtype)
     bs = p.block_sizes
     params, constants = _common(p)
-    token_stride, head_stride = p.strides(p.num_heads, p.q_tokens)
-    align = _stride_align(token_stride, head_stride)
+    align, (token_stride, head_stride) = _in_units(*p.strides(p.num_heads, p.q_tokens))
     preprocess = KernelCall(
         kernels.attention_bwd_preprocess_kernel,
-        grid=(-(-p.q_tokens // bs.preprocess_block_m), p.num_segments * p.num_heads),
+        grid=(cdiv(p.q_tokens, bs.preprocess_block_m), p.num_segments * p.num_heads),
         out_shapes=(jax.ShapeDtypeStruct(p.stats_shape, jnp.float32),),
-        params=(p.q_tokens, token_stride // align, head_stride // align),
+        params=_pack({layout.PARAM_ARRAY_TOKENS: p.q_tokens, layout.PARAM_ARRAY_TOKEN_STRIDE: token_stride,
+                      layout.PARAM_ARRAY_HEAD_STRIDE: head_stride}),
         constants=dict(NUM_HEADS=p.num_heads, D=p.head_dim, BLOCK_D=constants["BLOCK_D"],
                        OUT_SCALE=p.out_scale, BLOCK_M=bs.preprocess_block_m,
                        STRIDE_ALIGN=align))
@@ -270,22 +295,21 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
     shapes = dict(dq=jax.ShapeDtypeStruct(p.q_shape, q.dtype), dk=jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
                   dv=jax.ShapeDtypeStruct(p.kv_shape, v.dtype))
     grads = {}
-    for names in p.backward_launches:
-        slots = p.backward_slots(names)
-        # A shared launch's programs come in (dq, dk/dv) pairs: each kind fills its chunk per pair.
-        programs = slots // 2 if len(names) == 3 else slots
-        cfg = bs.dq if names == ("dq",) else bs.dkdv
+    for launch in p.backward_launches:
         call = KernelCall(
-            kernels.attention_bwd_kernel, grid=_grid(p, q.dtype.itemsize, slots),
+            kernels.attention_bwd_kernel, grid=_grid(p, q.dtype.itemsize, launch.slots),
             # The outputs a launch does not compute are one-element placeholders it never touches.
-            out_shapes=tuple(shapes[name] if name in names else jax.ShapeDtypeStruct((1,), shapes[name].dtype)
-                             for name in ("dq", "dk", "dv")),
-            params=(*params, _fill_chunk(p.q_tokens, programs), _fill_chunk(p.kv_tokens, programs), slots,
-                    q_km.shape[-1] // KEY_MAJOR_ALIGN if qdo_key_major else 0),
-            constants=dict(constants, DQ_PROGRAMS="dq" in names, DKDV_PROGRAMS="dk" in names),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            out_shapes=tuple(shape if name in launch.grads else jax.ShapeDtypeStruct((1,), shape.dtype)
+                             for name, shape in shapes.items()),
+            params=_pack({
+                **params, layout.PARAM_BWD_Q_FILL_CHUNK: _fill_chunk(p.q_tokens, launch.programs_per_kind),
+                layout.PARAM_BWD_KV_FILL_CHUNK: _fill_chunk(p.kv_tokens, launch.programs_per_kind),
+                layout.PARAM_BWD_SLOTS: launch.slots,
+                layout.PARAM_BWD_KM_D_STRIDE: q_km.shape[-1] // KEY_MAJOR_ALIGN if qdo_key_major else 0}),
+            constants=dict(constants, DQ_PROGRAMS="dq" in launch.grads, DKDV_PROGRAMS="dk" in launch.grads),
+            num_warps=launch.config.num_warps, num_stages=launch.config.num_stages)
         arrays = (q, k, v, do, lse, delta, q_offsets, kv_offsets, q_km, do_km, _params(call))
-        grads.update((name, x) for name, x in zip(("dq", "dk", "dv"), run(call, arrays)) if name in names)
+        grads.update((name, x) for name, x in zip(shapes, run(call, arrays)) if name in launch.grads)
     return grads["dq"], grads["dk"], grads["dv"]
 
 
@@ -293,7 +317,7 @@ def check_grid(p: Problem) -> None:
     """Raise ValueError when a launch would need more programs than CUDA's grid allows."""
     sequences = p.sequence_heads
     launches = [("forward", p.forward_slots)]
-    launches += [("backward", p.backward_slots(grads)) for grads in p.backward_launches]
+    launches += [("backward", launch.slots) for launch in p.backward_launches]
     for name, count in launches:
         if sequences * count > MAX_GRID_X:
             raise ValueError(

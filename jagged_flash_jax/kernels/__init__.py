@@ -1,0 +1,43 @@
+"""Triton kernels of jagged flash attention: the forward, the backward preprocess and the backward.
+
+Pure Triton, no JAX: the same functions are compiled for the GPU (launch/gpu.py) and run by Triton's
+interpreter on the CPU (launch/interpret.py). `common.py` holds what every kernel family shares (the
+runtime-parameter layout, addressing, a sequence's extent, masks and key/query ranges, the online
+softmax, the zero fills); `portable.py` the kernels that run on any GPU and in the interpreter; a
+Hopper family (`hopper.py`) is to reuse common.py. Parameters come in the order jax-triton passes them:
+input arrays (the last an int32 array of runtime sizes, slots named `common.PARAM_*`), outputs, then
+compile-time constants (always given by keyword).
+
+Addressing. q, o, do, dq share one layout and k, v, dk, dv another; the launcher passes each family's
+token and head strides (in units of STRIDE_ALIGN elements, see `common._aligned`), so "THD" and "HTD"
+(and anything else with unit stride along D) share one code path. The token axis may hold several
+independent segments of `*_tokens` tokens, each with its own row of offsets (data-parallel shards, or
+vmapped problems); offsets rows are `*_offsets_stride` apart (0 when every segment shares one row). The
+float32 log-sum-exp and delta are [segments, H, q_tokens]. Every pointer is rebased once per program by
+`common._rows`.
+
+Grid. (segment, sequence, head) and slot, on two axes or one (see `common._program`). There is one extra
+"sequence" per segment whose programs zero the tokens that no sequence covers. A sequence's slots are
+its row blocks, the last ones first so that the costly blocks of long sequences start early, and last a
+program that zeroes the sequence's own tokens past the maximum length. So every output element is
+written by the kernels: no memset is needed. The zeroing programs return without touching the
+attention code: ptxas 12.8 (Triton 3.6's) miscompiled programs that zeroed the tail and then went on
+to their block, clobbering a uniform register that held the offsets pointer.
+
+Semantics per sequence: n_q = min(len_q, Q_MAX_LEN) queries attend n_k = min(len_kv, KV_MAX_LEN) keys
+(causal: key j <= query i + n_k - n_q), o = OUT_SCALE * softmax(scale * q k^T) v. The float32
+log-sum-exp is kept in units of the unscaled scores (base 2 after scaling), and both passes subtract
+before they scale: at large logits the top score of a row gets probability exactly 1 in both. Rows with
+no key get o = 0 and log-sum-exp +inf.
+"""
+
+from .portable import (
+    attention_bwd_kernel,
+    attention_bwd_preprocess_kernel,
+    attention_fwd_kernel,
+    key_major_kernel,
+)
+
+__all__ = [
+    "attention_bwd_kernel", "attention_bwd_preprocess_kernel", "attention_fwd_kernel", "key_major_kernel",
+]

@@ -1,7 +1,8 @@
 """Every reliance on a dependency's changing or private surface, in one place.
 
 JAX: how an abstract value names the manual mesh axes it varies over. Triton (triton>=3.6,<3.10): the
-private interpreter internals that run this process's compiled-mode `@triton.jit` kernels on numpy arrays.
+private interpreter internals that run this process's `@triton.jit` kernels on numpy arrays. jax-triton
+(0.4.1): two shims, one for its import under triton 3.6 and one for its launch of warp-specialized kernels.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import importlib.metadata
+import math
 import re
 import sys
 import threading
@@ -37,14 +40,16 @@ def varying_axes(x) -> frozenset:
 # Triton's interpreter
 #
 # Triton decides when `@triton.jit` runs whether a function is compiled (JITFunction) or interpreted
-# (InterpretedFunction), from TRITON_INTERPRET; this process imported Triton without it. So an
-# interpreted twin is made of each kernel, with every `@triton.jit` function it calls by global name
-# twinned too, and triton.language's own `@triton.jit` functions are swapped for twins while a kernel
-# runs. Nothing here touches os.environ: a process-wide toggle cannot be made safe for other threads.
+# (InterpretedFunction), from TRITON_INTERPRET; the kernels serve the GPU too, so they are usually
+# JITFunctions. So an interpreted twin is made of each kernel, with every `@triton.jit` function it calls
+# by global name twinned too, and triton.language's own `@triton.jit` functions are swapped for twins
+# while a kernel runs. Kernels made under TRITON_INTERPRET=1 (Triton's documented way to debug) are
+# twinned the same way, so both run. Nothing here touches os.environ: a process-wide toggle cannot be
+# made safe for other threads.
 # ---------------------------------------------------------------------------------------------------
 
 TRITON_SUPPORTED = "triton>=3.6,<3.10"
-_TRITON_RANGE = ((3, 6), (3, 10))
+TRITON_RANGE = ((3, 6), (3, 10))
 
 
 class UnsupportedTritonError(RuntimeError):
@@ -70,11 +75,15 @@ def triton_internals() -> _Internals:
     Raises UnsupportedTritonError naming the supported range when Triton is outside it or an internal
     is missing.
     """
-    import triton
+    try:
+        import triton
+    except ImportError as err:
+        raise ImportError(f"backend='interpret' runs the kernels in Triton's interpreter, and triton is not "
+                          f"installed: pip install 'jagged-flash-jax[interpret]' ({err})") from err
 
     found = getattr(triton, "__version__", "unknown")
     version = _version(found)
-    if version is None or not _TRITON_RANGE[0] <= version < _TRITON_RANGE[1]:
+    if version is None or not TRITON_RANGE[0] <= version < TRITON_RANGE[1]:
         raise UnsupportedTritonError(
             f"backend='interpret' runs the kernels with Triton's interpreter, whose internals this "
             f"package uses for {TRITON_SUPPORTED}; found triton {found}: pip install '{TRITON_SUPPORTED}'")
@@ -161,7 +170,7 @@ def _twin_namespace(internals: _Internals, namespace: dict) -> dict[int, tuple[o
     twin_globals = dict(namespace)
     twins = {}
     for name, value in namespace.items():
-        if isinstance(value, internals.jit_function):
+        if isinstance(value, (internals.jit_function, internals.interpreted_function)):
             fn = value.fn
             if fn.__globals__ is not namespace:
                 twin_globals[name] = _module_twins(internals, fn.__globals__, value)[id(value)][1]
@@ -186,7 +195,7 @@ def _module_twins(internals: _Internals, namespace: dict, function) -> dict[int,
 
 
 def _kernel_twin(internals: _Internals, kernel):
-    if not isinstance(kernel, internals.jit_function):
+    if not isinstance(kernel, (internals.jit_function, internals.interpreted_function)):
         raise TypeError(f"expected a @triton.jit function, got {type(kernel).__name__}")
     return _module_twins(internals, kernel.fn.__globals__, kernel)[id(kernel)][1]
 
@@ -275,3 +284,84 @@ def interpret(kernel, grid: tuple[int, ...], *args, **constants) -> None:
         args = [HostTensor(a) if isinstance(a, np.ndarray) else a for a in args]
         with _interpreted_language(internals):
             twin[grid](*args, **constants)
+
+
+# ---------------------------------------------------------------------------------------------------
+# jax-triton
+# ---------------------------------------------------------------------------------------------------
+
+# CUDA's CU_TENSOR_MAP_DATA_TYPE_TFLOAT32, which triton>=3.7 names TMA_TF32 in its NVIDIA driver module
+# (the host-side TMA descriptor dtype of float32 rounded to TF32).
+_TMA_TF32 = 11
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string, missing parts 0; () when it does not start with one."""
+    match = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", text)
+    return tuple(int(part or 0) for part in match.groups()) if match else ()
+
+
+def version_in(version: str, bounds: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+    """Whether a version string lies in [low, high), compared on as many parts as `low` has."""
+    release = _release(version)[:len(bounds[0])]
+    return bool(release) and bounds[0] <= release < bounds[1]
+
+
+def prepare_jax_triton_import() -> None:
+    """Call before `import jax_triton`. jax-triton 0.4 imports TMA_TF32 from triton>=3.7's NVIDIA driver;
+    under triton 3.6 that import fails and jax-triton takes the machine for one without the NVIDIA
+    backend, and breaks. Defining the constant is enough: this package passes no TMA descriptor."""
+    try:
+        jax_triton_version = _release(importlib.metadata.version("jax-triton"))
+        import triton
+    except (importlib.metadata.PackageNotFoundError, ImportError):
+        return
+    if not ((0, 4) <= jax_triton_version < (0, 5) and (3, 6) <= _release(triton.__version__) < (3, 7)):
+        return
+    try:
+        driver = importlib.import_module("triton.backends.nvidia.driver")
+    except ImportError:  # no NVIDIA backend: jax-triton's own fallback is right then
+        return
+    if not hasattr(driver, "TMA_TF32"):
+        driver.TMA_TF32 = _TMA_TF32
+
+
+# jax-triton versions that launch a kernel with the num_warps it was asked for rather than the count that
+# Triton compiled, which warp specialization (`tl.range(..., warp_specialize=True)`) raises; such a
+# kernel then fails to launch. Measured on 0.4.1.
+JAX_TRITON_LAUNCHING_REQUESTED_WARPS = frozenset({(0, 4, 1)})
+
+
+def ptx_warps(binary: str | bytes) -> int | None:
+    """The warps a compiled kernel needs: its PTX's `.maxntid` (threads per block) over 32, or None."""
+    text = binary.decode(errors="replace") if isinstance(binary, bytes) else str(binary)
+    match = re.search(r"\.maxntid\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", text)
+    if match is None:
+        return None
+    return math.prod(int(size) for size in match.groups() if size) // 32
+
+
+class _KernelLibWithCompiledWarps:
+    """jaxlib's Triton kernel-call module as jax-triton sees it, except that TritonKernel(name, num_warps,
+    num_ctas, shared_mem, binary, ...) takes the warps from the PTX's `.maxntid` when that asks for more."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def TritonKernel(self, name, num_warps, num_ctas, shared_mem, binary, *rest):  # noqa: N802 (its name)
+        num_warps = max(num_warps, ptx_warps(binary) or 0)
+        return self.lib.TritonKernel(name, num_warps, num_ctas, shared_mem, binary, *rest)
+
+
+def patch_jax_triton(jax_triton) -> None:
+    """Make an imported jax_triton launch warp-specialized kernels, on the versions that need it (once)."""
+    if _release(getattr(jax_triton, "__version__", "")) not in JAX_TRITON_LAUNCHING_REQUESTED_WARPS:
+        return
+    triton_lib = getattr(jax_triton, "triton_lib", None)
+    lib = getattr(triton_lib, "triton_kernel_call_lib", None)
+    if lib is None or isinstance(lib, _KernelLibWithCompiledWarps):  # no GPU support, or done already
+        return
+    triton_lib.triton_kernel_call_lib = _KernelLibWithCompiledWarps(lib)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import json
 import math
 import os
@@ -217,13 +218,14 @@ def fake_gpu(monkeypatch):
 
 @pytest.fixture
 def fake_jax_triton(fake_gpu, monkeypatch):
-    """A jax_triton whose triton_call records its arguments and returns zeros of the out shapes."""
+    """A jax_triton 0.4.1 whose triton_call records its arguments and returns zeros of the out types."""
     module = types.ModuleType("jax_triton")
+    module.__version__ = "0.4.1"
     module.calls = []
 
-    def triton_call(*args, kernel, out_shape, grid, **kwargs):
-        module.calls.append(dict(args=args, kernel=kernel, out_shape=out_shape, grid=grid, **kwargs))
-        return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+    def triton_call(*args, kernel, out_type, grid, **kwargs):
+        module.calls.append(dict(args=args, kernel=kernel, out_type=out_type, grid=grid, **kwargs))
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in out_type)
 
     # The params array is traced when triton_call sees it: its values are recorded where it is made.
     make_params = plan._params
@@ -255,12 +257,12 @@ def _check_call(fake, call, kernel, grid, arrays, params, out_shapes, constants,
     # into compile-time constants when they equal 1.
     assert args[-1].dtype == jnp.int32 and args[-1].shape == (len(params),)
     assert fake.params[id(args[-1])] == params
-    assert tuple(call.pop("out_shape")) == out_shapes
-    # The kernels write every element they own: nothing may be zeroed first (an extra memset per launch).
-    assert tuple(call.pop("zeroed_outputs", ())) == ()
+    assert tuple(call.pop("out_type")) == out_shapes
     assert call.pop("num_warps") == num_warps
     assert call.pop("num_stages") == num_stages
-    assert call == constants  # the compile-time constants, and nothing else
+    # The compile-time constants, and nothing else: no zeroed_outputs either (the kernels write every
+    # element they own; zeroing would cost a memset per launch).
+    assert call == constants
 
 
 # Distinct warps and stages per kernel, and blocks that give each sequence several slots.
@@ -513,6 +515,142 @@ def test_auto_on_the_cpu_runs_xla_without_a_warning():
     np.testing.assert_array_equal(o, jfa.jagged_attention(q, k, v, offsets, 8, backend="xla"))
     with pytest.raises(ValueError, match="backend='triton' needs a GPU"):
         jfa.jagged_attention(q, k, v, offsets, 8, backend="triton")
+
+
+@pytest.mark.parametrize("jax_triton_version,triton_version", [("0.3.1", "3.9.0"), ("0.5.0", "3.9.0"),
+                                                              ("0.4.1", "3.5.0"), ("0.4.1", "3.10.1")])
+def test_a_gpu_stack_outside_the_tested_versions_is_refused(fake_jax_triton, monkeypatch, jax_triton_version,
+                                                          triton_version):
+    monkeypatch.setattr(fake_jax_triton, "__version__", jax_triton_version)
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    q, k, v, offsets = _small_problem()
+    expected = (r"tested with jax-triton>=0\.4\.1,<0\.5 and triton>=3\.6,<3\.10; found "
+                r".*(jax-triton 0\.[35]|triton 3\.(5|10)).*pip install 'jagged-flash-jax\[cuda13\]'")
+    with pytest.raises(ValueError, match=expected):
+        jfa.jagged_attention(q, k, v, offsets, 8, backend="triton")
+    assert fake_jax_triton.calls == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRITON_INTERPRET=1 (Triton's switch for debugging kernels): the kernels are interpreter functions
+# ---------------------------------------------------------------------------------------------------
+
+
+def interpret_under_triton_interpret() -> None:
+    """In a process started with TRITON_INTERPRET=1: the interpret backend against the float64 reference."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(kernels.attention_fwd_kernel, InterpretedFunction)
+    batch = Batch.make([4, 0, 9], 2, 8, kv_lengths=[6, 3, 5], kv_heads=1, seed=5)
+    q, k, v, do = batch.arrays(jnp.float32)
+    want = reference(batch.q, batch.k, batch.v, batch.do, batch.offsets, 8, kv_offsets=batch.kv_offsets,
+                     scale=0.5, causal=True)
+    op = lambda q, k, v: jfa.jagged_attention(q, k, v, batch.offsets, 8, kv_offsets=batch.kv_offsets,
+                                              scale=0.5, causal=True, backend="interpret", allow_tf32=False)
+    out, vjp = jax.vjp(op, q, k, v)
+    for got, expected in zip((out, *vjp(do)), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    print("ok")
+
+
+def test_the_interpret_backend_runs_under_triton_interpret():
+    run, stdout, stderr = finish(spawn("t.interpret_under_triton_interpret()", {"TRITON_INTERPRET": "1"}))
+    assert run.returncode == 0 and stdout.strip().endswith("ok"), stderr[-3000:]
+
+
+def test_the_triton_backend_under_triton_interpret_says_so(fake_jax_triton, monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    monkeypatch.setattr(kernels, "attention_fwd_kernel", InterpretedFunction(kernels.attention_fwd_kernel.fn))
+    q, k, v, offsets = _small_problem()
+    with pytest.raises(ValueError, match="backend='triton' cannot run: .*TRITON_INTERPRET is set.*unset"):
+        jfa.jagged_attention(q, k, v, offsets, 8, backend="triton")
+    with pytest.warns(RuntimeWarning, match="'xla'.*TRITON_INTERPRET is set"):
+        assert api.default_backend() == "xla"
+    assert fake_jax_triton.calls == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# jax-triton 0.4 shims: its import under triton 3.6, its launch of warp-specialized kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jax_triton_version,triton_version,defined", [
+    ("0.4.1", "3.6.0", True), ("0.3.1", "3.6.0", False), ("0.4.1", "3.7.0", False),
+    ("0.4.1", "3.5.0", False)])
+def test_tma_tf32_is_defined_for_jax_triton_0_4_under_triton_3_6(monkeypatch, jax_triton_version,
+                                                                triton_version, defined):
+    from triton.backends.nvidia import driver
+
+    monkeypatch.delattr(driver, "TMA_TF32", raising=False)
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: jax_triton_version if name == "jax-triton" else real_version(name))
+    _compat.prepare_jax_triton_import()
+    assert getattr(driver, "TMA_TF32", None) == (11 if defined else None)
+
+
+def test_tma_tf32_of_triton_itself_is_kept(monkeypatch):
+    from triton.backends.nvidia import driver
+
+    monkeypatch.setattr(driver, "TMA_TF32", 99, raising=False)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.4.1")
+    _compat.prepare_jax_triton_import()
+    assert driver.TMA_TF32 == 99
+
+
+def _ptx(maxntid: str) -> str:
+    return (".version 8.7\n.target sm_90a\n.visible .entry k(\n.param .u64 k_param_0\n)\n"
+            f"{maxntid}\n{{\nret;\n}}\n")
+
+
+class _FakeKernelLib:
+    """jaxlib's gpu_triton as jax-triton 0.4.1 calls it: TritonKernel records its arguments."""
+
+    def __init__(self):
+        self.kernels = []
+
+    def TritonKernel(self, *args):  # noqa: N802
+        self.kernels.append(args)
+        return len(self.kernels)
+
+    def create_scalar_parameter(self, value, dtype):
+        return ("scalar", value, dtype)
+
+
+@pytest.mark.parametrize("maxntid,requested,launched", [
+    (".maxntid 384, 1, 1", 4, 12),  # warp-specialized: 4 warps asked, 12 compiled
+    (".maxntid 128, 1, 1", 4, 4), (".maxntid 256", 8, 8), ("", 4, 4)])
+def test_jax_triton_0_4_1_launches_the_warps_the_ptx_needs(maxntid, requested, launched):
+    lib = _FakeKernelLib()
+    module = types.SimpleNamespace(__version__="0.4.1",
+                                   triton_lib=types.SimpleNamespace(triton_kernel_call_lib=lib))
+    _compat.patch_jax_triton(module)
+    _compat.patch_jax_triton(module)  # once only
+    patched = module.triton_lib.triton_kernel_call_lib
+    assert patched.TritonKernel("k", requested, 1, 1024, _ptx(maxntid), "ttir", 90, 4096, 128) == 1
+    assert lib.kernels == [("k", launched, 1, 1024, _ptx(maxntid), "ttir", 90, 4096, 128)]
+    assert patched.create_scalar_parameter(3, "i32") == ("scalar", 3, "i32")
+    assert patched.lib is lib
+
+
+@pytest.mark.parametrize("version", ["0.3.1", "0.4.2", "0.5.0"])
+def test_other_jax_triton_versions_are_left_alone(version):
+    lib = _FakeKernelLib()
+    module = types.SimpleNamespace(__version__=version,
+                                   triton_lib=types.SimpleNamespace(triton_kernel_call_lib=lib))
+    _compat.patch_jax_triton(module)
+    assert module.triton_lib.triton_kernel_call_lib is lib
+
+
+def test_the_gpu_launcher_applies_the_warps_shim(fake_jax_triton):
+    lib = _FakeKernelLib()
+    fake_jax_triton.triton_lib = types.SimpleNamespace(triton_kernel_call_lib=lib)
+    assert gpu.jax_triton_module() is fake_jax_triton
+    fake_jax_triton.triton_lib.triton_kernel_call_lib.TritonKernel("k", 4, 1, 0, _ptx(".maxntid 256, 1, 1"))
+    assert lib.kernels == [("k", 8, 1, 0, _ptx(".maxntid 256, 1, 1"))]
 
 
 # ---------------------------------------------------------------------------------------------------

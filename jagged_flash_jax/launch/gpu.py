@@ -1,6 +1,7 @@
 """Runs the kernels of kernels.py on the GPU through jax_triton.triton_call.
 
-jax_triton is imported on first use only: its import fails on a machine without a GPU build of jaxlib.
+jax_triton is imported on first use only: its import fails on a machine without a GPU build of jax, and
+needs triton, which the package does not require.
 """
 
 from __future__ import annotations
@@ -10,30 +11,64 @@ from collections.abc import Sequence
 
 import jax
 
+from .. import _compat
 from .plan import KernelCall
 
+# What the GPU extra installs and what was tested together (jaxlib >= 0.11.1 allocates the global scratch
+# memory of Triton's tensor descriptors, which jax-triton 0.4 passes it; jax-triton 0.4 needs Python 3.12).
+JAX_TRITON_SUPPORTED = "jax-triton>=0.4.1,<0.5"
+TRITON_SUPPORTED = _compat.TRITON_SUPPORTED
+_JAX_TRITON_RANGE = ((0, 4, 1), (0, 5))
 INSTALL_HINT = (
-    "install the GPU extra: pip install 'jagged-flash-jax[cuda13]' "
-    "(JAX's CUDA 13 build, jax-triton==0.3.1 and triton>=3.6,<3.10)"
+    "install the GPU extra (Python >= 3.12): pip install 'jagged-flash-jax[cuda13]' "
+    f"(JAX's CUDA 13 build >= 0.11.1, {JAX_TRITON_SUPPORTED} and {TRITON_SUPPORTED})"
 )
 
 
 @functools.cache
 def jax_triton_module():
-    """The jax_triton module, or ImportError with the install command."""
+    """The jax_triton module, checked against the supported versions; else ImportError with the install
+    command."""
+    try:
+        import triton
+    except ImportError as err:
+        raise ImportError(f"backend='triton' needs triton and jax-triton: {INSTALL_HINT} ({err})") from err
+    _compat.prepare_jax_triton_import()
     try:
         import jax_triton
     except ImportError as err:
         raise ImportError(f"backend='triton' needs jax-triton with a GPU build of jax: {INSTALL_HINT}"
                           f" ({err})") from err
+    found = {"jax-triton": getattr(jax_triton, "__version__", "unknown"),
+             "triton": getattr(triton, "__version__", "unknown")}
+    ranges = {"jax-triton": _JAX_TRITON_RANGE, "triton": _compat.TRITON_RANGE}
+    outside = [f"{name} {version}" for name, version in found.items()
+               if not _compat.version_in(version, ranges[name])]
+    if outside:
+        raise ImportError(f"backend='triton' is tested with {JAX_TRITON_SUPPORTED} and {TRITON_SUPPORTED}; "
+                          f"found {' and '.join(outside)}: {INSTALL_HINT}")
+    _compat.patch_jax_triton(jax_triton)
     return jax_triton
+
+
+def _check_kernels_compiled() -> None:
+    """Under TRITON_INTERPRET=1 `@triton.jit` makes interpreter functions, which jax-triton cannot compile."""
+    import triton
+
+    from .. import kernels
+
+    if not isinstance(kernels.attention_fwd_kernel, triton.runtime.JITFunction):
+        raise RuntimeError("TRITON_INTERPRET is set, so Triton made the kernels interpreter functions, which "
+                           "cannot be compiled for the GPU: unset TRITON_INTERPRET, or use "
+                           "backend='interpret' to run them in Triton's interpreter")
 
 
 @functools.cache
 def unavailable_reason() -> str | None:
-    """Why jax-triton cannot be used here (any exception its import raises), or None."""
+    """Why the kernels cannot run through jax-triton here (any exception its import raises), or None."""
     try:
         jax_triton_module()
+        _check_kernels_compiled()
     except Exception as err:  # not only ImportError: a broken install can raise anything
         return f"{type(err).__name__}: {err}"
     return None
@@ -47,7 +82,6 @@ def available() -> bool:
 def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     outputs = jax_triton_module().triton_call(
         *arrays,
-        kernel=call.kernel, out_shape=call.out_shapes, grid=call.grid,
-        num_warps=call.num_warps, num_stages=call.num_stages,
-        zeroed_outputs=call.zeroed_outputs, **call.constants)
+        kernel=call.kernel, out_type=call.out_shapes, grid=call.grid,
+        num_warps=call.num_warps, num_stages=call.num_stages, **call.constants)
     return tuple(outputs)

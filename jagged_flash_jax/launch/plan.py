@@ -155,8 +155,6 @@ class KernelCall:
     constants: dict[str, Any]
     num_warps: int = 4
     num_stages: int = 2
-    # Outputs a launcher must zero first (none: the kernels write every element they own).
-    zeroed_outputs: tuple[int, ...] = ()
 
 
 Runner = Callable[[KernelCall, Sequence[jax.Array]], Sequence[jax.Array]]

@@ -1,0 +1,103 @@
+"""The package without its extras: `pip install jagged-flash-jax` brings jax and numpy only, so importing it,
+the `xla` backend and the demo must not need triton or jax-triton, and the backends that do must name the
+extra that installs them. Each check runs in a fresh process in which importing triton fails, as it does
+where triton is not installed (.ci/run also installs the package into a fresh environment without it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Prepended to each child's code: `import triton` and `import jax_triton` fail as when not installed.
+WITHOUT_TRITON = textwrap.dedent("""
+    import importlib.abc, sys
+
+    class NotInstalled(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("triton", "jax_triton"):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, NotInstalled())
+""")
+
+
+def run_without_triton(code: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", WITHOUT_TRITON + textwrap.dedent(code), *args], env=env,
+                          cwd=ROOT / "tests", capture_output=True, text=True, timeout=300)
+
+
+def test_the_xla_backend_runs_without_triton():
+    result = run_without_triton("""
+        import sys
+
+        import jax
+        import numpy as np
+        from helpers import Batch, reference
+
+        import jagged_flash_jax as jfa
+
+        batch = Batch.make([5, 0, 7], 4, 16, kv_heads=2, seed=1)
+        q, k, v, do = batch.arrays(np.float32)
+        op = lambda q, k, v: jfa.jagged_attention(q, k, v, batch.offsets, 6, causal=True, backend="xla")
+        out, vjp = jax.vjp(op, q, k, v)
+        want = reference(batch.q, batch.k, batch.v, batch.do, batch.offsets, 6, scale=0.25, causal=True)
+        for got, expected in zip((out, *vjp(do)), want):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        assert jfa.jagged_attention(q, k, v, batch.offsets, 6).shape == q.shape  # auto: xla on the CPU
+        assert not [name for name in sys.modules if name.split(".")[0] in ("triton", "jax_triton")]
+        print("ok")
+    """)
+    assert result.returncode == 0 and result.stdout.endswith("ok\n"), result.stderr[-3000:]
+
+
+def test_the_kernel_backends_name_their_extra_without_triton():
+    result = run_without_triton("""
+        import jax.numpy as jnp
+
+        import jagged_flash_jax as jfa
+
+        q = jnp.ones((6, 2, 8), jnp.float32)
+        for backend in ("interpret", "triton"):
+            try:
+                jfa.jagged_attention(q, q, q, [0, 2, 6], 4, backend=backend)
+            except (ImportError, ValueError) as err:
+                print(backend, type(err).__name__, str(err).splitlines()[0])
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert lines["interpret"].startswith("ImportError"), lines
+    assert "pip install 'jagged-flash-jax[interpret]'" in lines["interpret"], lines
+    # On the CPU the triton backend is refused first for want of a GPU; the message names the GPU extra.
+    assert "pip install 'jagged-flash-jax[cuda13]'" in lines["triton"], lines
+
+
+def test_the_demo_runs_without_triton():
+    result = run_without_triton("""
+        import sys
+
+        from jagged_flash_jax.__main__ import main
+
+        sys.exit(main(["demo"]))
+    """)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "all checks passed" in result.stdout
+    assert "interpret: skipped, triton is not installed" in result.stdout
+
+
+def test_the_package_requires_no_triton():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = lambda requirements: {Requirement(r).name for r in requirements}
+    assert not names(project["dependencies"]) & {"triton", "jax-triton"}, project["dependencies"]
+    assert "triton" in names(project["optional-dependencies"]["interpret"])
+    assert {"triton", "jax-triton"} <= names(project["optional-dependencies"]["cuda13"])

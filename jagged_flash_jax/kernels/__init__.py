@@ -5,7 +5,7 @@ interpreter on the CPU (launch/interpret.py). `common.py` holds what every kerne
 runtime-parameter layout, addressing, a sequence's extent, masks and key/query ranges, the online
 softmax, the zero fills); `portable.py` the kernels that run on any GPU and in the interpreter; a
 Hopper family (`hopper.py`) is to reuse common.py. Parameters come in the order jax-triton passes them:
-input arrays (the last an int32 array of runtime sizes, slots named `common.PARAM_*`), outputs, then
+input arrays (the last an int32 array of runtime sizes, its slots named in `params.py`), outputs, then
 compile-time constants (always given by keyword).
 
 Addressing. q, o, do, dq share one layout and k, v, dk, dv another; the launcher passes each family's
@@ -31,13 +31,17 @@ before they scale: at large logits the top score of a row gets probability exact
 no key get o = 0 and log-sum-exp +inf.
 """
 
-from .portable import (
-    attention_bwd_kernel,
-    attention_bwd_preprocess_kernel,
-    attention_fwd_kernel,
-    key_major_kernel,
-)
-
 __all__ = [
     "attention_bwd_kernel", "attention_bwd_preprocess_kernel", "attention_fwd_kernel", "key_major_kernel",
 ]
+
+
+def __getattr__(name: str):
+    """The kernels, imported on first use: Triton, which they need, comes only with the `interpret` and
+    GPU extras, and the package (its `xla` backend, the launch plan, kernels/params.py) imports
+    without it."""
+    if name in __all__:
+        from . import portable
+
+        return getattr(portable, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,38 +9,31 @@ globals, in compiled code and in the interpreter (see _compat._twin_namespace).
 import triton
 import triton.language as tl
 
+from . import params
+
 INF: tl.constexpr = tl.constexpr(float("inf"))
 
-# ---------------------------------------------------------------------------------------------------
-# Runtime parameters: the slots of the int32 array a launch passes last among its inputs (launch/plan.py
-# builds it by these names). Strides marked "in units" are in units of the kernel's STRIDE_ALIGN (the
-# key-major D strides: of KEY_MAJOR_ALIGN) elements, see `_aligned`.
-# ---------------------------------------------------------------------------------------------------
-
-# The attention kernels (forward and backward), slots 0-8: read by `_params`.
-PARAM_BATCH: tl.constexpr = tl.constexpr(0)  # sequences per segment
-PARAM_Q_TOKENS: tl.constexpr = tl.constexpr(1)  # q tokens per segment
-PARAM_KV_TOKENS: tl.constexpr = tl.constexpr(2)  # kv tokens per segment
-PARAM_Q_TOKEN_STRIDE: tl.constexpr = tl.constexpr(3)  # q, o, do, dq: in units
-PARAM_Q_HEAD_STRIDE: tl.constexpr = tl.constexpr(4)
-PARAM_KV_TOKEN_STRIDE: tl.constexpr = tl.constexpr(5)  # k, v, dk, dv: in units
-PARAM_KV_HEAD_STRIDE: tl.constexpr = tl.constexpr(6)
-PARAM_Q_OFFSETS_STRIDE: tl.constexpr = tl.constexpr(7)  # between segments' offsets rows (0: one shared row)
-PARAM_KV_OFFSETS_STRIDE: tl.constexpr = tl.constexpr(8)
-# The forward's own.
-PARAM_FWD_FILL_CHUNK: tl.constexpr = tl.constexpr(9)  # tokens each zero-fill program clears
-PARAM_FWD_SLOTS: tl.constexpr = tl.constexpr(10)  # programs per (segment, sequence or fill, head)
-PARAM_FWD_V_D_STRIDE: tl.constexpr = tl.constexpr(11)  # a key-major v's D rows, in units
-# The backward's own.
-PARAM_BWD_Q_FILL_CHUNK: tl.constexpr = tl.constexpr(9)  # tokens each dq zero-fill program clears
-PARAM_BWD_KV_FILL_CHUNK: tl.constexpr = tl.constexpr(10)  # ... each dk/dv one
-PARAM_BWD_SLOTS: tl.constexpr = tl.constexpr(11)
-PARAM_BWD_KM_D_STRIDE: tl.constexpr = tl.constexpr(12)  # the key-major q and do's D rows, in units
-# Kernels over the tokens of one array (the backward preprocess, the key-major transpose).
-PARAM_ARRAY_TOKENS: tl.constexpr = tl.constexpr(0)
-PARAM_ARRAY_TOKEN_STRIDE: tl.constexpr = tl.constexpr(1)  # in units
-PARAM_ARRAY_HEAD_STRIDE: tl.constexpr = tl.constexpr(2)  # in units
-PARAM_KEY_MAJOR_PADDED: tl.constexpr = tl.constexpr(3)  # the transpose's padded tokens, in units
+# The slots of the runtime-parameter array (kernels/params.py), as constants the kernels can read.
+PARAM_BATCH: tl.constexpr = tl.constexpr(params.BATCH)
+PARAM_Q_TOKENS: tl.constexpr = tl.constexpr(params.Q_TOKENS)
+PARAM_KV_TOKENS: tl.constexpr = tl.constexpr(params.KV_TOKENS)
+PARAM_Q_TOKEN_STRIDE: tl.constexpr = tl.constexpr(params.Q_TOKEN_STRIDE)
+PARAM_Q_HEAD_STRIDE: tl.constexpr = tl.constexpr(params.Q_HEAD_STRIDE)
+PARAM_KV_TOKEN_STRIDE: tl.constexpr = tl.constexpr(params.KV_TOKEN_STRIDE)
+PARAM_KV_HEAD_STRIDE: tl.constexpr = tl.constexpr(params.KV_HEAD_STRIDE)
+PARAM_Q_OFFSETS_STRIDE: tl.constexpr = tl.constexpr(params.Q_OFFSETS_STRIDE)
+PARAM_KV_OFFSETS_STRIDE: tl.constexpr = tl.constexpr(params.KV_OFFSETS_STRIDE)
+PARAM_FWD_FILL_CHUNK: tl.constexpr = tl.constexpr(params.FWD_FILL_CHUNK)
+PARAM_FWD_SLOTS: tl.constexpr = tl.constexpr(params.FWD_SLOTS)
+PARAM_FWD_V_D_STRIDE: tl.constexpr = tl.constexpr(params.FWD_V_D_STRIDE)
+PARAM_BWD_Q_FILL_CHUNK: tl.constexpr = tl.constexpr(params.BWD_Q_FILL_CHUNK)
+PARAM_BWD_KV_FILL_CHUNK: tl.constexpr = tl.constexpr(params.BWD_KV_FILL_CHUNK)
+PARAM_BWD_SLOTS: tl.constexpr = tl.constexpr(params.BWD_SLOTS)
+PARAM_BWD_KM_D_STRIDE: tl.constexpr = tl.constexpr(params.BWD_KM_D_STRIDE)
+PARAM_ARRAY_TOKENS: tl.constexpr = tl.constexpr(params.ARRAY_TOKENS)
+PARAM_ARRAY_TOKEN_STRIDE: tl.constexpr = tl.constexpr(params.ARRAY_TOKEN_STRIDE)
+PARAM_ARRAY_HEAD_STRIDE: tl.constexpr = tl.constexpr(params.ARRAY_HEAD_STRIDE)
+PARAM_KEY_MAJOR_PADDED: tl.constexpr = tl.constexpr(params.KEY_MAJOR_PADDED)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from .. import kernels
 from .._util import cdiv
 from ..configs import BlockSizes, KernelConfig, head_block
-from ..kernels import common as layout
+from ..kernels import params as param
 
 # CUDA's limit on the first grid dimension, which enumerates every program of a launch.
 MAX_GRID_X = 2**31 - 1
@@ -167,9 +167,9 @@ def _params(call: KernelCall) -> jax.Array:
 
 
 def _pack(slots: dict) -> tuple[int, ...]:
-    """A kernel's params from {slot: value}, the slots being kernels.common's PARAM_* constants (the
-    names the kernels read them by): every slot from 0 up, once."""
-    values = {int(slot.value): value for slot, value in slots.items()}
+    """A kernel's params from {slot: value}, the slots being kernels/params.py's (the names the kernels
+    read them by): every slot from 0 up, once."""
+    values = dict(slots)
     if sorted(values) != list(range(len(slots))):
         raise AssertionError(f"params slots {sorted(values)} are not 0 to {len(slots) - 1}")
     return tuple(values[index] for index in range(len(values)))
@@ -187,11 +187,11 @@ def _common(p: Problem):
     align, (q_token, q_head, kv_token, kv_head) = _in_units(*p.strides(p.num_heads, p.q_tokens),
                                                             *p.strides(p.num_kv_heads, p.kv_tokens))
     params = {
-        layout.PARAM_BATCH: p.batch, layout.PARAM_Q_TOKENS: p.q_tokens, layout.PARAM_KV_TOKENS: p.kv_tokens,
-        layout.PARAM_Q_TOKEN_STRIDE: q_token, layout.PARAM_Q_HEAD_STRIDE: q_head,
-        layout.PARAM_KV_TOKEN_STRIDE: kv_token, layout.PARAM_KV_HEAD_STRIDE: kv_head,
-        layout.PARAM_Q_OFFSETS_STRIDE: 0 if p.q_offsets_rows == 1 else p.batch + 1,
-        layout.PARAM_KV_OFFSETS_STRIDE: 0 if p.kv_offsets_rows == 1 else p.batch + 1}
+        param.BATCH: p.batch, param.Q_TOKENS: p.q_tokens, param.KV_TOKENS: p.kv_tokens,
+        param.Q_TOKEN_STRIDE: q_token, param.Q_HEAD_STRIDE: q_head,
+        param.KV_TOKEN_STRIDE: kv_token, param.KV_HEAD_STRIDE: kv_head,
+        param.Q_OFFSETS_STRIDE: 0 if p.q_offsets_rows == 1 else p.batch + 1,
+        param.KV_OFFSETS_STRIDE: 0 if p.kv_offsets_rows == 1 else p.batch + 1}
     constants = dict(
         NUM_HEADS=p.num_heads, KV_GROUP=p.num_heads // p.num_kv_heads, D=p.head_dim,
         BLOCK_D=head_block(p.head_dim), Q_MAX_LEN=p.max_seq_len, KV_MAX_LEN=p.kv_max_seq_len,
@@ -230,9 +230,9 @@ def _tokens_contiguous(run: Runner, p: Problem, x, heads: int, tokens: int) -> j
     call = KernelCall(
         kernels.key_major_kernel, grid=(cdiv(padded, KEY_MAJOR_BLOCK), heads),
         out_shapes=(jax.ShapeDtypeStruct((heads, p.head_dim, padded), x.dtype),),
-        params=_pack({layout.PARAM_ARRAY_TOKENS: tokens, layout.PARAM_ARRAY_TOKEN_STRIDE: token_stride,
-                      layout.PARAM_ARRAY_HEAD_STRIDE: head_stride,
-                      layout.PARAM_KEY_MAJOR_PADDED: padded // KEY_MAJOR_ALIGN}),
+        params=_pack({param.ARRAY_TOKENS: tokens, param.ARRAY_TOKEN_STRIDE: token_stride,
+                      param.ARRAY_HEAD_STRIDE: head_stride,
+                      param.KEY_MAJOR_PADDED: padded // KEY_MAJOR_ALIGN}),
         constants=dict(D=p.head_dim, BLOCK_D=head_block(p.head_dim), BLOCK_T=KEY_MAJOR_BLOCK,
                        STRIDE_ALIGN=align, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN))
     (out,) = run(call, (x, _params(call)))
@@ -254,9 +254,9 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
         grid=_grid(p, q.dtype.itemsize, slots),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                     jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
-        params=_pack({**params, layout.PARAM_FWD_FILL_CHUNK: _fill_chunk(p.q_tokens, slots),
-                      layout.PARAM_FWD_SLOTS: slots,
-                      layout.PARAM_FWD_V_D_STRIDE: v.shape[-1] // KEY_MAJOR_ALIGN if v_key_major else 0}),
+        params=_pack({**params, param.FWD_FILL_CHUNK: _fill_chunk(p.q_tokens, slots),
+                      param.FWD_SLOTS: slots,
+                      param.FWD_V_D_STRIDE: v.shape[-1] // KEY_MAJOR_ALIGN if v_key_major else 0}),
         constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                        V_KEY_MAJOR=v_key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -276,8 +276,8 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
         kernels.attention_bwd_preprocess_kernel,
         grid=(cdiv(p.q_tokens, bs.preprocess_block_m), p.num_segments * p.num_heads),
         out_shapes=(jax.ShapeDtypeStruct(p.stats_shape, jnp.float32),),
-        params=_pack({layout.PARAM_ARRAY_TOKENS: p.q_tokens, layout.PARAM_ARRAY_TOKEN_STRIDE: token_stride,
-                      layout.PARAM_ARRAY_HEAD_STRIDE: head_stride}),
+        params=_pack({param.ARRAY_TOKENS: p.q_tokens, param.ARRAY_TOKEN_STRIDE: token_stride,
+                      param.ARRAY_HEAD_STRIDE: head_stride}),
         constants=dict(NUM_HEADS=p.num_heads, D=p.head_dim, BLOCK_D=constants["BLOCK_D"],
                        OUT_SCALE=p.out_scale, BLOCK_M=bs.preprocess_block_m,
                        STRIDE_ALIGN=align))
@@ -300,10 +300,10 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
             out_shapes=tuple(shape if name in launch.grads else jax.ShapeDtypeStruct((1,), shape.dtype)
                              for name, shape in shapes.items()),
             params=_pack({
-                **params, layout.PARAM_BWD_Q_FILL_CHUNK: _fill_chunk(p.q_tokens, launch.programs_per_kind),
-                layout.PARAM_BWD_KV_FILL_CHUNK: _fill_chunk(p.kv_tokens, launch.programs_per_kind),
-                layout.PARAM_BWD_SLOTS: launch.slots,
-                layout.PARAM_BWD_KM_D_STRIDE: q_km.shape[-1] // KEY_MAJOR_ALIGN if qdo_key_major else 0}),
+                **params, param.BWD_Q_FILL_CHUNK: _fill_chunk(p.q_tokens, launch.programs_per_kind),
+                param.BWD_KV_FILL_CHUNK: _fill_chunk(p.kv_tokens, launch.programs_per_kind),
+                param.BWD_SLOTS: launch.slots,
+                param.BWD_KM_D_STRIDE: q_km.shape[-1] // KEY_MAJOR_ALIGN if qdo_key_major else 0}),
             constants=dict(constants, DQ_PROGRAMS="dq" in launch.grads, DKDV_PROGRAMS="dk" in launch.grads),
             num_warps=launch.config.num_warps, num_stages=launch.config.num_stages)
         arrays = (q, k, v, do, lse, delta, q_offsets, kv_offsets, q_km, do_km, _params(call))

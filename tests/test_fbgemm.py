@@ -16,7 +16,6 @@ from helpers import (
     backend_params,
     fbgemm,
     reference,
-    relative_error,
     run_vjp,
 )
 
@@ -95,23 +94,6 @@ def test_very_negative_logits(backend):
                       allow_tf32=False)
     expected = reference(*results[:4], batch.offsets, 32, scale=1.0, out_scale=1 / 32)
     assert_matches(results, expected, 1e-4, attended_q=attended, attended_kv=attended)
-
-
-@pytest.mark.parametrize("backend", backend_params())
-@pytest.mark.parametrize("factor", [300.0, 1e10], ids=["logits~1e6", "logits~1e21"])
-def test_large_logits_stay_finite_and_accurate(factor, backend):
-    """q and k times `factor`: every softmax row is one-hot in float64. Both passes subtract the row
-    max before they scale, so the top score gets probability exactly 1 (a fused multiply-add with a
-    rounded scaled max gave 2**(rounding error), which overflows past |scores| ~ 2**31). o and dv match
-    float64 to rounding; dq and dk, which are 0 in float64, only have to stay finite (their float32
-    values come from rounding in dp - delta, times |k|)."""
-    batch = Batch.make([13, 40, 2], 2, 16, extra=3, seed=9, scale=factor)
-    results = run_vjp(fbgemm, batch, jnp.float32, layout="THD", max_seq_len=32, backend=backend,
-                      allow_tf32=False)
-    assert all(np.all(np.isfinite(x)) for x in results[4:])
-    expected = reference(*results[:4], batch.offsets, 32, scale=1.0, out_scale=1 / 32)
-    for got, want in ((results[4], expected[0]), (results[7], expected[3])):  # o, dv
-        assert relative_error(got, want) < 1e-6
 
 
 TILES = {

@@ -333,9 +333,10 @@ JAX_TRITON_LAUNCHING_REQUESTED_WARPS = frozenset({(0, 4, 1)})
 
 
 def ptx_warps(binary: str | bytes) -> int | None:
-    """The warps a compiled kernel needs: its PTX's `.maxntid` (threads per block) over 32, or None."""
+    """The warps a compiled kernel needs: its PTX's `.reqntid` or `.maxntid` (threads per block; Triton
+    writes `.reqntid`, a warp-specialized kernel's count included) over 32, or None."""
     text = binary.decode(errors="replace") if isinstance(binary, bytes) else str(binary)
-    match = re.search(r"\.maxntid\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", text)
+    match = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", text)
     if match is None:
         return None
     return math.prod(int(size) for size in match.groups() if size) // 32
@@ -343,7 +344,7 @@ def ptx_warps(binary: str | bytes) -> int | None:
 
 class _KernelLibWithCompiledWarps:
     """jaxlib's Triton kernel-call module as jax-triton sees it, except that TritonKernel(name, num_warps,
-    num_ctas, shared_mem, binary, ...) takes the warps from the PTX's `.maxntid` when that asks for more."""
+    num_ctas, shared_mem, binary, ...) takes the warps from the PTX (`ptx_warps`) when that asks for more."""
 
     def __init__(self, lib):
         self.lib = lib

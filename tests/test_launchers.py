@@ -622,6 +622,7 @@ class _FakeKernelLib:
 
 @pytest.mark.parametrize("maxntid,requested,launched", [
     (".maxntid 384, 1, 1", 4, 12),  # warp-specialized: 4 warps asked, 12 compiled
+    (".reqntid 384", 4, 12),  # what Triton 3.6-3.9 write for sm_90 (a warp-specialized kernel)
     (".maxntid 128, 1, 1", 4, 4), (".maxntid 256", 8, 8), ("", 4, 4)])
 def test_jax_triton_0_4_1_launches_the_warps_the_ptx_needs(maxntid, requested, launched):
     lib = _FakeKernelLib()

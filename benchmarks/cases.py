@@ -29,6 +29,8 @@ class Case:
     kv_heads: int | None = None  # GQA when fewer than heads
     causal: bool = False
     kv_len: tuple[int, int] | None = None  # cross-attention: key lengths drawn from [lo, hi]
+    window: tuple[int | None, int | None] | None = None  # (left, right) of jagged_attention's window=
+    softcap: float | None = None
     dtypes: tuple[str, ...] = ("bfloat16",)
 
     fbgemm = property(lambda self: self.group == "fbgemm")
@@ -43,24 +45,34 @@ class Case:
         return np.random.default_rng(1).integers(self.kv_len[0], self.kv_len[1] + 1, size=self.batch)
 
     def flops(self, mode: str) -> float:
-        """4 H D per attended query-key pair (causal, bottom-right: exactly those kept); fwd+bwd 3.5x."""
-        n_q = np.minimum(self.lengths(), self.max_seq_len)
-        n_k = np.minimum(self.kv_lengths(), self.kv_max_seq_len)
-        pairs = (sum(int(np.clip(np.arange(q) + k - q + 1, 0, k).sum()) for q, k in zip(n_q, n_k))
-                 if self.causal else int(np.sum(n_q * n_k)))
+        """4 H D per attended query-key pair (causal and window, bottom-right: exactly the pairs kept);
+        fwd+bwd 3.5x."""
+        left, right = self.window or (None, None)
+        pairs = 0
+        for n_q, n_k in zip(np.minimum(self.lengths(), self.max_seq_len),
+                            np.minimum(self.kv_lengths(), self.kv_max_seq_len)):
+            unbounded = n_q + n_k
+            diagonal = np.arange(n_q) + n_k - n_q  # the key aligned with each query
+            first = np.maximum(0, diagonal - (unbounded if left is None else left))
+            last = np.minimum(n_k - 1, diagonal + min(unbounded if right is None else right,
+                                                      0 if self.causal else unbounded))
+            pairs += int(np.maximum(0, last - first + 1).sum())
         return 4.0 * self.heads * self.head_dim * pairs * (1.0 if mode == "fwd" else 3.5)
 
     def describe(self) -> dict:
+        options = {k: v for k, v in (("window", self.window), ("softcap", self.softcap)) if v is not None}
         return dict(group=self.group, B=self.batch, H=self.heads, H_kv=self.kv_heads or self.heads,
                     D=self.head_dim, L=self.max_seq_len, L_kv=self.kv_max_seq_len, causal=self.causal,
-                    tokens=int(self.lengths().sum()), kv_tokens=int(self.kv_lengths().sum()))
+                    **options, tokens=int(self.lengths().sum()), kv_tokens=int(self.kv_lengths().sum()))
 
     def shrunk(self) -> Case:
         """A tiny version for --quick runs on the CPU (same name and kind)."""
         length = max(min(self.max_seq_len, 16), self.max_seq_len // 64)
         kv_len = self.kv_len and (max(1, self.kv_len[0] // 64), max(2, self.kv_len[1] // 64))
+        window = self.window and tuple(w and max(1, w * length // self.max_seq_len)
+                                       for w in self.window)
         return dataclasses.replace(self, batch=min(self.batch, 6), max_seq_len=length, kv_len=kv_len,
-                                   min_len=max(1, self.min_len * length // self.max_seq_len))
+                                   window=window, min_len=max(1, self.min_len * length // self.max_seq_len))
 
 
 def _fbgemm(*args) -> Case:
@@ -90,8 +102,15 @@ CASES = (  # name, group, B, H, D, L, min_len
     _sweep("gqa", 4096, "gqa-16x4", heads=16, kv_heads=4),
     # Recommendation-style cross-attention: 1-8 candidates per user against histories of 512-4096 events.
     Case("cross", "cross", 64, 4, 128, 8, 1, kv_len=(512, 4096)),
+    # Local attention: each query sees itself and the w keys before it.
+    *(_sweep("window", L, f"L{L}-w{w}", window=(w, 0)) for L in (4096, 16384) for w in (256, 1024)),
+    _sweep("softcap", 4096, "L4096-softcap50", softcap=50.0),
+    _sweep("softcap", 4096, "L4096-causal-softcap50", causal=True, softcap=50.0),
+    # Cost against the window at L = 16384, with the window group's w = 256 and 1024 (None: unbounded).
+    *(_sweep("window-sweep", 16384, f"L16384-w{w}", window=(w, 0)) for w in (128, 512, 2048, 4096, None)),
 )
-QUICK = ("rec-small", "L256", "L4096", "long-causal", "gqa-16x2", "cross")
+QUICK = ("rec-small", "L256", "L4096", "long-causal", "gqa-16x2", "cross", "L4096-w256",
+         "L4096-causal-softcap50")
 
 
 def select(names: list[str] | None, quick: bool) -> list[Case]:

@@ -4,14 +4,15 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
 import jax.numpy as jnp
 
-from jagged_flash_jax import jagged_attention, jagged_to_padded, multi_head_jagged_flash_attention
+from jagged_flash_jax import configs, jagged_attention, jagged_to_padded, multi_head_jagged_flash_attention
 
-from .cases import Case
+from .cases import Case, InputSet
 
 
 class Unsupported(Exception):
@@ -26,22 +27,65 @@ def _finish(case: Case, out):
     return out / case.max_seq_len if case.fbgemm else out
 
 
+def _options(case: Case) -> dict:
+    """The case's window= and softcap=, only when set, so that the suite runs on a package without them."""
+    options = {k: v for k, v in (("window", case.window), ("softcap", case.softcap)) if v is not None}
+    missing = set(options) - set(inspect.signature(jagged_attention).parameters)
+    if missing:
+        raise Unsupported(f"this jagged_flash_jax's jagged_attention takes no {', '.join(sorted(missing))}=")
+    return options
+
+
+def _packed(s: InputSet) -> tuple:
+    return s.q, s.k, s.v, s.do, (s.offsets, s.kv_offsets)
+
+
 def jfa(case: Case, backend: str, block_sizes=None, allow_tf32: bool = True):
     """This library; the fbgemm cases through multi_head_jagged_flash_attention."""
+    options = {} if case.fbgemm else _options(case)
+
     def attend(q, k, v, offsets, kv_offsets):
         if case.fbgemm:
             return multi_head_jagged_flash_attention(q, k, v, offsets, case.max_seq_len, layout="THD",
                                                      backend=backend, block_sizes=block_sizes,
                                                      allow_tf32=allow_tf32)
         return jagged_attention(q, k, v, offsets, case.max_seq_len, kv_offsets=kv_offsets,
-                                kv_max_seq_len=case.kv_max_seq_len, causal=case.causal, backend=backend,
-                                block_sizes=block_sizes, allow_tf32=allow_tf32)
-    return attend, lambda s: (s.q, s.k, s.v, s.do, (s.offsets, s.kv_offsets))
+                                kv_max_seq_len=case.kv_max_seq_len, causal=case.causal, **options,
+                                backend=backend, block_sizes=block_sizes, allow_tf32=allow_tf32)
+    return attend, _packed
+
+
+def jfa_portable(case: Case):
+    """The triton backend held to its portable (non-Hopper) kernels through their tiles."""
+    portable = getattr(configs, "portable_block_sizes", None)
+    if portable is None:
+        raise Unsupported("jagged_flash_jax.configs has no portable_block_sizes: this version has no "
+                          "other kernel family to compare with")
+
+    def attend(q, *rest):  # the tiles depend on the dtype, known here
+        tiles = portable(case.head_dim, q.dtype, case.max_seq_len, case.kv_max_seq_len)
+        return jfa(case, "triton", tiles)[0](q, *rest)
+    return attend, _packed
+
+
+def _cudnn_mask(case: Case) -> tuple[bool, int | None]:
+    """(causal, left window) for cuDNN, which bounds windows on the left of a causal mask only and has no
+    softcap. Window (w, 0) is causal with w keys on the left, as jagged_attention's."""
+    if case.softcap is not None:
+        raise Unsupported("cuDNN attention through JAX has no softcap")
+    left, right = case.window or (None, None)
+    if left is None and right is None:
+        return case.causal, None
+    if not (case.causal or right == 0):
+        raise Unsupported(f"cuDNN bounds windows on the left of a causal mask only, not window={case.window}")
+    return True, left
 
 
 def cudnn_padded(case: Case):
     """jax.nn.dot_product_attention(implementation="cudnn") on [B, L, H, D] inputs padded beforehand (D
     padded with zeros to a multiple of 8, which changes no result)."""
+    causal, left = _cudnn_mask(case)
+
     def pad(x, offsets, length):
         x = jagged_to_padded(x, offsets, length, layout="THD")
         return jnp.pad(x, [(0, 0)] * 3 + [(0, -case.head_dim % 8)])
@@ -53,8 +97,9 @@ def cudnn_padded(case: Case):
 
     def attend(q, k, v, lengths, kv_lengths):
         return _finish(case, jax.nn.dot_product_attention(
-            q, k, v, scale=_scale(case), is_causal=case.causal, query_seq_lengths=lengths,
-            key_value_seq_lengths=kv_lengths, implementation="cudnn"))
+            q, k, v, scale=_scale(case), is_causal=causal, query_seq_lengths=lengths,
+            key_value_seq_lengths=kv_lengths, local_window_size=None if left is None else (left, 0),
+            implementation="cudnn"))
     return attend, jax.jit(prepare)
 
 
@@ -67,12 +112,14 @@ def cudnn_packed(case: Case):
         raise Unsupported(f"jax._src.cudnn.fused_attention_stablehlo is unavailable: {err!r}") from err
     if case.head_dim % 8:
         raise Unsupported(f"cuDNN needs D % 8 == 0, got D={case.head_dim}")
+    causal, left = _cudnn_mask(case)
+    window = {} if left is None else dict(sliding_window_length=left + 1)  # keys (i - length, i]
 
     def attend(q, k, v, offsets, kv_offsets, lengths, kv_lengths):
         out = dot_product_attention(
             q[None], k[None], v[None], q_seqlen=lengths[None], kv_seqlen=kv_lengths[None],
             q_offsets=offsets[None], kv_offsets=kv_offsets[None], scale=_scale(case),
-            mask_type=MaskType.CAUSAL if case.causal else MaskType.NO_MASK)
+            mask_type=MaskType.CAUSAL if causal else MaskType.NO_MASK, **window)
         return _finish(case, out[0])
 
     def prepare(s):
@@ -83,6 +130,7 @@ def cudnn_packed(case: Case):
 
 IMPLS = {  # name -> (make(case), needs a GPU)
     "jfa-triton": (lambda case: jfa(case, "triton"), True),
+    "jfa-portable": (jfa_portable, True),
     "jfa-xla": (lambda case: jfa(case, "xla"), False),
     "cudnn-packed": (cudnn_packed, True),
     "cudnn-padded": (cudnn_padded, True),

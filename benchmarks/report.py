@@ -11,7 +11,7 @@ import pathlib
 OURS = "jfa-triton"
 FBGEMM = "fbgemm-pytorch"
 FBGEMM_LABEL = "fbgemm-pytorch (measured separately with its PyTorch kernel)"
-IMPL_ORDER = (OURS, "jfa-xla", "cudnn-packed", "cudnn-padded", FBGEMM)
+IMPL_ORDER = (OURS, "jfa-portable", "jfa-xla", "cudnn-packed", "cudnn-padded", FBGEMM)
 
 
 def ok(row) -> bool:
@@ -91,31 +91,46 @@ def markdown(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _sweep_plot(plt, rows: list[dict], x, xlabel: str, y: str):
+    """One panel per mode: y against x(row) per implementation, log-2 x axis."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
+        for impl in IMPL_ORDER:
+            points = sorted((x(r), r[y]) for r in rows if r["impl"] == impl and r["mode"] == mode)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel=xlabel, ylabel={"tflops": "TF/s", "ms": "ms"}[y], title=f"bfloat16 {mode}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return fig
+
+
 def plot(data: dict, folder: pathlib.Path) -> list[str]:
-    """lsweep.png (bf16 TF/s against L) and scaling.png (throughput scaling per case); the names written."""
+    """lsweep.png (bf16 TF/s against L), window.png (bf16 ms against the window at the window sweep's L)
+    and scaling.png (throughput scaling per case); the names written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    sweep = [r for r in data.get("results", {}).get("rows", [])
-             if r["group"] == "L-sweep" and r["dtype"] == "bfloat16" and ok(r)]
+    rows = [r for r in data.get("results", {}).get("rows", []) if r["dtype"] == "bfloat16" and ok(r)]
+    sweep = [r for r in rows if r["group"] == "L-sweep"]
     if sweep:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-        for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
-            for impl in IMPL_ORDER:
-                points = sorted((r["L"], r["tflops"])
-                                for r in sweep if r["impl"] == impl and r["mode"] == mode)
-                if points:
-                    ax.plot(*zip(*points), marker="o", label=impl)
-            ax.set_xscale("log", base=2)
-            ax.set(xlabel="L (lengths uniform in [L/2, L], ~65k tokens, H=8, D=128)", ylabel="TF/s",
-                   title=f"bfloat16 {mode}")
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.savefig(folder / "lsweep.png", dpi=100)
+        _sweep_plot(plt, sweep, lambda r: r["L"], "L (lengths uniform in [L/2, L], ~65k tokens, H=8, D=128)",
+                    "tflops").savefig(folder / "lsweep.png", dpi=100)
         written.append("lsweep.png")
+    length = max((r["L"] for r in rows if r["group"] == "window-sweep"), default=None)
+    windows = [r for r in rows if r["group"] in ("window", "window-sweep") and r["L"] == length]
+    if windows:  # an unbounded window is drawn at L
+        left = lambda r: length if r["window"][0] is None else r["window"][0]  # noqa: E731
+        fig = _sweep_plot(plt, windows, left, f"w in window=(w, 0) ({length}: None, unbounded)", "ms")
+        fig.suptitle(f"local attention: L={length} (~65k tokens, H=8, D=128)")
+        for ax in fig.axes:
+            ax.set_yscale("log")
+        fig.savefig(folder / "window.png", dpi=100)
+        written.append("window.png")
     scaling = [r for r in data.get("scaling", {}).get("rows", []) if "scaling" in r and r["devices"] > 1]
     if scaling:
         meta = data["scaling"]["metadata"]

@@ -1,6 +1,6 @@
 """Measures every implementation on every case into OUT/results.json, then has benchmarks.report write the
-report. Cases run in a worker process; when it dies, the case it was in becomes error rows and a new
-worker goes on with the cases after it.
+report. `run_cases` (also benchmarks.tune's) runs the cases in a worker process; when it dies, the case it
+was in becomes error rows and a new worker goes on with the cases after it.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -19,7 +20,6 @@ import time
 import traceback
 
 import jax
-import jax.numpy as jnp
 
 from jagged_flash_jax.configs import TUNED_CONFIGS_ENV
 
@@ -28,36 +28,29 @@ from . import impls, report, timing
 
 NOTES = [timing.DEVICE_NOTE, timing.HOST_NOTE,
          "tflops: useful FLOPs over device_ms (wall_ms without CUPTI): forward 4 H D sum(n_q n_k) over the "
-         "attended pairs (causal: exactly those kept), forward+backward 3.5 times that.",
+         "attended pairs (causal, window: exactly those kept), forward+backward 3.5 times that.",
          "memory_bytes: XLA's memory analysis of the compiled function (arguments, outputs, temporaries)."]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """The options of every command that measures through run_cases (this one and benchmarks.tune)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc)
     p.add_argument("--out", type=pathlib.Path, required=True, help="folder of results.json and the report")
     p.add_argument("--quick", action="store_true", help="tiny shapes; on a CPU only jfa-xla runs")
     p.add_argument("--cases", help="comma-separated case names or groups (default: all)")
-    p.add_argument("--impls", default=",".join(impls.IMPLS))
     p.add_argument("--dtypes", help="comma-separated dtypes (default: each case's)")
     p.add_argument("--iterations", type=int, default=10, help="most CUPTI iterations per row")
     p.add_argument("--seconds", type=float, default=0.3, help="timed seconds per row (about)")
     p.add_argument("--budget-s", type=float, default=0, help="skip cases not started by then (0: no limit)")
-    p.add_argument("--fbgemm-json", type=pathlib.Path, help="rows of seed_torch_bench.py for the report")
-    p.add_argument("--tiles", help=argparse.SUPPRESS)  # benchmarks.tune: tile candidates on this backend
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=0, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return p
 
 
-def plan(case: C.Case, args) -> list[tuple]:
-    """(dtype, impl, mode, make, needs a GPU) of each row of a case; make(case) -> (attend, prepare)."""
-    dtypes = [d for d in case.dtypes if not args.dtypes or d in args.dtypes.split(",")]
-    if args.tiles:
-        from .tune import tile_jobs
-
-        return [job for dtype in dtypes for job in tile_jobs(case, dtype, args.tiles)]
-    return [(dtype, name, mode, *impls.IMPLS[name]) for dtype in dtypes for name in args.impls.split(",")
-            for mode in C.MODES]
+def impl_jobs(names: list[str], case: C.Case, dtype: str) -> list[tuple]:
+    """(impl, mode, make, needs a GPU) of each row of a case and dtype: impls.IMPLS's; make(case) ->
+    (attend, prepare)."""
+    return [(name, mode, *impls.IMPLS[name]) for name in names for mode in C.MODES]
 
 
 def base_row(case: C.Case, impl: str, dtype: str, mode: str) -> dict:
@@ -65,26 +58,10 @@ def base_row(case: C.Case, impl: str, dtype: str, mode: str) -> dict:
     return dict(case=case.name, impl=impl, dtype=dtype, mode=mode, **case.describe(), flops=case.flops(mode))
 
 
-def measure(single, program, arg_sets: list, args) -> dict:
-    start = time.perf_counter()  # a warm-up pass (allocations, cuDNN plans) that sizes the loops
-    outputs = jax.block_until_ready([single(*a) for a in arg_sets])
-    call_s = (time.perf_counter() - start) / len(arg_sets)
-    row = dict(finite=all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(outputs)),
-               rotation_sets=len(arg_sets), memory_bytes=timing.memory(single))
-    del outputs
-    calls = lambda seconds, hi: timing.calls_for(seconds, call_s, 1, hi)  # noqa: E731
-    row.update(timing.device_ms(program, arg_sets, calls(args.seconds / len(arg_sets), args.iterations)))
-    row.update(timing.host_ms(single, arg_sets, calls(args.seconds / 2, 10), calls(args.seconds / 2, 30)))
-    row["timer"] = "cupti" if "device_ms" in row else "wall"
-    row["ms"] = row.get("device_ms", row["wall_ms"])
-    row["measure_s"] = round(time.perf_counter() - start, 2)
-    return row
-
-
 def measure_case(case: C.Case, dtype: str, jobs: list[tuple], args, emit) -> None:
     """Compiles every row of a case and dtype (in threads), then times them one after another."""
     todo = []
-    for _, name, mode, make, needs_gpu in jobs:
+    for name, mode, make, needs_gpu in jobs:
         row = base_row(case, name, dtype, mode)
         if args.deadline and time.time() > args.deadline:
             emit(dict(row, status="skipped", reason="the --budget-s ran out before this case"))
@@ -111,7 +88,7 @@ def measure_case(case: C.Case, dtype: str, jobs: list[tuple], args, emit) -> Non
     for i, (row, _) in enumerate(todo):
         future, futures[i] = futures[i], None  # so that its executables and inputs go when done
         try:
-            row.update(status="ok", **measure(*future.result(), args))
+            row.update(status="ok", **timing.measure(*future.result(), args.seconds, args.iterations))
             row["tflops"] = row["flops"] / row["ms"] / 1e9
         except Exception as err:
             unsupported = isinstance(err, impls.Unsupported) or row["impl"].startswith("cudnn")
@@ -140,7 +117,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def worker(args, selected: list[C.Case]) -> None:
+def worker(args, selected: list[C.Case], jobs) -> None:
     (args.out / "device.json").write_text(json.dumps(dict(
         device=jax.devices()[0].device_kind, platform=jax.default_backend(), device_count=jax.device_count(),
         versions={d: _version(d) for d in ("jax", "jaxlib", "triton", "jax-triton", "jagged-flash-jax")})))
@@ -154,27 +131,32 @@ def worker(args, selected: list[C.Case]) -> None:
                   f"{row['status']}: {detail[:200]}", flush=True)
 
         for case in selected:
-            jobs = plan(case, args)
-            for dtype in dict.fromkeys(job[0] for job in jobs):
-                measure_case(case, dtype, [job for job in jobs if job[0] == dtype], args, emit)
+            for dtype in _dtypes(case, args):
+                measure_case(case, dtype, jobs(case, dtype), args, emit)
 
 
-def run_cases(args, argv) -> dict | None:
-    """Runs the selected cases in workers (their stderr: OUT/worker.log) and writes OUT/results.json."""
+def _dtypes(case: C.Case, args) -> list[str]:
+    return [d for d in case.dtypes if not args.dtypes or d in args.dtypes.split(",")]
+
+
+def run_cases(args, argv: list[str] | None, jobs, module: str) -> dict | None:
+    """Measures the rows jobs(case, dtype) -> [(impl, mode, make, needs a GPU)] of the selected cases in
+    workers (`python -m module ARGV --worker`, their stderr in OUT/worker.log) and writes OUT/results.json;
+    None in a worker."""
     selected = C.select(args.cases.split(",") if args.cases else None, args.quick)
     if args.worker:
-        return worker(args, selected)
+        return worker(args, selected, jobs)
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path, log_path, start = args.out / "rows.jsonl", args.out / "worker.log", time.time()
     rows_path.write_text("")
     log_path.write_text("")
     deadline = start + args.budget_s if args.budget_s else 0
-    keys = {c.name: [(c.name, impl, dtype, mode) for dtype, impl, mode, *_ in plan(c, args)]
+    keys = {c.name: [(c.name, job[0], dtype, job[1]) for dtype in _dtypes(c, args) for job in jobs(c, dtype)]
             for c in selected}
     argv = sys.argv[1:] if argv is None else argv
     pending = selected
     while pending:
-        command = [sys.executable, "-m", "benchmarks.run", *argv, "--worker", "--deadline", str(deadline),
+        command = [sys.executable, "-m", module, *argv, "--worker", "--deadline", str(deadline),
                    "--cases", ",".join(c.name for c in pending)]
         timeout = deadline - time.time() + 120 if deadline else None  # the case in flight may end
         with open(log_path, "a") as log:
@@ -193,7 +175,7 @@ def run_cases(args, argv) -> dict | None:
     device = args.out / "device.json"
     metadata = dict(
         schema="jfa-bench/2", date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        command="python -m benchmarks.run " + shlex.join(argv), quick=args.quick, notes=NOTES,
+        command=f"python -m {module} " + shlex.join(argv), quick=args.quick, notes=NOTES,
         elapsed_s=round(time.time() - start, 1),
         tuned_configs=os.environ.get(TUNED_CONFIGS_ENV) or "built-in (jagged_flash_jax/configs.py)",
         **(json.loads(device.read_text()) if device.exists() else {}))
@@ -207,8 +189,14 @@ def run_cases(args, argv) -> dict | None:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    if run_cases(args, argv) is not None:
+    p = parser("python -m benchmarks.run", __doc__)
+    p.add_argument("--impls", default=",".join(impls.IMPLS), help="comma-separated (default: all)")
+    p.add_argument("--fbgemm-json", type=pathlib.Path, help="rows of seed_torch_bench.py for the report")
+    args = p.parse_args(argv)
+    names = args.impls.split(",")
+    if unknown := [n for n in names if n not in impls.IMPLS]:
+        p.error(f"--impls: unknown {', '.join(unknown)}; expected some of {', '.join(impls.IMPLS)}")
+    if run_cases(args, argv, functools.partial(impl_jobs, names), "benchmarks.run") is not None:
         fbgemm = ["--fbgemm-json", str(args.fbgemm_json)] if args.fbgemm_json else []
         report.main(["--results", str(args.out), *fbgemm])
 

@@ -1,5 +1,5 @@
 """Device time (CUPTI, through jax.experimental.mosaic.gpu.profiler.measure), wall-clock and pipelined
-times, and XLA's memory analysis of one function, rotating over several input sets.
+times, and XLA's memory analysis of one function, rotating over several input sets: `measure`.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 DEVICE_NOTE = ("device_ms: CUPTI sums the kernels' own durations (launch gaps and memsets are not in "
                "it); one program runs the op on each input set in turn, and the median over iterations "
@@ -69,3 +70,21 @@ def memory(compiled) -> dict:
         return {}
     out = {name: int(getattr(stats, f"{name}_size_in_bytes")) for name in ("argument", "output", "temp")}
     return dict(out, total=sum(out.values()))
+
+
+def measure(single, program, arg_sets: list, seconds: float, iterations: int) -> dict:
+    """Every figure of one row: `single` compiled for one input set, `program` is every_set's (None off
+    the GPU); about `seconds` of timed calls, at most `iterations` of CUPTI."""
+    start = time.perf_counter()  # a warm-up pass (allocations, cuDNN plans) that sizes the loops
+    outputs = jax.block_until_ready([single(*a) for a in arg_sets])
+    call_s = (time.perf_counter() - start) / len(arg_sets)
+    row = dict(finite=all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(outputs)),
+               rotation_sets=len(arg_sets), memory_bytes=memory(single))
+    del outputs
+    calls = lambda seconds, hi: calls_for(seconds, call_s, 1, hi)  # noqa: E731
+    row.update(device_ms(program, arg_sets, calls(seconds / len(arg_sets), iterations)))
+    row.update(host_ms(single, arg_sets, calls(seconds / 2, 10), calls(seconds / 2, 30)))
+    row["timer"] = "cupti" if "device_ms" in row else "wall"
+    row["ms"] = row.get("device_ms", row["wall_ms"])
+    row["measure_s"] = round(time.perf_counter() - start, 2)
+    return row

@@ -5,9 +5,7 @@ $JAGGED_FLASH_JAX_TUNED_CONFIGS takes, in the form of configs.py's built-in tabl
 
 from __future__ import annotations
 
-import argparse
 import json
-import pathlib
 
 import jax.numpy as jnp
 
@@ -52,7 +50,7 @@ def tile_jobs(case, dtype: str, backend: str) -> list[tuple]:
             default = configs.default_block_sizes(case.head_dim, dtype, case.max_seq_len, case.kv_max_seq_len)
             entry = dict(configs.entry_to_json(("", bits, 0, None), default), **tiles)
             return impls.jfa(case, backend, configs.entry_from_json(entry)[1])
-        jobs.append((dtype, f"jfa-{backend} {json.dumps(tiles)}", mode, make, backend == "triton"))
+        jobs.append((f"jfa-{backend} {json.dumps(tiles)}", mode, make, backend == "triton"))
     return jobs
 
 
@@ -82,19 +80,14 @@ def choose(rows: list[dict], gpu: str) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__)
-    p.add_argument("--out", type=pathlib.Path, required=True)
-    p.add_argument("--cases", default=TUNE_CASES)
-    p.add_argument("--dtypes", default="bfloat16,float32")
+    p = run.parser("python -m benchmarks.tune", __doc__)
     p.add_argument("--backend", default="triton", help="'interpret' checks this script on a CPU")
-    p.add_argument("--seconds", default="0.1", help="timed seconds per row (about)")
-    p.add_argument("--budget-s", default="0", help="skip cases not started by then (0: no limit)")
-    p.add_argument("--quick", action="store_true", help="tiny shapes")
+    p.set_defaults(cases=TUNE_CASES, dtypes="bfloat16,float32", seconds=0.1)
     args = p.parse_args(argv)
-    run_argv = ["--out", str(args.out), "--tiles", args.backend, "--cases", args.cases,
-                "--dtypes", args.dtypes, "--seconds", args.seconds, "--budget-s", args.budget_s]
-    run_argv += ["--quick"] * args.quick
-    results = run.run_cases(run.parse_args(run_argv), run_argv)
+    results = run.run_cases(args, argv, lambda case, dtype: tile_jobs(case, dtype, args.backend),
+                            "benchmarks.tune")
+    if results is None:  # a worker
+        return
     gpu = results["metadata"].get("device", "unknown")
     gpu = gpu if args.backend == "triton" else f"{gpu} ({args.backend} backend: not a real table)"
     table = configs.table_to_json(choose(results["rows"], gpu))

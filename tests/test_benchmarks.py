@@ -1,0 +1,74 @@
+"""The benchmark suite: its FLOP counts against a dense count of the attended pairs, and a quick run that
+measures the xla backend on the CPU and writes the report."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of the repository, not an installed package
+from benchmarks import cases as C  # noqa: E402
+
+
+def dense_pairs(case: C.Case) -> int:
+    """Query-key pairs attended, from the full [n_q, n_k] mask of each sequence (bottom-right aligned)."""
+    left, right = case.window or (None, None)
+    pairs = 0
+    for n_q, n_k in zip(np.minimum(case.lengths(), case.max_seq_len),
+                        np.minimum(case.kv_lengths(), case.kv_max_seq_len)):
+        i, j = np.arange(n_q)[:, None] + n_k - n_q, np.arange(n_k)[None, :]
+        mask = np.ones((n_q, n_k), bool)
+        if case.causal:
+            mask &= j <= i
+        if left is not None:
+            mask &= j >= i - left
+        if right is not None:
+            mask &= j <= i + right
+        pairs += int(mask.sum())
+    return pairs
+
+
+CROSS = dict(batch=7, heads=3, head_dim=8, max_seq_len=12, min_len=0, kv_len=(0, 20))  # n_q <, = and > n_k
+
+
+@pytest.mark.parametrize("case", [
+    *C.select(["causal", "window", "window-sweep", "softcap", "cross", "gqa"], quick=True),
+    *(C.Case(f"cross-{window}-{causal}", "test", causal=causal, window=window, **CROSS)
+      for window in (None, (3, 2), (0, 0), (None, 1), (5, None), (2, 0)) for causal in (False, True)),
+], ids=lambda case: case.name)
+def test_flops_count_exactly_the_attended_pairs(case):
+    pairs = dense_pairs(case)
+    assert pairs > 0
+    expected = 4.0 * case.heads * case.head_dim * pairs
+    assert case.flops("fwd") == expected
+    assert case.flops("fwd+bwd") == 3.5 * expected
+
+
+def test_windows_shrink_with_the_quick_shapes():
+    for case in C.select(["window", "window-sweep"], quick=False):
+        small = case.shrunk()
+        left, right = small.window
+        assert right == 0 and (left is None) == (case.window[0] is None)
+        assert left is None or 1 <= left < small.max_seq_len
+    assert {c.name for c in C.select(["window"], quick=False)} == {
+        "L4096-w256", "L4096-w1024", "L16384-w256", "L16384-w1024"}
+
+
+def test_quick_run_measures_the_xla_backend_and_writes_the_report(tmp_path):
+    command = [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path),
+               "--impls", "jfa-xla", "--cases", "L256", "--seconds", "0.01"]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    (case,) = C.select(["L256"], quick=True)
+    assert sorted(r["mode"] for r in rows) == sorted(C.MODES)
+    for row in rows:
+        assert row["impl"] == "jfa-xla" and row["status"] == "ok" and row["finite"] and row["ms"] > 0
+        assert row["flops"] == case.flops(row["mode"]) and row["tokens"] == case.lengths().sum()
+    assert "| L256 | bfloat16 | fwd |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "lsweep.png").stat().st_size > 0

@@ -186,7 +186,7 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
         batch=offsets.shape[-1] - 1, num_segments=rows, q_tokens=q_tokens // rows,
         kv_tokens=kv_tokens // rows, q_offsets_rows=rows, kv_offsets_rows=rows, max_seq_len=max_seq_len,
         kv_max_seq_len=kv_max_seq_len, causal=causal, scale=scale, out_scale=out_scale,
-        input_precision="tf32" if allow_tf32 else "ieee", block_sizes=block_sizes, launcher=backend)
+        input_precision="tf32" if allow_tf32 else "ieee", block_sizes=block_sizes, backend=backend)
     if backend != "xla":
         plan.check_grid(problem)
     return problem

@@ -236,6 +236,26 @@ def test_data_parallel_jit_and_shard_map(layout):
         assert relative_error(g, grads_dp[0]) < 1e-5
 
 
+@pytest.mark.parametrize("devices", [1, 4])
+@pytest.mark.parametrize("axis_types", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_readme_data_parallel_example_on_any_device_count(devices, axis_types):
+    """The README's data-parallel block on a mesh of `devices` devices (a mesh axis of size 1 splits
+    nothing, and is valid): its result, unpacked, equals the unsharded call's."""
+    q, k, v = arrays("THD", batch=())
+    offsets = jnp.asarray(OFFSETS, jnp.int32)
+    m = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices], axis_types=(axis_types,))
+    packed = jfa.pack_data_parallel([x.reshape(T, -1) for x in (q, k, v)], offsets, devices)
+    args = [jax.device_put(x.reshape(x.shape[0], -1, D), NamedSharding(m, P("data"))) for x in packed.values]
+    args.append(jax.device_put(packed.offsets, NamedSharding(m, P("data"))))
+    op = attention("xla")
+    out = jax.jit(op)(*args)
+    want = op(q, k, v, offsets)
+    close(packed.unpack(out.reshape(out.shape[0], -1), T), want.reshape(T, -1))
+    dq = jax.jit(jax.grad(lambda *a: jnp.sum(op(*a) ** 2)))(*args)
+    want_dq = jax.grad(lambda q: jnp.sum(op(q, k, v, offsets) ** 2))(q)
+    close(packed.unpack(dq.reshape(dq.shape[0], -1), T), want_dq.reshape(T, -1))
+
+
 def test_heads_shard_map_with_check_vma():
     q, k, v = arrays("THD", batch=())
     offsets = jnp.asarray(OFFSETS, jnp.int32)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import checkify
 
 from . import transforms
 from .configs import INTERPRET_BLOCK_SIZES, MAX_HEAD_DIM, BlockSizes, default_block_sizes
@@ -28,6 +29,17 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _MAX_SEQUENCE_ELEMENTS = 2**31 - 1
 # Names of the residuals, for remat policies (jax.checkpoint_policies.save_only_these_names).
 RESIDUAL_NAMES = ("jagged_attention_out", "jagged_attention_lse")
+# The kernels compute exp2(scale * log2(e) * q k^T): that product of constants must be a finite float32.
+_MAX_SCALE = float(np.finfo(np.float32).max) / math.log2(math.e)
+
+FORWARD_MODE_ERROR = (
+    "jagged attention has a custom reverse-mode rule (its backward kernels) and does not support "
+    "forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize); use jax.grad / jax.vjp, or "
+    "jagged_flash_jax.jagged_attention_reference (dense, O(L^2) memory) for forward mode")
+SECOND_ORDER_ERROR = (
+    "jagged attention's kernels have no derivative of their own, so second-order autodiff "
+    "(jax.hessian, jax.jacfwd or jax.jvp of jax.grad, jax.grad of jax.grad) is not supported; use "
+    "jagged_flash_jax.jagged_attention_reference (dense, O(L^2) memory) for higher derivatives")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -81,6 +93,11 @@ def _resolve_backend(backend) -> str:
 
 
 def _static_int(value, name: str, minimum: int = 1) -> int:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} must be a static Python int, got a traced value ({type(value).__name__}): "
+                        f"it sets the kernels' grid, so mark it static where the op is jitted "
+                        f"(jax.jit(f, static_argnums=...) or static_argnames=...), or bind it with "
+                        f"functools.partial(f, {name}=...) before jax.jit")
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be a static Python int, got {type(value).__name__}")
     value = operator.index(value)
@@ -101,8 +118,9 @@ def _static_scale(scale, head_dim: int) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise TypeError(f"scale must be a static Python float or None, got {type(scale).__name__}")
     scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be finite and positive, got {scale}")
+    if not 0 < scale <= _MAX_SCALE:
+        raise ValueError(f"scale must be finite and positive, at most {_MAX_SCALE:.4g} (the kernels' "
+                         f"scale * log2(e) must be a finite float32), got {scale}")
     return scale
 
 
@@ -114,6 +132,13 @@ def _as_offsets(offsets, name: str):
         offsets = np.asarray(offsets)
     if not jnp.issubdtype(offsets.dtype, jnp.integer) or offsets.dtype == bool:
         raise TypeError(f"{name} must be an integer array (int32 or int64), got dtype {offsets.dtype}")
+    if isinstance(offsets, np.ndarray) and not jax.config.jax_enable_x64 and offsets.size:
+        # Without x64, JAX would convert these to int32 and wrap values past 2**31 silently.
+        info = np.iinfo(np.int32)
+        if offsets.min() < info.min or offsets.max() > info.max:
+            raise ValueError(f"{name} holds values outside int32 ({offsets.min()} to {offsets.max()}), "
+                             f"which JAX would wrap with x64 disabled; enable jax_enable_x64 for int64 "
+                             f"offsets")
     if offsets.dtype not in (jnp.int32, jnp.int64):
         offsets = offsets.astype(np.int32)
     offsets = jnp.asarray(offsets)
@@ -136,8 +161,38 @@ def _split(shape, layout):
     return (shape[0], shape[1], shape[2]) if layout == "THD" else (shape[1], shape[0], shape[2])
 
 
+def _check_offsets_content(offsets, name: str, tokens: int, layout: str, validate: bool) -> None:
+    """Offsets must be non-decreasing within [0, tokens] (each row, for [shards, B+1]). Checked eagerly
+    when concrete; when traced, with checkify.check if `validate` (the caller functionalizes it)."""
+    where = f"the {tokens} tokens of the token axis (axis {layout.index('T')} in layout {layout!r})"
+    if not isinstance(offsets, jax.core.Tracer):
+        rows = np.asarray(offsets).reshape(-1, offsets.shape[-1])
+        for r, row in enumerate(rows):
+            at = f"{name}[{r}]" if offsets.ndim == 2 else name
+            if row[0] < 0:
+                raise ValueError(f"{at} must be >= 0, got {at}[0] = {row[0]}")
+            drops = np.flatnonzero(np.diff(row) < 0)
+            if drops.size:
+                i = int(drops[0])
+                raise ValueError(f"{at} must be non-decreasing, got {at}[{i}] = {row[i]} > "
+                                 f"{at}[{i + 1}] = {row[i + 1]}")
+            if row[-1] > tokens:
+                hint = ""
+                if offsets.ndim == 1 and layout == "HTD":
+                    hint = "; if q, k, v are [T, H, D], pass layout='THD'"
+                elif offsets.ndim == 1:
+                    hint = "; if q, k, v are [H, T, D], pass layout='HTD'"
+                raise ValueError(f"{at} must be at most the number of tokens: {at}[-1] = {row[-1]} is "
+                                 f"past {where}{hint}")
+    elif validate:
+        checkify.check(jnp.all(offsets[..., 0] >= 0), f"{name} must be >= 0")
+        checkify.check(jnp.all(jnp.diff(offsets, axis=-1) >= 0), f"{name} must be non-decreasing")
+        checkify.check(jnp.all(offsets[..., -1] <= tokens), f"{name} must be at most {where}")
+
+
 def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale, out_scale, causal,
-             layout, allow_tf32, backend, block_sizes, self_attention: bool) -> plan.Problem:
+             layout, allow_tf32, backend, block_sizes, self_attention: bool,
+             validate: bool) -> plan.Problem:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -169,14 +224,19 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
         if tokens % rows:
             raise ValueError(f"{name} [{rows}, B+1] splits the token axis into {rows} equal shards, but "
                              f"the arrays it indexes have {tokens} tokens")
+        if name == "offsets" or not self_attention:
+            _check_offsets_content(x, name, tokens // rows, layout, validate)
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
-    bounds = (("max_seq_len", heads, max_seq_len), ("kv_max_seq_len", kv_heads, kv_max_seq_len))
+    # A sequence never attends more than its segment's tokens, whatever max_seq_len says.
+    bounds = (("max_seq_len", heads, min(max_seq_len, q_tokens // rows)),
+              ("kv_max_seq_len", kv_heads, min(kv_max_seq_len, kv_tokens // rows)))
     for name, h, max_len in bounds:
         stride = h * dim if layout == "THD" else dim
         if (max_len + MAX_HEAD_DIM) * stride > _MAX_SEQUENCE_ELEMENTS:
             raise ValueError(f"{name} * {'H * D' if layout == 'THD' else 'D'} = {max_len * stride} "
-                             f"elements in one sequence is more than the kernels address (< 2**31)")
+                             f"elements in one sequence (at most its tokens) is more than the kernels "
+                             f"address (< 2**31)")
     backend = _resolve_backend(backend)
     if block_sizes is None:
         block_sizes = (INTERPRET_BLOCK_SIZES if backend == "interpret"
@@ -186,7 +246,7 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
         batch=offsets.shape[-1] - 1, num_segments=rows, q_tokens=q_tokens // rows,
         kv_tokens=kv_tokens // rows, q_offsets_rows=rows, kv_offsets_rows=rows, max_seq_len=max_seq_len,
         kv_max_seq_len=kv_max_seq_len, causal=causal, scale=scale, out_scale=out_scale,
-        input_precision="tf32" if allow_tf32 else "ieee", block_sizes=block_sizes, launcher=backend)
+        input_precision="tf32" if allow_tf32 else "ieee", block_sizes=block_sizes, backend=backend)
     if backend != "xla":
         plan.check_grid(problem)
     return problem
@@ -199,12 +259,12 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _attention(q, k, v, q_offsets, kv_offsets, problem: plan.Problem):
-    o, _ = transforms.forward(problem, q, k, v, q_offsets, kv_offsets)
+    o, _ = _forward(problem, q, k, v, q_offsets, kv_offsets)
     return o
 
 
 def _attention_fwd(q, k, v, q_offsets, kv_offsets, problem: plan.Problem):
-    o, lse = transforms.forward(problem, q, k, v, q_offsets, kv_offsets)
+    o, lse = _forward(problem, q, k, v, q_offsets, kv_offsets)
     o = checkpoint_name(o, RESIDUAL_NAMES[0])
     lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
     return o, (q, k, v, q_offsets, kv_offsets, o, lse)
@@ -212,8 +272,31 @@ def _attention_fwd(q, k, v, q_offsets, kv_offsets, problem: plan.Problem):
 
 def _attention_bwd(problem: plan.Problem, residuals, do):
     q, k, v, q_offsets, kv_offsets, o, lse = residuals
-    dq, dk, dv = transforms.backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do.astype(q.dtype))
+    dq, dk, dv = _backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do.astype(q.dtype))
     return dq, dk, dv, None, None
+
+
+# Neither the forward nor the backward kernels have a derivative of their own; only a second
+# differentiation reaches them with tangents (the outer one of jax.hessian, jacfwd(grad), grad(grad)
+# traces the inner one's forward and backward). A custom_jvp whose rule raises the library's error
+# gives them that error, at trace time, under jit too, rather than JAX's missing rule for
+# custom_partitioning. Without tangents (first order) the rule is never called.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _forward(problem: plan.Problem, q, k, v, q_offsets, kv_offsets):
+    return transforms.forward(problem, q, k, v, q_offsets, kv_offsets)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _backward(problem: plan.Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
+    return transforms.backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do)
+
+
+def _no_second_order(problem, primals, tangents):
+    raise TypeError(SECOND_ORDER_ERROR)
+
+
+_forward.defjvp(_no_second_order)
+_backward.defjvp(_no_second_order)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -222,15 +305,16 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def _call(q, k, v, q_offsets, kv_offsets, problem):
     # Offsets as [rows, B+1], the kernels' form (a free reshape).
     q_offsets, kv_offsets = (x if x.ndim == 2 else x[None] for x in (q_offsets, kv_offsets))
+    # jax.jvp and jax.jacfwd fail here, as the custom_vjp is traced. Under jax.jit of jax.jvp, and when
+    # the function jax.linearize returns is applied, JAX fails later (at lowering, or evaluation) with
+    # its own "can't apply forward-mode autodiff (jvp) to a custom_vjp function": no hook reaches that
+    # (a linear_call tangent would, but it has no vmap rule in jax 0.10).
     try:
         return _attention(q, k, v, q_offsets, kv_offsets, problem)
     except TypeError as err:
         if "forward-mode" not in str(err):
             raise
-        raise TypeError(
-            "jagged attention has a custom reverse-mode rule (its backward kernels) and does not support "
-            "forward-mode autodiff (jax.jvp, jax.jacfwd, jax.hessian); use jax.grad / jax.vjp, or "
-            "jagged_flash_jax.jagged_attention_reference (dense, O(L^2) memory) for forward mode") from err
+        raise TypeError(FORWARD_MODE_ERROR) from err
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -253,6 +337,7 @@ def jagged_attention(
     backend: str = "auto",
     allow_tf32: bool = True,
     block_sizes: BlockSizes | None = None,
+    validate: bool = False,
 ) -> jax.Array:
     """Variable-length (jagged) multi-head attention with the standard semantics.
 
@@ -268,11 +353,17 @@ def jagged_attention(
         dtype among float32, bfloat16, float16; D <= 256.
       offsets: [B+1] int32 or int64 (a list or NumPy array works), non-decreasing within [0, T_q].
         [shards, B+1] offsets, local to each of `shards` equal slices of the token axis, describe a
-        data-parallel batch (see `pack_data_parallel`).
-      max_seq_len: static int >= 1: queries past it in a sequence are not attended.
+        data-parallel batch (see `pack_data_parallel`). Concrete offsets (not traced) are checked
+        here, and raise ValueError if malformed; traced ones are checked only with `validate=True`
+        (malformed traced offsets never make a kernel leave its arrays: they give finite values). With
+        x64 disabled, int64 values outside int32 raise when concrete; traced offsets are already int32
+        then, as JAX converted them.
+      max_seq_len: static int >= 1: queries past it in a sequence are not attended. Under jax.jit,
+        mark it static (static_argnums / static_argnames, or functools.partial).
       kv_offsets: offsets of k and v (cross-attention); None means `offsets` (self-attention).
       kv_max_seq_len: static bound on attended keys; None means max_seq_len.
-      scale: static float multiplying q k^T; None means 1 / sqrt(D).
+      scale: static float multiplying q k^T, with 0 < scale <= 2.3e38 (scale * log2(e) must be a
+        finite float32); None means 1 / sqrt(D).
       causal: bottom-right aligned causal mask.
       layout: "THD" (default) or "HTD".
       backend: "triton" (GPU kernels via jax-triton), "interpret" (the same kernels in Triton's
@@ -284,9 +375,16 @@ def jagged_attention(
       block_sizes: tile configuration of the Triton kernels; None picks a tuned default, its blocks
         cut to the sequence lengths. dq and dk/dv tiles with different warps or stages run in
         separate launches.
+      validate: also check traced offsets (non-decreasing within [0, T]), with
+        `jax.experimental.checkify.check`. The caller functionalizes the check, as for any checkify
+        check: `err, out = checkify.checkify(jax.jit(f))(...)`, then `err.throw()` or `err.get()`.
+        The op does not wrap itself, so that the error composes with the caller's jit, vmap, grad
+        and other checks, and stays a value under their control; without the wrapper, jax.jit
+        refuses the unfunctionalized check at trace time, which says so.
 
     Returns:
-      The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v.
+      The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v; forward
+      mode and second order raise TypeError.
     """
     max_seq_len = _static_int(max_seq_len, "max_seq_len")
     kv_max_seq_len = max_seq_len if kv_max_seq_len is None else _static_int(kv_max_seq_len,
@@ -299,7 +397,7 @@ def jagged_attention(
         q, k, v, offsets, kv_offsets, max_seq_len=max_seq_len, kv_max_seq_len=kv_max_seq_len,
         scale=_static_scale(scale, q.shape[-1]), out_scale=1.0, causal=_static_bool(causal, "causal"),
         layout=layout, allow_tf32=_static_bool(allow_tf32, "allow_tf32"), backend=backend,
-        block_sizes=block_sizes, self_attention=self_attention)
+        block_sizes=block_sizes, self_attention=self_attention, validate=_static_bool(validate, "validate"))
     return _call(q, k, v, offsets, kv_offsets, problem)
 
 
@@ -314,8 +412,12 @@ def multi_head_jagged_flash_attention(
     backend: str = "auto",
     layout: str = "HTD",
     block_sizes: BlockSizes | None = None,
+    validate: bool = False,
 ) -> jax.Array:
     """FBGEMM's multi-head jagged flash attention: softmax(q k^T) v / max_seq_len, no scale.
+
+    Its default layout is "HTD" ([H, T, D], as FBGEMM), unlike `jagged_attention`'s "THD": pass
+    layout="THD" for [T, H, D] arrays (concrete offsets past the token axis of the layout raise).
 
     For sequence b (tokens offsets[b] to offsets[b+1]) and head h, with n_b = min(len_b, max_seq_len),
     the first n_b tokens get softmax(q k^T) v / max_seq_len over those n_b keys (no 1/sqrt(D) scale).
@@ -324,9 +426,10 @@ def multi_head_jagged_flash_attention(
     Args:
       q, k, v: [H, T, D] (layout "HTD", the default) or [T, H, D] ("THD"), one shape; one dtype among
         float32, bfloat16, float16; D <= 256.
-      offsets: [B+1] int32 or int64, non-decreasing, within [0, T] (others are clamped, never unsafe).
+      offsets: [B+1] int32 or int64, non-decreasing, within [0, T]: checked as for `jagged_attention`
+        (malformed traced offsets are clamped, never unsafe).
       max_seq_len: static Python int >= 1.
-      allow_tf32, backend, layout, block_sizes: as for `jagged_attention`.
+      allow_tf32, backend, layout, block_sizes, validate: as for `jagged_attention`.
 
     Returns:
       The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v.
@@ -343,5 +446,5 @@ def multi_head_jagged_flash_attention(
         q, k, v, offsets, offsets, max_seq_len=max_seq_len, kv_max_seq_len=max_seq_len, scale=1.0,
         out_scale=1.0 / max_seq_len, causal=False, layout=layout,
         allow_tf32=_static_bool(allow_tf32, "allow_tf32"), backend=backend, block_sizes=block_sizes,
-        self_attention=True)
+        self_attention=True, validate=_static_bool(validate, "validate"))
     return _call(q, k, v, offsets, offsets, problem)

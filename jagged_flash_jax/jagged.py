@@ -15,6 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def explicit_mesh(x):
+    """The mesh of x's type when some of its axes are Explicit (sharding in types), else None."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return mesh if mesh is not None and not mesh.empty and mesh.explicit_axes else None
+
+
 def _integer_vector(x, name: str):
     x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
     if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
@@ -138,10 +144,8 @@ class DataParallelBatch(NamedTuple):
         source = np.full(total, token_index.size, np.int64)  # past the end: filled with 0
         kept = token_index >= 0
         source[token_index[kept]] = np.flatnonzero(kept)
-        mesh = getattr(getattr(jax.typeof(packed), "sharding", None), "mesh", None)
-        replicated = None
-        if mesh is not None and not mesh.empty and mesh.explicit_axes:
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        mesh = explicit_mesh(packed)
+        replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         return packed.at[jnp.asarray(source)].get(mode="fill", fill_value=0, out_sharding=replicated)
 
 

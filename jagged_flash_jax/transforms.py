@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,36 @@ from jax.sharding import PartitionSpec as P
 
 from . import launch, reference
 from ._compat import varying_axes
+from .jagged import explicit_mesh
 from .launch.plan import Problem
+
+
+class ForwardArgs(NamedTuple):
+    """The operands of `forward`, in order (and their batched flags under vmap, their shardings)."""
+
+    q: object
+    k: object
+    v: object
+    q_offsets: object
+    kv_offsets: object
+
+
+class BackwardArgs(NamedTuple):
+    """The operands of `backward`: the forward's, its residuals o and lse, and the output gradient."""
+
+    q: object
+    k: object
+    v: object
+    q_offsets: object
+    kv_offsets: object
+    o: object
+    lse: object
+    do: object
+
+
+# Operands laid out like q, k, v (tokens and heads axes), and the offsets, by name.
+_ARRAYS = ("q", "k", "v", "o", "do")
+_OFFSETS = (("q_offsets", "offsets"), ("kv_offsets", "kv_offsets"))
 
 # ---------------------------------------------------------------------------------------------------
 # Running one problem on its backend
@@ -41,19 +71,19 @@ def _varying_like(outputs, inputs):
 
 
 def _run_forward(p: Problem, q, k, v, q_offsets, kv_offsets):
-    if p.launcher == "xla":
+    if p.backend == "xla":
         outputs = reference.forward(p, q, k, v, q_offsets, kv_offsets)
     else:
-        outputs = launch.plan.forward(launch.runner(p.launcher), p, q, k, v, q_offsets, kv_offsets)
+        outputs = launch.plan.forward(launch.runner(p.backend), p, q, k, v, q_offsets, kv_offsets)
     return _varying_like(outputs, (q, k, v, q_offsets, kv_offsets))
 
 
 def _run_backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
     args = (q, k, v, q_offsets, kv_offsets, o, lse, do)
-    if p.launcher == "xla":
+    if p.backend == "xla":
         outputs = reference.backward(p, *args)
     else:
-        outputs = launch.plan.backward(launch.runner(p.launcher), p, *args)
+        outputs = launch.plan.backward(launch.runner(p.backend), p, *args)
     return _varying_like(outputs, args)
 
 
@@ -111,19 +141,24 @@ class _Plan:
 
     def __init__(self, p: Problem, mesh, arg_shapes, backward: bool):
         token_dim, head_dim = _dims(p)
-        arrays = [0, 1, 2] + ([5, 7] if backward else [])
-        names = ["q", "k", "v"] + (["o", "do"] if backward else [])
-        specs = {name: tuple(arg_shapes[i].sharding.spec) + (None,) * 3 for name, i in zip(names, arrays)}
-        head_axes = next((_axes(s[head_dim]) for s in specs.values() if _axes(s[head_dim])), ())
-        segment_axes = next((_axes(s[token_dim]) for s in specs.values() if _axes(s[token_dim])), ())
-        for name, spec in specs.items():
-            if _axes(spec[2]):
+        shapes = (BackwardArgs if backward else ForwardArgs)(*arg_shapes)._asdict()
+
+        def spec(name: str, rank: int) -> tuple[tuple[str, ...], ...]:
+            # A mesh axis of size 1 splits nothing: it counts as replicated.
+            entries = tuple(shapes[name].sharding.spec) + (None,) * rank
+            return tuple(tuple(a for a in _axes(e) if mesh.shape[a] > 1) for e in entries[:rank])
+
+        specs = {name: spec(name, 3) for name in _ARRAYS if name in shapes}
+        head_axes = next((s[head_dim] for s in specs.values() if s[head_dim]), ())
+        segment_axes = next((s[token_dim] for s in specs.values() if s[token_dim]), ())
+        for name, axes in specs.items():
+            if axes[2]:
                 raise ValueError(f"jagged attention cannot split the head dimension D: {name} is sharded "
-                                 f"{P(*spec[:3])}; shard the heads axis or the token axis instead")
+                                 f"{P(*axes)}; shard the heads axis or the token axis instead")
             for dim, target, what in ((head_dim, head_axes, "heads"), (token_dim, segment_axes, "tokens")):
-                if _axes(spec[dim]) not in ((), target):
+                if axes[dim] not in ((), target):
                     raise ValueError(f"jagged attention needs q, k, v (and o, do) split alike: {name} is "
-                                     f"sharded {P(*spec[:3])} where another array splits the {what} axis "
+                                     f"sharded {P(*axes)} where another array splits the {what} axis "
                                      f"over {target}")
         self.head_shards = math.prod(mesh.shape[a] for a in head_axes)
         self.segment_shards = math.prod(mesh.shape[a] for a in segment_axes)
@@ -136,13 +171,13 @@ class _Plan:
                 f"shards), but the tokens are not split into that many independent segments: sequences "
                 f"cannot be cut between devices. Shard the heads axis, or pack each device's sequences "
                 f"with jagged_flash_jax.pack_data_parallel (offsets [devices, B+1]) and shard that")
-        for i, name in ((3, "offsets"), (4, "kv_offsets")):
-            spec = tuple(arg_shapes[i].sharding.spec) + (None, None)
-            rows = p.q_offsets_rows if i == 3 else p.kv_offsets_rows
-            if _axes(spec[1]) or (_axes(spec[0]) and (rows == 1 or _axes(spec[0]) != segment_axes)):
+        for operand, name in _OFFSETS:
+            axes = spec(operand, 2)
+            rows = p.q_offsets_rows if operand == "q_offsets" else p.kv_offsets_rows
+            if axes[1] or (axes[0] and (rows == 1 or axes[0] != segment_axes)):
                 raise ValueError(f"{name} [{rows}, B+1] must be replicated, or split along its first axis "
-                                 f"exactly as the tokens of q, k, v are; got {P(*spec[:2])}")
-        if p.launcher == "interpret" and self.head_shards * self.segment_shards > 1:
+                                 f"exactly as the tokens of q, k, v are; got {P(*axes)}")
+        if p.backend == "interpret" and self.head_shards * self.segment_shards > 1:
             # The interpreter is a Python callback, and JAX cannot call one from a partitioned
             # custom_partitioning body (https://github.com/jax-ml/jax/issues/34349): it would crash.
             raise ValueError("backend='interpret' cannot be partitioned by a sharded jax.jit; run it under "
@@ -262,10 +297,11 @@ def _forward_fn(p: Problem):
         return partitioned(q, k, v, q_offsets, kv_offsets)
 
     @call.def_vmap
-    def rule(size, batched, q, k, v, q_offsets, kv_offsets):
-        fold = _Fold(p, size, batched[3] or batched[4])
-        offsets = fold.fold_offsets(q_offsets, kv_offsets, batched[3], batched[4])
-        arrays = (fold.array(x, b) for x, b in zip((q, k, v), batched[:3]))
+    def rule(size, batched, *args):
+        args, batched = ForwardArgs(*args), ForwardArgs(*batched)
+        fold = _Fold(p, size, batched.q_offsets or batched.kv_offsets)
+        offsets = fold.fold_offsets(args.q_offsets, args.kv_offsets, batched.q_offsets, batched.kv_offsets)
+        arrays = (fold.array(getattr(args, n), getattr(batched, n)) for n in ("q", "k", "v"))
         o, lse = _forward_fn(fold.problem)(*arrays, *offsets)
         return (fold.unarray(o), fold.unstats(lse)), (True, True)
 
@@ -281,28 +317,22 @@ def _backward_fn(p: Problem):
         return partitioned(q, k, v, q_offsets, kv_offsets, o, lse, do)
 
     @call.def_vmap
-    def rule(size, batched, q, k, v, q_offsets, kv_offsets, o, lse, do):
-        fold = _Fold(p, size, batched[3] or batched[4])
-        offsets = fold.fold_offsets(q_offsets, kv_offsets, batched[3], batched[4])
-        arrays = [fold.array(x, b) for x, b in zip((q, k, v), batched[:3])]
-        o, do = fold.array(o, batched[5]), fold.array(do, batched[7])
-        grads = _backward_fn(fold.problem)(*arrays, *offsets, o, fold.stats(lse, batched[6]), do)
+    def rule(size, batched, *args):
+        args, batched = BackwardArgs(*args), BackwardArgs(*batched)
+        fold = _Fold(p, size, batched.q_offsets or batched.kv_offsets)
+        offsets = fold.fold_offsets(args.q_offsets, args.kv_offsets, batched.q_offsets, batched.kv_offsets)
+        arrays = [fold.array(getattr(args, n), getattr(batched, n)) for n in ("q", "k", "v")]
+        o, do = fold.array(args.o, batched.o), fold.array(args.do, batched.do)
+        grads = _backward_fn(fold.problem)(*arrays, *offsets, o, fold.stats(args.lse, batched.lse), do)
         return tuple(fold.unarray(g) for g in grads), (True, True, True)
 
     return call
 
 
-def _explicit_mesh(x):
-    """The mesh of x's type when some of its axes are Explicit (sharding in types), else None."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    return mesh if mesh is not None and not mesh.empty and mesh.explicit_axes else None
-
-
 def _with_auto_axes(p: Problem, fn, args, result_types, backward: bool):
     """Run `fn` with explicit mesh axes turned into auto ones (custom_partitioning works with those),
     checking the shardings at trace time, and give results the shardings of `result_types`."""
-    mesh = _explicit_mesh(args[0])
+    mesh = explicit_mesh(args.q)
     if mesh is None:
         return fn(*args)
     plan = _Plan(p, mesh, [jax.typeof(x) for x in args], backward)
@@ -314,12 +344,12 @@ def _with_auto_axes(p: Problem, fn, args, result_types, backward: bool):
 
 def forward(p: Problem, q, k, v, q_offsets, kv_offsets):
     """o and the float32 log-sum-exp [Z, H, T_q] (the backend's own convention), on any backend."""
-    args = (q, k, v, q_offsets, kv_offsets)
+    args = ForwardArgs(q, k, v, q_offsets, kv_offsets)
     return _with_auto_axes(p, _forward_fn(p), args, (("array", q), ("stats", None)), backward=False)
 
 
 def backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
     """dq, dk, dv from the residuals of `forward`."""
-    args = (q, k, v, q_offsets, kv_offsets, o, lse, do)
+    args = BackwardArgs(q, k, v, q_offsets, kv_offsets, o, lse, do)
     return _with_auto_axes(p, _backward_fn(p), args, (("array", q), ("array", k), ("array", v)),
                            backward=True)

@@ -59,13 +59,27 @@ def bad_calls():
         "max_seq_len float": (lambda: std(q, k, v, OFFSETS, 8.0), TypeError, "max_seq_len must be a static"),
         "max_seq_len bool": (lambda: fb(q, k, v, OFFSETS, True), TypeError, "max_seq_len must be a static"),
         "max_seq_len traced": (lambda: jax.jit(lambda n: std(q, k, v, OFFSETS, n))(8), TypeError,
-                               "max_seq_len must be a static"),
+                               r"max_seq_len must be a static.*static_argnums.*functools.partial"),
         "kv_max_seq_len": (lambda: std(q, k, v, OFFSETS, 8, kv_max_seq_len=-1), ValueError,
                            "kv_max_seq_len must be >= 1"),
         "scale traced": (lambda: jax.jit(lambda s: std(q, k, v, OFFSETS, 8, scale=s))(1.0), TypeError,
                          "scale must be a static Python float"),
         "scale inf": (lambda: std(q, k, v, OFFSETS, 8, scale=float("inf")), ValueError,
                       "scale must be finite and positive"),
+        "scale overflows": (lambda: std(q, k, v, OFFSETS, 8, scale=3e38), ValueError,
+                            r"scale must be .*at most 2.359e\+38"),
+        "scale 0": (lambda: std(q, k, v, OFFSETS, 8, scale=0.0), ValueError,
+                    "scale must be finite and positive"),
+        "offsets negative": (lambda: std(q, k, v, [-1, 5], 8), ValueError, r"offsets must be >= 0"),
+        "offsets decreasing": (lambda: fb(q, k, v, jnp.asarray([0, 9, 4]), 8, layout="THD"), ValueError,
+                               r"non-decreasing, got offsets\[1\] = 9 > offsets\[2\] = 4"),
+        "offsets past T": (lambda: std(q, k, v, [0, 5, 25], 8), ValueError, r"offsets\[-1\] = 25 is past"),
+        "kv_offsets past T": (lambda: std(q, k[:10], v[:10], OFFSETS, 8, kv_offsets=OFFSETS), ValueError,
+                              r"kv_offsets must be at most the number of tokens.*past the 10 tokens"),
+        "sharded offsets row": (lambda: std(q, k, v, jnp.asarray([[0, 12], [0, 13]]), 8), ValueError,
+                                r"offsets\[1\] must be at most.*past the 12 tokens"),
+        "offsets int64 wrap": (lambda: std(q, k, v, np.array([0, 2**31 + 3], np.int64), 8), ValueError,
+                               "offsets holds values outside int32"),
         "causal": (lambda: std(q, k, v, OFFSETS, 8, causal="yes"), TypeError, "causal must be a bool"),
         "head dim": (lambda: std(*arrays((4, 1, 257)), OFFSETS[:2] * 0, 8), ValueError, "at most 256"),
         "backend": (lambda: std(q, k, v, OFFSETS, 8, backend="cuda"), ValueError, "backend must be one of"),
@@ -92,6 +106,46 @@ def test_bad_input_raises(name):
     call, error, match = BAD[name]
     with pytest.raises(error, match=match):
         call()
+
+
+def test_fbgemm_layout_mix_up_raises():
+    """[T, H, D] arrays given to FBGEMM's op with its default "HTD" read H as the token axis: the
+    concrete offsets, which run to T, cannot fit there, and the error says which layout to pass."""
+    lengths = [5, 12, 7]
+    batch = Batch.make(lengths, 8, D, seed=5)
+    q, k, v, _ = batch.arrays(jnp.float32)  # [24, 8, 8]
+    with pytest.raises(ValueError, match=r"past the 8 tokens of the token axis \(axis 1 in layout 'HTD'\); "
+                                         r"if q, k, v are \[T, H, D\], pass layout='THD'"):
+        multi_head_jagged_flash_attention(q, k, v, batch.offsets, 16, backend="xla")
+    got = multi_head_jagged_flash_attention(q, k, v, batch.offsets, 16, backend="xla", layout="THD",
+                                            allow_tf32=False)
+    want, *_ = reference(batch.q, batch.k, batch.v, batch.do, batch.offsets, 16, out_scale=1 / 16)
+    assert relative_error(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("offsets,ok", [([0, 5, 5, 20], True), ([0, 9, 4, 20], False),
+                                        ([-2, 5, 5, 20], False), ([0, 5, 5, 25], False)])
+def test_validate_checks_traced_offsets_with_checkify(offsets, ok):
+    """validate=True: jit-traced offsets are checked by checkify.check, which the caller functionalizes;
+    without validate, malformed traced offsets pass (finite values, as documented)."""
+    from jax.experimental import checkify
+
+    q, k, v = arrays(seed=6)
+    op = jax.jit(lambda q, o: jagged_attention(q, k, v, o, 8, backend="xla", validate=True))
+    err, out = checkify.checkify(op)(q, jnp.asarray(offsets, jnp.int32))
+    assert (err.get() is None) == ok, err.get()
+    if ok:
+        np.testing.assert_array_equal(out, jagged_attention(q, k, v, OFFSETS, 8, backend="xla"))
+    unchecked = jax.jit(lambda q, o: jagged_attention(q, k, v, o, 8, backend="xla"))(q, jnp.asarray(offsets))
+    assert bool(jnp.all(jnp.isfinite(unchecked)))
+
+
+def test_max_seq_len_beyond_the_tokens_is_accepted():
+    """The attended length never exceeds the token count: max_seq_len=10**9 equals max_seq_len=T."""
+    q, k, v = arrays(seed=7)
+    for backend in ("xla", "interpret"):
+        np.testing.assert_array_equal(jagged_attention(q, k, v, OFFSETS, 10**9, backend=backend),
+                                      jagged_attention(q, k, v, OFFSETS, T, backend=backend))
 
 
 @pytest.mark.skipif(GPU_AVAILABLE, reason="checks the error raised without a GPU")

@@ -183,14 +183,19 @@ def check_offsets_case(offsets, int64: bool, backend: str = "interpret") -> None
         dtype = jnp.int64 if int64 else jnp.int32
         q_offsets, kv_offsets = jnp.asarray(offsets, dtype), jnp.asarray(kv_offsets, dtype)
         assert q_offsets.dtype == dtype
+        # Offsets as jit arguments (traced): concrete malformed offsets are rejected before any kernel.
+        self_op = jax.jit(lambda q, k, v, o: jfa.jagged_attention(q, k, v, o, MAX_SEQ_LEN, backend=backend))
+        cross_op = jax.jit(lambda q, k, v, o, kv_o: jfa.jagged_attention(
+            q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, causal=True,
+            backend=backend))
+        fbgemm_op = jax.jit(lambda q, k, v, o: jfa.multi_head_jagged_flash_attention(
+            q, k, v, o, MAX_SEQ_LEN, backend=backend))
         cases = {
-            "jagged_attention": (lambda q, k, v: jfa.jagged_attention(
-                q, k, v, q_offsets, MAX_SEQ_LEN, backend=backend), (q, q, q), "THD", False),
-            "jagged_attention cross causal": (lambda q, k, v: jfa.jagged_attention(
-                q, k, v, q_offsets, MAX_SEQ_LEN, kv_offsets=kv_offsets, kv_max_seq_len=KV_MAX_SEQ_LEN,
-                causal=True, backend=backend), (q, kv, kv), "THD", True),
-            "multi_head_jagged_flash_attention": (lambda q, k, v: jfa.multi_head_jagged_flash_attention(
-                q, k, v, q_offsets, MAX_SEQ_LEN, backend=backend), (q.swapaxes(0, 1),) * 3, "HTD", False),
+            "jagged_attention": (lambda q, k, v: self_op(q, k, v, q_offsets), (q, q, q), "THD", False),
+            "jagged_attention cross causal": (lambda q, k, v: cross_op(q, k, v, q_offsets, kv_offsets),
+                                              (q, kv, kv), "THD", True),
+            "multi_head_jagged_flash_attention": (lambda q, k, v: fbgemm_op(q, k, v, q_offsets),
+                                                  (q.swapaxes(0, 1),) * 3, "HTD", False),
         }
         q_mask = covered(offsets, TOKENS, MAX_SEQ_LEN)
         # Every case twice: as chosen, then with key-major operands (which float32 inputs with TF32 and
@@ -273,8 +278,9 @@ def test_malformed_offsets_without_overlap_match_the_xla_backend():
     rng = np.random.default_rng(3)
     q, k, v = (jnp.asarray(rng.standard_normal((24, 2, 8)), jnp.float32) for _ in range(3))
     offsets = jnp.asarray([10, 3, 20], jnp.int32)  # sequence 0 empty at 10, sequence 1 is tokens 3..19
-    got, want = (jfa.jagged_attention(q, k, v, offsets, 32, backend=b, allow_tf32=False)
-                 for b in ("interpret", "xla"))
+    got, want = (jax.jit(lambda q, k, v, o, b=b: jfa.jagged_attention(q, k, v, o, 32, backend=b,
+                                                                        allow_tf32=False))(q, k, v, offsets)
+                 for b in ("interpret", "xla"))  # traced offsets: concrete malformed ones raise
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert not np.any(np.asarray(got)[np.r_[0:3, 20:24]])
 

@@ -70,7 +70,7 @@ class Problem:
     out_scale: float
     input_precision: str
     block_sizes: BlockSizes
-    launcher: str
+    backend: str  # "triton", "interpret" or "xla"
 
     # -- shapes ------------------------------------------------------------------------------------
     def shape(self, heads: int, tokens: int) -> tuple[int, int, int]:

@@ -4,6 +4,8 @@ sequences; kv_max_seq_len truncation; scale; both layouts; int32 and int64 offse
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,3 +150,26 @@ def test_log_sum_exp_only_for_attended_queries():
     assert np.all(lse[:, no_key] == np.inf)
     assert np.all(np.isfinite(lse[:, 3:6]))
     assert np.all(np.isnan(lse[:, 15:]))  # after the last (empty) sequence: never written
+
+
+@pytest.mark.parametrize("backend", backend_params(["interpret", "triton"]))
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+@pytest.mark.parametrize("case", ["self-causal-blocks", "cross-nq<nk-causal-gqa", "cross-gqa-truncated",
+                                  "self-scale-D40"])
+def test_tma_loads(case, layout, backend, monkeypatch):
+    """The forward's k and v through TMA descriptors of each sequence (which the table picks on Hopper
+    GPUs), forced: the descriptors' bounds stand for the masks of key blocks past a sequence's end,
+    with causal, cross, GQA, empty sequences and padded D; every case's rows are 16-byte aligned."""
+    original = plan.tma_loads
+    taken = []
+
+    def forced(p, dtype, v_key_major):
+        tiles = p.block_sizes
+        p = p.with_(block_sizes=dataclasses.replace(tiles, fwd=dataclasses.replace(tiles.fwd, tma=True)))
+        taken.append(original(p, dtype, v_key_major))
+        return taken[-1]
+
+    monkeypatch.setattr(plan, "tma_loads", forced)
+    monkeypatch.setattr(plan, "key_major", lambda p, dtype, operands: False)
+    check(case, backend, layout)
+    assert taken and all(taken), "the forward did not take TMA loads"

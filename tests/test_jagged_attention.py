@@ -13,6 +13,7 @@ import pytest
 from helpers import TOLERANCES, Batch, assert_matches, attended_mask, backend_params, reference, run_vjp
 
 import jagged_flash_jax as jfa
+from jagged_flash_jax.configs import INTERPRET_BLOCK_SIZES
 from jagged_flash_jax.launch import plan
 
 CASES = {
@@ -35,14 +36,14 @@ CASES = {
 }
 
 
-def check(case: str, backend: str, layout: str, precision="fp32", offsets_dtype=np.int32):
+def check(case: str, backend: str, layout: str, precision="fp32", offsets_dtype=np.int32, **options):
     spec = dict(CASES[case])
     dtype, allow_tf32, tol = TOLERANCES[precision]
     batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
                        kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None),
                        lead=1, extra=2, seed=len(case), scale=0.6)
     results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend=backend,
-                      allow_tf32=allow_tf32, offsets_dtype=offsets_dtype, **spec)
+                      allow_tf32=allow_tf32, offsets_dtype=offsets_dtype, **spec, **options)
     max_len, kv_max = spec["max_seq_len"], spec.get("kv_max_seq_len", spec["max_seq_len"])
     scale = spec.get("scale", batch.q.shape[-1] ** -0.5)
     expected = reference(*results[:4], batch.offsets, max_len, kv_offsets=batch.kv_offsets,
@@ -157,19 +158,18 @@ def test_log_sum_exp_only_for_attended_queries():
 @pytest.mark.parametrize("case", ["self-causal-blocks", "cross-nq<nk-causal-gqa", "cross-gqa-truncated",
                                   "self-scale-D40"])
 def test_tma_loads(case, layout, backend, monkeypatch):
-    """The forward's k and v through TMA descriptors of each sequence (which the table picks on Hopper
-    GPUs), forced: the descriptors' bounds stand for the masks of key blocks past a sequence's end,
-    with causal, cross, GQA, empty sequences and padded D; every case's rows are 16-byte aligned."""
-    original = plan.tma_loads
+    """The forward's k and v through TMA descriptors of each sequence (KernelConfig.tma): the
+    descriptors' bounds stand for the masks of key blocks past a sequence's end, with causal, cross, GQA,
+    empty sequences and padded D; every case's rows are 16-byte aligned, so the forward takes them."""
+    tiles = INTERPRET_BLOCK_SIZES
+    tiles = dataclasses.replace(tiles, fwd=dataclasses.replace(tiles.fwd, tma=True))
     taken = []
 
-    def forced(p, dtype, v_key_major):
-        tiles = p.block_sizes
-        p = p.with_(block_sizes=dataclasses.replace(tiles, fwd=dataclasses.replace(tiles.fwd, tma=True)))
+    def spy(p, dtype, v_key_major):
         taken.append(original(p, dtype, v_key_major))
         return taken[-1]
 
-    monkeypatch.setattr(plan, "tma_loads", forced)
-    monkeypatch.setattr(plan, "key_major", lambda p, dtype, operands: False)
-    check(case, backend, layout)
+    original = plan.tma_loads
+    monkeypatch.setattr(plan, "tma_loads", spy)
+    check(case, backend, layout, block_sizes=tiles)
     assert taken and all(taken), "the forward did not take TMA loads"

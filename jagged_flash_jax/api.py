@@ -54,7 +54,7 @@ def default_backend() -> str:
     """
     from .launch import gpu
 
-    if jax.default_backend() not in ("gpu", "cuda"):
+    if not gpu.on_gpu():
         return "xla"
     reason = gpu.unavailable_reason()
     if reason is None:
@@ -77,7 +77,7 @@ def _resolve_backend(backend) -> str:
     if backend == "triton":
         from .launch import gpu
 
-        if jax.default_backend() not in ("gpu", "cuda"):
+        if not gpu.on_gpu():
             raise ValueError(f"backend='triton' needs a GPU, but JAX's default backend is "
                              f"{jax.default_backend()!r}; use backend='xla' or 'interpret', or "
                              f"{gpu.INSTALL_HINT}")

@@ -15,13 +15,6 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = re.findall(r"^```python\n(.*?)^```$", (ROOT / "README.md").read_text(), re.M | re.S)
 FOUR_CPU_DEVICES = 'import jax\njax.config.update("jax_num_cpu_devices", 4)\n'
 
-# Blocks that fail on one device for a bug being fixed elsewhere, by a text they contain.
-KNOWN_FAILURES = {
-    ("pack_data_parallel(", 1): "data parallel on a 1-device mesh refused ('offsets [1, B+1] must be "
-                                "replicated, or split ... exactly as the tokens'), a bug fixed in api.py",
-}
-
-
 def _run(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # the device count is the block's own (conftest gives this process 4)
@@ -33,10 +26,7 @@ def _cases():
     for i, block in enumerate(BLOCKS):
         first_line = block.strip().splitlines()[0]
         for devices in (1, 4) if "make_mesh" in block else (1,):
-            reason = next((why for (text, n), why in KNOWN_FAILURES.items()
-                           if text in block and n == devices), None)
-            marks = [pytest.mark.skip(reason=reason)] if reason else []
-            yield pytest.param(block, devices, id=f"block{i}-{devices}dev-{first_line[:30]}", marks=marks)
+            yield pytest.param(block, devices, id=f"block{i}-{devices}dev-{first_line[:30]}")
 
 
 def test_the_readme_has_code_blocks():

@@ -74,9 +74,14 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU."""
+    return jax.default_backend() in ("gpu", "cuda")
+
+
 def available() -> bool:
     """Whether the triton backend can run here: a GPU is JAX's default backend and jax-triton imports."""
-    return jax.default_backend() in ("gpu", "cuda") and unavailable_reason() is None
+    return on_gpu() and unavailable_reason() is None
 
 
 def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:

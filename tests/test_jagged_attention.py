@@ -173,3 +173,44 @@ def test_tma_loads(case, layout, backend, monkeypatch):
     monkeypatch.setattr(plan, "tma_loads", spy)
     check(case, backend, layout, block_sizes=tiles)
     assert taken and all(taken), "the forward did not take TMA loads"
+
+
+@pytest.mark.parametrize("backend", backend_params(["interpret", "triton"]))
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+@pytest.mark.parametrize("case", ["self-causal-blocks", "cross-nq<nk-causal-gqa", "cross-gqa-truncated",
+                                  "self-causal"])
+def test_warp_specialized_forward(case, layout, backend, monkeypatch):
+    """The Hopper forward with a warp-specialized key loop (KernelConfig.warp_specialize, 16-bit inputs):
+    every key block masked, o and the log-sum-exp stored through TMA descriptors clipped to the
+    sequence, and o's unattended tokens zeroed by a second launch on the same buffer."""
+    tiles = INTERPRET_BLOCK_SIZES
+    tiles = dataclasses.replace(tiles, fwd=dataclasses.replace(tiles.fwd, warp_specialize=True))
+    taken = []
+
+    def spy(p, dtype):
+        taken.append(original(p, dtype))
+        return taken[-1]
+
+    original = plan.warp_specialized
+    monkeypatch.setattr(plan, "warp_specialized", spy)
+    check(case, backend, layout, precision="bf16", block_sizes=tiles)
+    assert taken and all(taken), "the forward was not the warp-specialized one"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("tile", ["128x128x4x2", "128x64x4x3", "128x64x4x2"])
+def test_warp_specialized_tiles_on_the_gpu(tile, dim):
+    """The warp-specialized forward with tiles the table can pick (the consumer warpgroups split
+    128-row tiles), bfloat16, causal and not, against the float64 reference: some tiles of Triton's
+    specialization have given wrong numbers, so each one is checked on the GPU."""
+    block_m, block_n, warps, stages = (int(x) for x in tile.split("x"))
+    tiles = dataclasses.replace(INTERPRET_BLOCK_SIZES, fwd=jfa.KernelConfig(block_m, block_n, warps, stages,
+                                                                             warp_specialize=True))
+    for causal in (False, True):
+        batch = Batch.make([300, 0, 129, 700, 1], 4, dim, kv_heads=2, lead=8, extra=8, seed=dim, scale=0.5)
+        results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout="THD", backend="triton",
+                          max_seq_len=512, causal=causal, block_sizes=tiles)
+        expected = reference(*results[:4], batch.offsets, 512, scale=dim ** -0.5, causal=causal)
+        attended = attended_mask(batch.offsets, batch.q.shape[0], 512)
+        assert_matches(results, expected, 1e-2, attended_q=attended, attended_kv=attended)

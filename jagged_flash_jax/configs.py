@@ -36,10 +36,6 @@ class KernelConfig:
     num_stages: int = 2
     # The forward's only: load k and v through TMA descriptors where the GPU has them (sm_90+).
     tma: bool = False
-    # The forward's only, 16-bit inputs on sm_90+: the warp-specialized kernel (kernels/hopper.py).
-    warp_specialize: bool = False
-    # A cap on registers per thread (Triton's maxnreg), or None.
-    max_registers: int | None = None
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -236,4 +232,4 @@ def portable_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len:
     """`default_block_sizes` for the portable kernels only (no TMA loads), as on GPUs before Hopper: to
     compare the two kernel families, or to rule the Hopper one out."""
     tiles = default_block_sizes(head_dim, dtype, max_seq_len, kv_max_seq_len)
-    return dataclasses.replace(tiles, fwd=dataclasses.replace(tiles.fwd, tma=False, warp_specialize=False))
+    return dataclasses.replace(tiles, fwd=dataclasses.replace(tiles.fwd, tma=False))

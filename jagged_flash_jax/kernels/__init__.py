@@ -32,22 +32,17 @@ before they scale: at large logits the top score of a row gets probability exact
 no key get o = 0 and log-sum-exp +inf.
 """
 
-PORTABLE = ("attention_bwd_kernel", "attention_bwd_preprocess_kernel", "attention_fwd_kernel",
-            "key_major_kernel")
-HOPPER = ("attention_fwd_ws_kernel", "zero_fill_kernel")
-__all__ = [*PORTABLE, *HOPPER]
+__all__ = [
+    "attention_bwd_kernel", "attention_bwd_preprocess_kernel", "attention_fwd_kernel", "key_major_kernel",
+]
 
 
 def __getattr__(name: str):
     """The kernels, imported on first use: Triton, which they need, comes only with the `interpret` and
     GPU extras, and the package (its `xla` backend, the launch plan, kernels/params.py) imports
     without it."""
-    if name in PORTABLE:
+    if name in __all__:
         from . import portable
 
         return getattr(portable, name)
-    if name in HOPPER:
-        from . import hopper
-
-        return getattr(hopper, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

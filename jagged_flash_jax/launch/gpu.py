@@ -7,7 +7,6 @@ needs triton, which the package does not require.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Sequence
 
 import jax
@@ -86,17 +85,8 @@ def available() -> bool:
 
 
 def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-    options = {}
-    if call.aliases:
-        options["input_output_aliases"] = dict(call.aliases)
-    if call.max_registers:
-        options["backend_options"] = {"maxnreg": call.max_registers}
-    with warnings.catch_warnings():
-        # jax-triton 0.4 deprecates input_output_aliases for Refs, which do not compose with
-        # custom_partitioning and custom_vmap here; the aliasing it does is what the fill needs.
-        warnings.filterwarnings("ignore", "input_output_aliases is deprecated", DeprecationWarning)
-        outputs = jax_triton_module().triton_call(
-            *arrays,
-            kernel=call.kernel, out_type=call.out_shapes, grid=call.grid,
-            num_warps=call.num_warps, num_stages=call.num_stages, **options, **call.constants)
+    outputs = jax_triton_module().triton_call(
+        *arrays,
+        kernel=call.kernel, out_type=call.out_shapes, grid=call.grid,
+        num_warps=call.num_warps, num_stages=call.num_stages, **call.constants)
     return tuple(outputs)

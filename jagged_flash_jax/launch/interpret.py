@@ -57,17 +57,14 @@ class Guarded:
 
 def _run_on_host(call: KernelCall, *arrays: np.ndarray):
     inputs = [Guarded(a, a.shape, _host_dtype(a.dtype)) for a in arrays]
-    # Outputs start as the sentinel, not zeros: an element the kernel should have written shows up. An
-    # aliased output is its input, updated in place (the kernel takes no pointer of its own for it).
-    aliased = dict((output, inputs[index]) for index, output in call.aliases)
-    outputs = [aliased.get(i) or Guarded(None, s.shape, _host_dtype(s.dtype))
-               for i, s in enumerate(call.out_shapes)]
+    # Outputs start as the sentinel, not zeros: an element the kernel should have written shows up.
+    outputs = [Guarded(None, s.shape, _host_dtype(s.dtype)) for s in call.out_shapes]
     # Lanes that are never stored (keys past a sequence's end in the dk/dv kernel) may overflow exp2,
     # as they do silently on the GPU; stored values are checked by the tests, so numpy's warnings go.
     # A sentinel left in an output is a NaN that rounding to bfloat16 warns about: the tests look for it.
     with np.errstate(all="ignore"):
         _compat.interpret(call.kernel, call.grid, *(g.array for g in inputs),
-                          *(g.array for i, g in enumerate(outputs) if i not in aliased), **call.constants)
+                          *(g.array for g in outputs), **call.constants)
         if not all(g.guards_intact() for g in inputs + outputs):
             raise RuntimeError(f"{call.kernel.__name__} wrote outside its arrays")
         return tuple(g.array.astype(s.dtype) for g, s in zip(outputs, call.out_shapes))

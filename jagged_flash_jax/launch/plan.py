@@ -46,11 +46,6 @@ KEY_MAJOR_BLOCK = 64
 # docs/performance.md, "Float32: key-major operands").
 KEY_MAJOR_HEAD_DIMS = {"v": (64, 128, 256), "q_do": (128,)}
 LOG2E = 1.4426950408889634
-# The copies of each log-sum-exp value the warp-specialized forward writes (kernels/hopper.py).
-LSE_COPIES = 4
-# The constants of _common that the warp-specialized forward takes.
-_WS_CONSTANTS = ("NUM_HEADS", "KV_GROUP", "D", "BLOCK_D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "QK_SCALE",
-                 "STRIDE_ALIGN")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,11 +155,6 @@ class KernelCall:
     constants: dict[str, Any]
     num_warps: int = 4
     num_stages: int = 2
-    # (input, output) pairs: the output is the input's buffer, updated in place; the kernel takes the
-    # input's pointer only (jax-triton's input_output_aliases).
-    aliases: tuple[tuple[int, int], ...] = ()
-    # A register cap per thread (Triton's maxnreg), or None.
-    max_registers: int | None = None
 
 
 Runner = Callable[[KernelCall, Sequence[jax.Array]], Sequence[jax.Array]]
@@ -266,8 +256,6 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
     cfg = p.block_sizes.fwd
     params, constants = _common(p)
     slots = p.forward_slots
-    if warp_specialized(p, q.dtype):
-        return _forward_warp_specialized(run, p, q, k, v, q_offsets, kv_offsets, params, constants)
     v_key_major = key_major(p, v.dtype, "v")
     if v_key_major:
         v = _tokens_contiguous(run, p, v, p.num_kv_heads, p.kv_tokens)
@@ -282,55 +270,9 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
         constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                        V_KEY_MAJOR=v_key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN,
                        TMA_LOADS=tma_loads(p, q.dtype, v_key_major)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, max_registers=cfg.max_registers)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     o, lse = run(call, (q, k, v, q_offsets, kv_offsets, _params(call)))
     return o, lse
-
-
-def warp_specialized(p: Problem, dtype) -> bool:
-    """Whether the forward runs kernels/hopper.attention_fwd_ws_kernel: its tile asks for it, the
-    inputs are 16-bit, the device has TMA (or it is the interpreter) and every row is 16-byte aligned."""
-    align, _ = _in_units(*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))
-    itemsize = jnp.dtype(dtype).itemsize
-    return (p.block_sizes.fwd.warp_specialize and itemsize == 2 and align * itemsize % 16 == 0
-            and (p.backend == "interpret" or tma_device()))
-
-
-def _forward_warp_specialized(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, params, constants):
-    """The warp-specialized forward, then the zero fill of o's unattended tokens on the same buffer."""
-    cfg = p.block_sizes.fwd
-    blocks = p.blocks(cfg.block_m, p.q_tokens, p.max_seq_len)
-    all_tokens = p.num_segments * p.q_tokens
-    query_blocks = p.num_segments * p.batch * p.num_heads
-    one_axis = len(_grid(p, q.dtype.itemsize, blocks)) == 1
-    attention = KernelCall(
-        kernels.attention_fwd_ws_kernel,
-        grid=(query_blocks * blocks,) if one_axis else (query_blocks, blocks),
-        out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
-                    jax.ShapeDtypeStruct((p.num_heads, all_tokens, LSE_COPIES), jnp.float32)),
-        params=_pack({**params, param.FWD_FILL_CHUNK: 0, param.FWD_SLOTS: blocks,
-                      param.FWD_LSE_TOKENS: all_tokens}),
-        constants={name: constants[name] for name in _WS_CONSTANTS} | dict(
-            OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, max_registers=cfg.max_registers)
-    if p.batch == 0:
-        o = jnp.zeros(p.q_shape, q.dtype)
-        lse = jnp.full(attention.out_shapes[1].shape, jnp.inf, jnp.float32)
-    else:
-        o, lse = run(attention, (q, k, v, q_offsets, kv_offsets, _params(attention)))
-    slots = p.forward_slots
-    fill = KernelCall(
-        kernels.zero_fill_kernel, grid=_grid(p, q.dtype.itemsize, slots),
-        out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),),
-        params=_pack({**params, param.FWD_FILL_CHUNK: _fill_chunk(p.q_tokens, slots), param.FWD_SLOTS: slots,
-                      param.FWD_LSE_TOKENS: 0}),
-        constants=dict(NUM_HEADS=p.num_heads, D=p.head_dim, BLOCK_D=constants["BLOCK_D"],
-                       MAX_LEN=p.max_seq_len, STRIDE_ALIGN=constants["STRIDE_ALIGN"],
-                       FILL_BLOCK=FILL_BLOCK),
-        aliases=((2, 0),))
-    (o,) = run(fill, (q_offsets, _params(fill), o))
-    # [H, Z * T, copies] -> [Z, H, T]
-    return o, jnp.swapaxes(lse[:, :, 0].reshape(p.num_heads, p.num_segments, p.q_tokens), 0, 1)
 
 
 def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):

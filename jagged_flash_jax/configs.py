@@ -34,8 +34,6 @@ class KernelConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
-    # The forward's only: load k and v through TMA descriptors where the GPU has them (sm_90+).
-    tma: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -148,21 +146,6 @@ def load_table(path: str | None) -> dict:
     return table
 
 
-def tma_device() -> bool:
-    """Whether the first device is a GPU with the TMA copy engine (NVIDIA compute capability >= 9.0)."""
-    try:
-        import jax
-
-        device = jax.devices()[0]
-    except Exception:  # no backend
-        return False
-    capability = getattr(device, "compute_capability", None)
-    try:
-        return device.platform == "gpu" and capability is not None and float(capability) >= 9.0
-    except (TypeError, ValueError):  # not NVIDIA's numbering
-        return False
-
-
 def current_gpu() -> str:
     """The name of the first device (jax.devices()[0].device_kind), e.g. "NVIDIA H200"."""
     try:
@@ -225,11 +208,3 @@ def default_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: 
     if key is None:
         raise ValueError(f"no tile configuration covers head dimension {head_dim} (at most {MAX_HEAD_DIM})")
     return fit_to_lengths(table[key], max_seq_len, kv_max_seq_len)
-
-
-def portable_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None
-                         ) -> BlockSizes:
-    """`default_block_sizes` for the portable kernels only (no TMA loads), as on GPUs before Hopper: to
-    compare the two kernel families, or to rule the Hopper one out."""
-    tiles = default_block_sizes(head_dim, dtype, max_seq_len, kv_max_seq_len)
-    return dataclasses.replace(tiles, fwd=dataclasses.replace(tiles.fwd, tma=False))

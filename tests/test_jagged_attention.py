@@ -4,8 +4,6 @@ sequences; kv_max_seq_len truncation; scale; both layouts; int32 and int64 offse
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +11,6 @@ import pytest
 from helpers import TOLERANCES, Batch, assert_matches, attended_mask, backend_params, reference, run_vjp
 
 import jagged_flash_jax as jfa
-from jagged_flash_jax.configs import INTERPRET_BLOCK_SIZES
 from jagged_flash_jax.launch import plan
 
 CASES = {
@@ -151,25 +148,3 @@ def test_log_sum_exp_only_for_attended_queries():
     assert np.all(lse[:, no_key] == np.inf)
     assert np.all(np.isfinite(lse[:, 3:6]))
     assert np.all(np.isnan(lse[:, 15:]))  # after the last (empty) sequence: never written
-
-
-@pytest.mark.parametrize("backend", backend_params(["interpret", "triton"]))
-@pytest.mark.parametrize("layout", ["THD", "HTD"])
-@pytest.mark.parametrize("case", ["self-causal-blocks", "cross-nq<nk-causal-gqa", "cross-gqa-truncated",
-                                  "self-scale-D40"])
-def test_tma_loads(case, layout, backend, monkeypatch):
-    """The forward's k and v through TMA descriptors of each sequence (KernelConfig.tma): the
-    descriptors' bounds stand for the masks of key blocks past a sequence's end, with causal, cross, GQA,
-    empty sequences and padded D; every case's rows are 16-byte aligned, so the forward takes them."""
-    tiles = INTERPRET_BLOCK_SIZES
-    tiles = dataclasses.replace(tiles, fwd=dataclasses.replace(tiles.fwd, tma=True))
-    taken = []
-
-    def spy(p, dtype, v_key_major):
-        taken.append(original(p, dtype, v_key_major))
-        return taken[-1]
-
-    original = plan.tma_loads
-    monkeypatch.setattr(plan, "tma_loads", spy)
-    check(case, backend, layout, block_sizes=tiles)
-    assert taken and all(taken), "the forward did not take TMA loads"

@@ -296,7 +296,7 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
                 arrays=[((24, 4, 8), f32)] + [((30, 2, 8), f32)] * 2 + [((1, 3), i32)] * 2,
                 params=(*strides, 8, 3, 0), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
                 constants=dict(common, OUT_SCALE=1.0, BLOCK_M=16, BLOCK_N=32, V_KEY_MAJOR=False,
-                               KEY_MAJOR_ALIGN=16, TMA_LOADS=False), num_warps=2, num_stages=3)
+                               KEY_MAJOR_ALIGN=16), num_warps=2, num_stages=3)
     _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (2, 4),
                 arrays=[((24, 4, 8), f32), ((24, 4, 8), f32)], params=(24, 4, 1),
                 out_shapes=(_sds((1, 4, 24), f32),),
@@ -369,7 +369,7 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
                 params=(*strides, 14, 3, 0),
                 out_shapes=(_sds((2, 40, 24), bf16), _sds((1, 2, 40), f32)),
                 constants=dict(common, OUT_SCALE=1 / 32, BLOCK_M=16, BLOCK_N=32, V_KEY_MAJOR=False,
-                               KEY_MAJOR_ALIGN=16, TMA_LOADS=False), num_warps=2, num_stages=3)
+                               KEY_MAJOR_ALIGN=16), num_warps=2, num_stages=3)
     _check_call(fake_jax_triton, preprocess, kernels.attention_bwd_preprocess_kernel, (3, 2),
                 arrays=[((2, 40, 24), bf16)] * 2, params=(40, 3, 120), out_shapes=(_sds((1, 2, 40), f32),),
                 constants=dict(NUM_HEADS=2, D=24, BLOCK_D=32, OUT_SCALE=1 / 32, BLOCK_M=16, STRIDE_ALIGN=8),

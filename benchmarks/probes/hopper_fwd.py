@@ -37,7 +37,6 @@ from jagged_flash_jax.kernels.common import (
     _zero_tail,
     _zero_uncovered,
 )
-from jagged_flash_jax.kernels.hopper import _sequence_descriptor
 from jagged_flash_jax.launch import gpu, plan
 
 from .. import cases, impls, timing
@@ -47,6 +46,18 @@ from .. import cases, impls, timing
 # specialization can take (one loop, straight-line code: no early return, every block masked), and the
 # zero fill it then needs in a launch of its own, aliased to the output.
 # ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sequence_descriptor(ptr, segment, head, seq_start, length, num_tokens, token_stride, head_stride,
+                         D: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A device-made TMA descriptor of the `length` rows of one head of a sequence ([length, D]); an
+    empty sequence's has one row, at its segment's first token, never read."""
+    first = tl.where(length > 0, seq_start, 0)
+    return tl.make_tensor_descriptor(_rows(ptr, segment, head, first, num_tokens, token_stride, head_stride),
+                                     shape=[tl.maximum(length, 1), D], strides=[token_stride, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_D])
+
 
 
 @triton.jit

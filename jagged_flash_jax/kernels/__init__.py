@@ -3,9 +3,8 @@
 Pure Triton, no JAX: the same functions are compiled for the GPU (launch/gpu.py) and run by Triton's
 interpreter on the CPU (launch/interpret.py). `common.py` holds what every kernel family shares (the
 runtime-parameter layout, addressing, a sequence's extent, masks and key/query ranges, the online
-softmax, the zero fills); `portable.py` the kernels that run on any GPU and in the interpreter;
-`hopper.py` what only Hopper GPUs (sm_90+) have: TMA descriptors, through which the forward loads k
-and v when its tile says so (`KernelConfig.tma`). Parameters come in the order jax-triton passes them:
+softmax, the zero fills); `portable.py` the kernels that run on any GPU and in the interpreter; a
+Hopper family (`hopper.py`) is to reuse common.py. Parameters come in the order jax-triton passes them:
 input arrays (the last an int32 array of runtime sizes, its slots named in `params.py`), outputs, then
 compile-time constants (always given by keyword).
 

@@ -35,7 +35,6 @@ from .common import (
     _zero_tail,
     _zero_uncovered,
 )
-from .hopper import _sequence_descriptor
 
 # ---------------------------------------------------------------------------------------------------
 # Forward
@@ -67,20 +66,15 @@ def key_major_kernel(
 
 
 @triton.jit
-def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, k_desc, v_desc, key_start, query_rows, cols, lead,
-               n_k, shift, kv_token_stride, v_d_stride, QK_SCALE: tl.constexpr, D: tl.constexpr,
+def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, lead, n_k, shift,
+               kv_token_stride, v_d_stride, QK_SCALE: tl.constexpr, D: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, V_KEY_MAJOR: tl.constexpr,
-               TMA_LOADS: tl.constexpr):
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, V_KEY_MAJOR: tl.constexpr):
     """One step of the online softmax over keys [key_start, key_start + BLOCK_N), in base 2. row_max is
     the running maximum of the unscaled scores. Keys are counted from the start of the key window:
-    the first `lead` ones (before the sequence, V_KEY_MAJOR only) and those from n_k on are masked.
-    With TMA_LOADS, k and v come through the sequence's descriptors (zeros past n_k)."""
+    the first `lead` ones (before the sequence, V_KEY_MAJOR only) and those from n_k on are masked."""
     key_rows = key_start + tl.arange(0, BLOCK_N)
-    if TMA_LOADS:
-        k = k_desc.load([key_start, 0])
-    else:
-        k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
+    k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
     scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     if MASKED:
         # Masked keys must not take part in the row max: a real score far below 0 would underflow.
@@ -92,9 +86,7 @@ def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, k_desc, v_desc, key_sta
         scores = tl.where(keep, scores, -INF)
     p, correction, row_sum, new_max = _online_softmax(scores, row_max, row_sum, QK_SCALE,
                                                       EMPTY_ROWS=MASKED and CAUSAL)
-    if TMA_LOADS:
-        v = v_desc.load([key_start, 0])
-    elif V_KEY_MAJOR:
+    if V_KEY_MAJOR:
         v = tl.trans(_load_key_major(v_base, key_rows, cols, lead, n_k, v_d_stride, D, BLOCK_D, MASKED))
     else:
         v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
@@ -111,12 +103,9 @@ def attention_fwd_kernel(
     Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
     OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
-    V_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr, TMA_LOADS: tl.constexpr,
+    V_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr,
 ):
     """o and the base-2 log-sum-exp for one block of BLOCK_M queries, or the zero fill of o.
-
-    With TMA_LOADS (Hopper; 16-byte aligned rows, not with V_KEY_MAJOR), k and v come through TMA
-    descriptors of the sequence's keys (hopper._sequence_descriptor).
 
     With V_KEY_MAJOR, v comes as [H_kv, D, tokens] (tokens contiguous, D rows PARAM_FWD_V_D_STRIDE
     apart), so that the B operand of p @ v is K-major: TF32 matrix products need that of both operands,
@@ -157,14 +146,6 @@ def attention_fwd_kernel(
     n_window = n_k + lead
     q_base = _rows(q_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
     k_base = _rows(k_ptr, segment, kv_head, kv_start - lead, kv_tokens, kv_token_stride, kv_head_stride)
-    if TMA_LOADS:
-        k_desc = _sequence_descriptor(k_ptr, segment, kv_head, kv_start, n_k, kv_tokens, kv_token_stride,
-                                      kv_head_stride, D=D, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
-        v_desc = _sequence_descriptor(v_ptr, segment, kv_head, kv_start, n_k, kv_tokens, kv_token_stride,
-                                      kv_head_stride, D=D, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
-    else:
-        k_desc = None
-        v_desc = None
     cols = tl.arange(0, BLOCK_D)
     query_rows = query_start + tl.arange(0, BLOCK_M)
 
@@ -181,25 +162,22 @@ def attention_fwd_kernel(
         tail_start = tl.maximum(clean_end, clean_start)
         for key_start in range(0, tl.minimum(clean_start, end), BLOCK_N):
             acc, row_sum, row_max = _fwd_block(
-                acc, row_sum, row_max, q, k_base, v_base, k_desc, v_desc, key_start=key_start,
-                query_rows=query_rows, cols=cols, lead=lead, n_k=n_window, shift=shift,
-                kv_token_stride=kv_token_stride, v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D,
-                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
-                CAUSAL=CAUSAL, V_KEY_MAJOR=V_KEY_MAJOR, TMA_LOADS=TMA_LOADS)
+                acc, row_sum, row_max, q, k_base, v_base, key_start=key_start, query_rows=query_rows,
+                cols=cols, lead=lead, n_k=n_window, shift=shift, kv_token_stride=kv_token_stride,
+                v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+                INPUT_PRECISION=INPUT_PRECISION, MASKED=True, CAUSAL=CAUSAL, V_KEY_MAJOR=V_KEY_MAJOR)
     for key_start in range(clean_start, clean_end, BLOCK_N):
         acc, row_sum, row_max = _fwd_block(
-            acc, row_sum, row_max, q, k_base, v_base, k_desc, v_desc, key_start=key_start,
-            query_rows=query_rows, cols=cols, lead=lead, n_k=n_window, shift=shift,
-            kv_token_stride=kv_token_stride, v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=False,
-            CAUSAL=CAUSAL, V_KEY_MAJOR=V_KEY_MAJOR, TMA_LOADS=TMA_LOADS)
+            acc, row_sum, row_max, q, k_base, v_base, key_start=key_start, query_rows=query_rows,
+            cols=cols, lead=lead, n_k=n_window, shift=shift, kv_token_stride=kv_token_stride,
+            v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            INPUT_PRECISION=INPUT_PRECISION, MASKED=False, CAUSAL=CAUSAL, V_KEY_MAJOR=V_KEY_MAJOR)
     for key_start in range(tail_start, end, BLOCK_N):
         acc, row_sum, row_max = _fwd_block(
-            acc, row_sum, row_max, q, k_base, v_base, k_desc, v_desc, key_start=key_start,
-            query_rows=query_rows, cols=cols, lead=lead, n_k=n_window, shift=shift,
-            kv_token_stride=kv_token_stride, v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
-            CAUSAL=CAUSAL, V_KEY_MAJOR=V_KEY_MAJOR, TMA_LOADS=TMA_LOADS)
+            acc, row_sum, row_max, q, k_base, v_base, key_start=key_start, query_rows=query_rows,
+            cols=cols, lead=lead, n_k=n_window, shift=shift, kv_token_stride=kv_token_stride,
+            v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            INPUT_PRECISION=INPUT_PRECISION, MASKED=True, CAUSAL=CAUSAL, V_KEY_MAJOR=V_KEY_MAJOR)
 
     attended = row_sum > 0  # false only for queries with no key (empty key sequence, or causal)
     acc = acc * (OUT_SCALE / tl.where(attended, row_sum, 1.0))[:, None]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from .. import kernels
 from .._util import cdiv
-from ..configs import BlockSizes, KernelConfig, head_block, tma_device
+from ..configs import BlockSizes, KernelConfig, head_block
 from ..kernels import params as param
 
 # CUDA's limit on the first grid dimension, which enumerates every program of a launch.
@@ -239,16 +239,6 @@ def _tokens_contiguous(run: Runner, p: Problem, x, heads: int, tokens: int) -> j
     return out
 
 
-def tma_loads(p: Problem, dtype, v_key_major: bool) -> bool:
-    """Whether the forward loads k and v through TMA descriptors (kernels/hopper.py): when its tile asks
-    for it (the table's choice on Hopper GPUs), the device has the copy engine (compute capability 9.0
-    and up; Triton's interpreter emulates it), and every row is 16-byte aligned. Not with a key-major v,
-    which the descriptors do not describe."""
-    align, _ = _in_units(*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))
-    return (p.block_sizes.fwd.tma and not v_key_major and align * jnp.dtype(dtype).itemsize % 16 == 0
-            and (p.backend == "interpret" or tma_device()))
-
-
 def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
     """o (zero where no query is attended) and the float32 base-2 log-sum-exp [Z, H, T_q]."""
     if p.empty:
@@ -268,8 +258,7 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
                       param.FWD_SLOTS: slots,
                       param.FWD_V_D_STRIDE: v.shape[-1] // KEY_MAJOR_ALIGN if v_key_major else 0}),
         constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                       V_KEY_MAJOR=v_key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN,
-                       TMA_LOADS=tma_loads(p, q.dtype, v_key_major)),
+                       V_KEY_MAJOR=v_key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     o, lse = run(call, (q, k, v, q_offsets, kv_offsets, _params(call)))
     return o, lse

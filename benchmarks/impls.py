@@ -10,7 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jagged_flash_jax import configs, jagged_attention, jagged_to_padded, multi_head_jagged_flash_attention
+from jagged_flash_jax import jagged_attention, jagged_to_padded, multi_head_jagged_flash_attention
 
 from .cases import Case, InputSet
 
@@ -52,19 +52,6 @@ def jfa(case: Case, backend: str, block_sizes=None, allow_tf32: bool = True):
         return jagged_attention(q, k, v, offsets, case.max_seq_len, kv_offsets=kv_offsets,
                                 kv_max_seq_len=case.kv_max_seq_len, causal=case.causal, **options,
                                 backend=backend, block_sizes=block_sizes, allow_tf32=allow_tf32)
-    return attend, _packed
-
-
-def jfa_portable(case: Case):
-    """The triton backend held to its portable (non-Hopper) kernels through their tiles."""
-    portable = getattr(configs, "portable_block_sizes", None)
-    if portable is None:
-        raise Unsupported("jagged_flash_jax.configs has no portable_block_sizes: this version has no "
-                          "other kernel family to compare with")
-
-    def attend(q, *rest):  # the tiles depend on the dtype, known here
-        tiles = portable(case.head_dim, q.dtype, case.max_seq_len, case.kv_max_seq_len)
-        return jfa(case, "triton", tiles)[0](q, *rest)
     return attend, _packed
 
 
@@ -130,7 +117,6 @@ def cudnn_packed(case: Case):
 
 IMPLS = {  # name -> (make(case), needs a GPU)
     "jfa-triton": (lambda case: jfa(case, "triton"), True),
-    "jfa-portable": (jfa_portable, True),
     "jfa-xla": (lambda case: jfa(case, "xla"), False),
     "cudnn-packed": (cudnn_packed, True),
     "cudnn-padded": (cudnn_padded, True),

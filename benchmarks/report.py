@@ -11,7 +11,7 @@ import pathlib
 OURS = "jfa-triton"
 FBGEMM = "fbgemm-pytorch"
 FBGEMM_LABEL = "fbgemm-pytorch (measured separately with its PyTorch kernel)"
-IMPL_ORDER = (OURS, "jfa-portable", "jfa-xla", "cudnn-packed", "cudnn-padded", FBGEMM)
+IMPL_ORDER = (OURS, "jfa-xla", "cudnn-packed", "cudnn-padded", FBGEMM)
 
 
 def ok(row) -> bool:

@@ -770,3 +770,22 @@ def test_the_gpu_launcher_takes_its_tiles_from_the_table(fake_jax_triton, tmp_pa
     assert (backward["num_warps"], backward["num_stages"]) == (1, 6)
     assert (backward["DKDV_BLOCK_M"], backward["DKDV_BLOCK_N"], backward["DQ_BLOCK_M"],
             backward["DQ_BLOCK_N"]) == (16, 64, 16, 64)
+
+
+def test_gpu_launcher_passes_register_caps(fake_jax_triton):
+    """A tile's max_registers reaches jax-triton as Triton's maxnreg (a backend option) for its own
+    kernel only; dq and dk/dv tiles with different caps run in a launch each."""
+    tiles = BlockSizes(fwd=KernelConfig(16, 32, max_registers=96),
+                       dkdv=KernelConfig(16, 32, max_registers=128), dq=KernelConfig(16, 32),
+                       preprocess_block_m=16)
+    assert not tiles.one_backward_launch
+    q = jnp.ones((24, 2, 8), jnp.float32)
+    op = lambda q: jfa.jagged_attention(q, q, q, jnp.asarray([0, 5, 24], jnp.int32), 20, backend="triton",
+                                        block_sizes=tiles)
+    o, vjp = jax.vjp(op, q)
+    vjp(jnp.ones_like(o))
+    options = [(call["kernel"], call.get("backend_options")) for call in fake_jax_triton.calls]
+    assert options == [(kernels.attention_fwd_kernel, {"maxnreg": 96}),
+                       (kernels.attention_bwd_preprocess_kernel, None),
+                       (kernels.attention_bwd_kernel, None),  # the dq launch
+                       (kernels.attention_bwd_kernel, {"maxnreg": 128})]

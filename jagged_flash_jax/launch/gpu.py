@@ -85,8 +85,9 @@ def available() -> bool:
 
 
 def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    options = {} if call.max_registers is None else {"backend_options": {"maxnreg": call.max_registers}}
     outputs = jax_triton_module().triton_call(
         *arrays,
         kernel=call.kernel, out_type=call.out_shapes, grid=call.grid,
-        num_warps=call.num_warps, num_stages=call.num_stages, **call.constants)
+        num_warps=call.num_warps, num_stages=call.num_stages, **options, **call.constants)
     return tuple(outputs)

@@ -155,6 +155,7 @@ class KernelCall:
     constants: dict[str, Any]
     num_warps: int = 4
     num_stages: int = 2
+    max_registers: int | None = None  # per thread (Triton's maxnreg), or None
 
 
 Runner = Callable[[KernelCall, Sequence[jax.Array]], Sequence[jax.Array]]
@@ -259,7 +260,7 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
                       param.FWD_V_D_STRIDE: v.shape[-1] // KEY_MAJOR_ALIGN if v_key_major else 0}),
         constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                        V_KEY_MAJOR=v_key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, max_registers=cfg.max_registers)
     o, lse = run(call, (q, k, v, q_offsets, kv_offsets, _params(call)))
     return o, lse
 
@@ -305,7 +306,8 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
                 param.BWD_SLOTS: launch.slots,
                 param.BWD_KM_D_STRIDE: q_km.shape[-1] // KEY_MAJOR_ALIGN if qdo_key_major else 0}),
             constants=dict(constants, DQ_PROGRAMS="dq" in launch.grads, DKDV_PROGRAMS="dk" in launch.grads),
-            num_warps=launch.config.num_warps, num_stages=launch.config.num_stages)
+            num_warps=launch.config.num_warps, num_stages=launch.config.num_stages,
+            max_registers=launch.config.max_registers)
         arrays = (q, k, v, do, lse, delta, q_offsets, kv_offsets, q_km, do_km, _params(call))
         grads.update((name, x) for name, x in zip(shapes, run(call, arrays)) if name in launch.grads)
     return grads["dq"], grads["dk"], grads["dv"]

@@ -1,6 +1,7 @@
 """The public ops: argument checks, backend choice, and the one custom_vjp that serves every backend.
 
-`jagged_attention` has the standard semantics (scale, causal, GQA/MQA, cross-attention);
+`jagged_attention` has the standard semantics (scale, causal, GQA/MQA, cross-attention, a sliding
+window, logit soft-capping, ALiBi);
 `multi_head_jagged_flash_attention` is FBGEMM's op (no scale, output divided by max_seq_len), a thin
 call into the same path.
 """
@@ -124,6 +125,52 @@ def _static_scale(scale, head_dim: int) -> float:
     return scale
 
 
+def _static_window(window, causal: bool, max_q: int, max_k: int) -> tuple[int | None, int | None]:
+    """(left, right) checked and normalized: a bound no query-key distance reaches (left >= the longest
+    key sequence, right >= the longest query sequence) is none, and so is right under causal (which
+    bounds it at 0): one problem, and one compiled kernel, per distinct band."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of static ints >= 0 or None, got {window!r}")
+    for side, value in zip(("left", "right"), window):
+        if value is None:
+            continue
+        if isinstance(value, (jax.core.Tracer, bool)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"window's {side} bound must be a static Python int >= 0 or None, got "
+                            f"{type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"window's {side} bound must be >= 0 or None, got {value}")
+    left, right = (None if value is None or value >= bound else int(value)
+                   for value, bound in zip(window, (max_k, max_q)))
+    return left, None if causal else right
+
+
+def _static_softcap(softcap) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softcap must be a static Python float > 0 or None, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be finite and > 0, got {softcap}")
+    return softcap
+
+
+def _as_slopes(slopes, heads: int, rows: int):
+    """ALiBi's slopes [H] (any float dtype; a list works) as float32 [rows, H], or None."""
+    if slopes is None:
+        return None
+    if not hasattr(slopes, "dtype"):
+        if not isinstance(slopes, (list, tuple)):
+            raise TypeError(f"alibi_slopes must be a float array [H] or None, got {type(slopes).__name__}")
+        slopes = np.asarray(slopes, np.float32)
+    if not jnp.issubdtype(slopes.dtype, jnp.floating):
+        raise TypeError(f"alibi_slopes must be a float array [H], got dtype {slopes.dtype}")
+    if slopes.shape != (heads,):
+        raise ValueError(f"alibi_slopes must have shape [H] = ({heads},), one slope per query head, got "
+                         f"shape {slopes.shape}")
+    return jnp.broadcast_to(jnp.asarray(slopes, jnp.float32), (rows, heads))
+
+
 def _as_offsets(offsets, name: str):
     """offsets as an int32/int64 JAX array; Python lists and NumPy integer arrays are accepted."""
     if not hasattr(offsets, "dtype"):
@@ -192,7 +239,7 @@ def _check_offsets_content(offsets, name: str, tokens: int, layout: str, validat
 
 def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale, out_scale, causal,
              layout, allow_tf32, backend, block_sizes, self_attention: bool,
-             validate: bool) -> plan.Problem:
+             validate: bool, window=(None, None), softcap=None, alibi=False) -> plan.Problem:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -246,7 +293,8 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
         batch=offsets.shape[-1] - 1, num_segments=rows, q_tokens=q_tokens // rows,
         kv_tokens=kv_tokens // rows, q_offsets_rows=rows, kv_offsets_rows=rows, max_seq_len=max_seq_len,
         kv_max_seq_len=kv_max_seq_len, causal=causal, scale=scale, out_scale=out_scale,
-        input_precision="tf32" if allow_tf32 else "ieee", block_sizes=block_sizes, backend=backend)
+        input_precision="tf32" if allow_tf32 else "ieee", block_sizes=block_sizes, backend=backend,
+        window=_static_window(window, causal, bounds[0][2], bounds[1][2]), softcap=softcap, alibi=alibi)
     if backend != "xla":
         plan.check_grid(problem)
     return problem
@@ -257,23 +305,24 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
 # ---------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, q_offsets, kv_offsets, problem: plan.Problem):
-    o, _ = _forward(problem, q, k, v, q_offsets, kv_offsets)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, q_offsets, kv_offsets, slopes, problem: plan.Problem):
+    o, _ = _forward(problem, q, k, v, q_offsets, kv_offsets, slopes)
     return o
 
 
-def _attention_fwd(q, k, v, q_offsets, kv_offsets, problem: plan.Problem):
-    o, lse = _forward(problem, q, k, v, q_offsets, kv_offsets)
+def _attention_fwd(q, k, v, q_offsets, kv_offsets, slopes, problem: plan.Problem):
+    o, lse = _forward(problem, q, k, v, q_offsets, kv_offsets, slopes)
     o = checkpoint_name(o, RESIDUAL_NAMES[0])
     lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
-    return o, (q, k, v, q_offsets, kv_offsets, o, lse)
+    return o, (q, k, v, q_offsets, kv_offsets, o, lse, slopes)
 
 
 def _attention_bwd(problem: plan.Problem, residuals, do):
-    q, k, v, q_offsets, kv_offsets, o, lse = residuals
-    dq, dk, dv = _backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do.astype(q.dtype))
-    return dq, dk, dv, None, None
+    q, k, v, q_offsets, kv_offsets, o, lse, slopes = residuals
+    dq, dk, dv = _backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do.astype(q.dtype), slopes)
+    # The ALiBi slopes get no gradient (as in FlashAttention): a zero cotangent.
+    return dq, dk, dv, None, None, None
 
 
 # Neither the forward nor the backward kernels have a derivative of their own; only a second
@@ -282,13 +331,13 @@ def _attention_bwd(problem: plan.Problem, residuals, do):
 # gives them that error, at trace time, under jit too, rather than JAX's missing rule for
 # custom_partitioning. Without tangents (first order) the rule is never called.
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _forward(problem: plan.Problem, q, k, v, q_offsets, kv_offsets):
-    return transforms.forward(problem, q, k, v, q_offsets, kv_offsets)
+def _forward(problem: plan.Problem, q, k, v, q_offsets, kv_offsets, slopes):
+    return transforms.forward(problem, q, k, v, q_offsets, kv_offsets, slopes)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _backward(problem: plan.Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
-    return transforms.backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do)
+def _backward(problem: plan.Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes):
+    return transforms.backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes)
 
 
 def _no_second_order(problem, primals, tangents):
@@ -302,7 +351,7 @@ _backward.defjvp(_no_second_order)
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _call(q, k, v, q_offsets, kv_offsets, problem):
+def _call(q, k, v, q_offsets, kv_offsets, problem, slopes=None):
     # Offsets as [rows, B+1], the kernels' form (a free reshape).
     q_offsets, kv_offsets = (x if x.ndim == 2 else x[None] for x in (q_offsets, kv_offsets))
     # jax.jvp and jax.jacfwd fail here, as the custom_vjp is traced. Under jax.jit of jax.jvp, and when
@@ -310,7 +359,7 @@ def _call(q, k, v, q_offsets, kv_offsets, problem):
     # its own "can't apply forward-mode autodiff (jvp) to a custom_vjp function": no hook reaches that
     # (a linear_call tangent would, but it has no vmap rule in jax 0.10).
     try:
-        return _attention(q, k, v, q_offsets, kv_offsets, problem)
+        return _attention(q, k, v, q_offsets, kv_offsets, slopes, problem)
     except TypeError as err:
         if "forward-mode" not in str(err):
             raise
@@ -338,6 +387,9 @@ def jagged_attention(
     allow_tf32: bool = True,
     block_sizes: BlockSizes | None = None,
     validate: bool = False,
+    window: tuple[int | None, int | None] = (None, None),
+    softcap: float | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array:
     """Variable-length (jagged) multi-head attention with the standard semantics.
 
@@ -381,6 +433,16 @@ def jagged_attention(
         The op does not wrap itself, so that the error composes with the caller's jit, vmap, grad
         and other checks, and stays a value under their control; without the wrapper, jax.jit
         refuses the unfunctionalized check at trace time, which says so.
+      window: (left, right), static ints >= 0 or None: a sliding window. Query i, at key position
+        i + n_k - n_q (bottom-right aligned, as causal), sees the keys j with
+        i + n_k - n_q - left <= j <= i + n_k - n_q + right; None is no bound on that side. With
+        causal=True the right bound is 0 (the intersection). The kernels skip the key blocks outside
+        every query's band, so the cost grows with the window, not with the sequence length.
+      softcap: static float > 0 or None: logit soft-capping, as in FlashAttention (Gemma 2): the scaled
+        scores s = scale * q k^T become softcap * tanh(s / softcap) before the softmax (and ALiBi).
+      alibi_slopes: [H] float array (float32 in the kernels) or None: ALiBi, adding
+        -alibi_slopes[h] * |i + n_k - n_q - j| to the (scaled, capped) scores of query head h. An
+        operand (it may be traced), but not differentiated, as in FlashAttention: its gradient is 0.
 
     Returns:
       The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v; forward
@@ -393,12 +455,15 @@ def jagged_attention(
     self_attention = kv_offsets is None
     kv_offsets = offsets if self_attention else _as_offsets(kv_offsets, "kv_offsets")
     _check_array(q, "q", layout if layout in LAYOUTS else "THD")
+    heads = _split(q.shape, layout if layout in LAYOUTS else "THD")[1]
+    slopes = _as_slopes(alibi_slopes, heads, offsets.shape[0] if offsets.ndim == 2 else 1)
     problem = _problem(
         q, k, v, offsets, kv_offsets, max_seq_len=max_seq_len, kv_max_seq_len=kv_max_seq_len,
         scale=_static_scale(scale, q.shape[-1]), out_scale=1.0, causal=_static_bool(causal, "causal"),
         layout=layout, allow_tf32=_static_bool(allow_tf32, "allow_tf32"), backend=backend,
-        block_sizes=block_sizes, self_attention=self_attention, validate=_static_bool(validate, "validate"))
-    return _call(q, k, v, offsets, kv_offsets, problem)
+        block_sizes=block_sizes, self_attention=self_attention, validate=_static_bool(validate, "validate"),
+        window=window, softcap=_static_softcap(softcap), alibi=slopes is not None)
+    return _call(q, k, v, offsets, kv_offsets, problem, slopes)
 
 
 def multi_head_jagged_flash_attention(

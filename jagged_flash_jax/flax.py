@@ -8,7 +8,8 @@ two ops on them (token-major, layout "THD": no transposes) and projects the resu
 - `semantics="fbgemm"` (the default): `multi_head_jagged_flash_attention`, softmax(q k^T) v / max_seq_len
   per sequence and head (no 1/sqrt(D) scale, no causal mask, H_kv = H);
 - `semantics="standard"`: `jagged_attention`, softmax(scale * q k^T) v per sequence and head, with
-  `scale` (default 1/sqrt(D)), an optional causal mask and grouped-query heads (H_kv dividing H).
+  `scale` (default 1/sqrt(D)), an optional causal mask and grouped-query heads (H_kv dividing H), and
+  its `window`, `softcap` and `alibi_slopes` (a static tuple of H floats here).
   On a sequence of at most max_seq_len tokens, this is `nnx.MultiHeadAttention` (without dropout) on
   that sequence alone.
 
@@ -68,7 +69,8 @@ def _check_int(value, name: str) -> int:
     return int(value)
 
 
-def _check_config(*, num_heads, num_kv_heads, semantics, causal, scale, backend, heads_axis) -> int:
+def _check_config(*, num_heads, num_kv_heads, semantics, causal, scale, backend, heads_axis,
+                  window=(None, None), softcap=None, alibi_slopes=None) -> int:
     """Checks the layer's settings (those that do not depend on the input); returns num_kv_heads."""
     _check_int(num_heads, "num_heads")
     num_kv_heads = num_heads if num_kv_heads is None else _check_int(num_kv_heads, "num_kv_heads")
@@ -84,11 +86,18 @@ def _check_config(*, num_heads, num_kv_heads, semantics, causal, scale, backend,
     if semantics == "fbgemm":
         unsupported = [what for what, bad in (
             ("causal=True", causal), (f"scale={scale!r}", scale is not None),
+            (f"window={window!r}", tuple(window) != (None, None)),
+            (f"softcap={softcap!r}", softcap is not None),
+            ("alibi_slopes", alibi_slopes is not None),
             (f"num_kv_heads={num_kv_heads} != num_heads={num_heads}", num_kv_heads != num_heads)) if bad]
         if unsupported:
             raise ValueError(f"semantics='fbgemm' (FBGEMM's op: softmax(q k^T) v / max_seq_len, full "
                              f"attention, as many kv heads as query heads) cannot take "
                              f"{', '.join(unsupported)}; use semantics='standard' (jagged_attention)")
+    if alibi_slopes is not None and (not isinstance(alibi_slopes, (tuple, list))
+                                     or len(alibi_slopes) != num_heads):
+        raise ValueError(f"alibi_slopes must be a tuple of num_heads={num_heads} floats or None, got "
+                         f"{alibi_slopes!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if heads_axis is not None and not isinstance(heads_axis, str):
@@ -131,13 +140,16 @@ def _out_sharding(a) -> NamedSharding | None:
     return NamedSharding(mesh, P(spec[0], None))
 
 
-def _attend(q, k, v, offsets, max_seq_len, *, semantics, causal, scale, backend, allow_tf32):
+def _attend(q, k, v, offsets, max_seq_len, *, semantics, causal, scale, backend, allow_tf32,
+            window=(None, None), softcap=None, alibi_slopes=None):
     """The op on projections q [T, H, D], k, v [T, H_kv, D], read token-major (no transposes)."""
     if semantics == "fbgemm":
         return multi_head_jagged_flash_attention(q, k, v, offsets, max_seq_len, allow_tf32=allow_tf32,
                                                  backend=backend, layout="THD")
+    slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
     return jagged_attention(q, k, v, offsets, max_seq_len, scale=scale, causal=causal, layout="THD",
-                            backend=backend, allow_tf32=allow_tf32)
+                            backend=backend, allow_tf32=allow_tf32, window=tuple(window), softcap=softcap,
+                            alibi_slopes=slopes)
 
 
 class JaggedMultiHeadAttention(nnx.Module):
@@ -189,6 +201,10 @@ class JaggedMultiHeadAttention(nnx.Module):
       semantics: "fbgemm" (default: FBGEMM's op, as in earlier versions) or "standard" (see above).
       causal: causal mask within each sequence (semantics="standard" only).
       scale: factor of q k^T (semantics="standard" only); None means 1/sqrt(D).
+      window, softcap: `jagged_attention`'s sliding window (left, right) and logit soft cap
+        (semantics="standard" only).
+      alibi_slopes: a static tuple of num_heads floats, `jagged_attention`'s ALiBi slopes (not trained),
+        or None (semantics="standard" only).
       heads_axis: name of the mesh axis to split the heads over (see above), or None.
       use_bias: whether the four projections have biases.
       dtype: computation dtype of the projections and of the attention (default: promoted from the
@@ -212,6 +228,9 @@ class JaggedMultiHeadAttention(nnx.Module):
         semantics: str = "fbgemm",
         causal: bool = False,
         scale: float | None = None,
+        window: tuple[int | None, int | None] = (None, None),
+        softcap: float | None = None,
+        alibi_slopes: tuple[float, ...] | None = None,
         heads_axis: str | None = None,
         use_bias: bool = True,
         dtype: Any = None,
@@ -225,7 +244,8 @@ class JaggedMultiHeadAttention(nnx.Module):
     ):
         self.num_kv_heads = _check_config(num_heads=num_heads, num_kv_heads=num_kv_heads,
                                           semantics=semantics, causal=causal, scale=scale, backend=backend,
-                                          heads_axis=heads_axis)
+                                          heads_axis=heads_axis, window=window, softcap=softcap,
+                                          alibi_slopes=alibi_slopes)
         self.num_heads = num_heads = int(num_heads)
         self.in_features = _check_int(in_features, "in_features")
         self.qkv_features = qkv_features if qkv_features is not None else in_features
@@ -234,6 +254,8 @@ class JaggedMultiHeadAttention(nnx.Module):
         self.head_dim = _head_dim(self.qkv_features, num_heads)
         self.semantics, self.causal = semantics, bool(causal)
         self.scale = None if scale is None else float(scale)
+        self.window, self.softcap = tuple(window), softcap
+        self.alibi_slopes = None if alibi_slopes is None else tuple(float(s) for s in alibi_slopes)
         self.heads_axis = heads_axis
         self.use_bias = use_bias
         self.dtype = dtype
@@ -271,7 +293,8 @@ class JaggedMultiHeadAttention(nnx.Module):
         _check_input(x, self.in_features)
         q, k, v = self.query(x), self.key(x), self.value(x)  # [T, H, D], [T, H_kv, D] x 2
         a = _attend(q, k, v, offsets, max_seq_len, semantics=self.semantics, causal=self.causal,
-                    scale=self.scale, backend=self.backend, allow_tf32=self.allow_tf32)
+                    scale=self.scale, backend=self.backend, allow_tf32=self.allow_tf32, window=self.window,
+                    softcap=self.softcap, alibi_slopes=self.alibi_slopes)
         return self.out(a, out_sharding=_out_sharding(a))
 
 
@@ -343,6 +366,9 @@ class JaggedMultiHeadDotProductAttention(nn.Module):
     semantics: str = "fbgemm"
     causal: bool = False
     scale: float | None = None
+    window: tuple[int | None, int | None] = (None, None)
+    softcap: float | None = None
+    alibi_slopes: tuple[float, ...] | None = None
     heads_axis: str | None = None
     use_bias: bool = True
     dtype: Any = None
@@ -355,7 +381,8 @@ class JaggedMultiHeadDotProductAttention(nn.Module):
 
     def __post_init__(self):
         _check_config(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, semantics=self.semantics,
-                      causal=self.causal, scale=self.scale, backend=self.backend, heads_axis=self.heads_axis)
+                      causal=self.causal, scale=self.scale, backend=self.backend, heads_axis=self.heads_axis,
+                      window=self.window, softcap=self.softcap, alibi_slopes=self.alibi_slopes)
         super().__post_init__()
 
     @nn.compact
@@ -381,7 +408,8 @@ class JaggedMultiHeadDotProductAttention(nn.Module):
         q = dense((self.num_heads, head_dim), -1, "query", "qkv")(x)
         k, v = (dense((num_kv_heads, head_dim), -1, name, "qkv")(x) for name in ("key", "value"))
         a = _attend(q, k, v, offsets, max_seq_len, semantics=self.semantics, causal=self.causal,
-                    scale=self.scale, backend=self.backend, allow_tf32=self.allow_tf32)
+                    scale=self.scale, backend=self.backend, allow_tf32=self.allow_tf32, window=self.window,
+                    softcap=self.softcap, alibi_slopes=self.alibi_slopes)
         return dense(out_features, (-2, -1), "out", "out", _out_sharding(a))(a)
 
 

@@ -12,7 +12,9 @@ of 0 times nan is nan). Scores stay unscaled, as in the kernels: the row max is 
 scale multiplies, so the top score gets exactly exp(0) = 1 in both passes whatever the scale (a scaled
 score is rounded, and at |scores| ~ 1e8 one rounding is worth a factor e^30). So the log-sum-exp residual
 is the kernels' too: float32, in units of the unscaled scores (sum_j exp(scale * (s_j - lse)) = 1; the
-natural log-sum-exp of the scaled scores is scale * lse), +inf for rows with no key.
+natural log-sum-exp of the scaled scores is scale * lse), +inf for rows with no key. The soft cap and
+ALiBi keep those units: the score is softcap/scale * tanh(scale * q.k / softcap) - slope/scale * |i + n_k
+- n_q - j|, and the backward multiplies ds by the cap's derivative (the slopes get no gradient).
 
 `jagged_attention_reference` is the dense version (O(B*H*L^2) memory) that JAX differentiates itself,
 in both modes: for checking, small problems, and forward-mode autodiff.
@@ -96,20 +98,46 @@ def _index_within(starts, rows, lengths, tokens: int):
     return jnp.where(rows[None, :] < lengths[:, None], starts[:, None] + rows, tokens)
 
 
-def _allowed(query_rows, key_rows, n_q, n_k, causal):
-    """[N, Q, K]: key j < n_k, and j <= i + n_k - n_q when causal (bottom-right aligned)."""
+def _distance(query_rows, key_rows, n_q, n_k):
+    """[N, Q, K]: i + n_k - n_q - j, query i's key position (bottom-right aligned) less key j."""
+    return query_rows[:, :, None] + (n_k - n_q)[:, None, None] - key_rows[:, None, :]
+
+
+def _allowed(query_rows, key_rows, n_q, n_k, causal, window=(None, None)):
+    """[N, Q, K]: key j < n_k, and j <= i + n_k - n_q when causal (bottom-right aligned), and within the
+    window (left, right): -right <= i + n_k - n_q - j <= left, a None bound being none."""
     keep = key_rows[:, None, :] < n_k[:, None, None]
+    distance = _distance(query_rows, key_rows, n_q, n_k)
+    left, right = window
     if causal:
         keep &= key_rows[:, None, :] <= query_rows[:, :, None] + (n_k - n_q)[:, None, None]
+    if right is not None:
+        keep &= distance >= -right
+    if left is not None:
+        keep &= distance <= left
     return keep
+
+
+def _transform(p, scores, distance, slopes):
+    """(x, t): the scores the softmax takes, in units of the unscaled ones (see the module docstring),
+    and the tanh of the soft cap (the cap's derivative is 1 - t^2). scores [N, Q, G, R, K], distance
+    [N, Q, K], slopes [G, R] already divided by the scale."""
+    t = x = scores
+    if p.softcap is not None:
+        cap = p.softcap / p.scale
+        t = jnp.tanh(scores / cap)
+        x = cap * t
+    if p.alibi:
+        x = x - slopes[None, None, :, :, None] * jnp.abs(distance)[:, :, None, None, :]
+    return x, t
 
 
 class _QueryBlocks:
     """The query blocks of one segment and, block of keys by block of keys, the scores they see: what
     the forward and dq passes share."""
 
-    def __init__(self, p, q, k, v, q_offsets, kv_offsets):
-        self.p, self.k, self.v = p, k, v
+    def __init__(self, p, q, k, v, q_offsets, kv_offsets, slopes):
+        self.p, self.k, self.v, self.slopes = p, k, v, slopes
         self.blocks = _Blocks(q_offsets, p.q_tokens, p.max_seq_len, BLOCK)
         self.kv_start, self.n_k = _other_side(self.blocks, kv_offsets, p.kv_tokens, p.kv_max_seq_len)
         self.n_q = self.blocks.lengths[self.blocks.sequence]
@@ -122,14 +150,17 @@ class _QueryBlocks:
         return self.blocks.gather(x).reshape(*self.split, self.p.head_dim)
 
     def scores(self, key_block):
-        """(k, v blocks [N, K, G, D], unscaled scores [N, Q, G, R, K], which scores count) of a key block;
-        keys past the sequence's n_k read 0."""
+        """(k, v blocks [N, K, G, D], scores [N, Q, G, R, K] and their cap's tanh (see `_transform`),
+        which scores count) of a key block; keys past the sequence's n_k read 0."""
         key_rows = key_block * BLOCK + jnp.arange(BLOCK)
         index = _index_within(self.kv_start, key_rows, self.n_k, self.p.kv_tokens)
         kb, vb = (jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (self.k, self.v))
         scores = jnp.einsum("nqgrd,nkgd->nqgrk", self.q, kb, precision=_precision(self.p))
-        keep = _allowed(self.blocks.rows, key_rows[None], self.n_q, self.n_k, self.p.causal)
-        return kb, vb, scores, keep[:, :, None, None, :]
+        key_rows = jnp.broadcast_to(key_rows, (self.n_q.shape[0], BLOCK))
+        scores, t = _transform(self.p, scores, _distance(self.blocks.rows, key_rows, self.n_q, self.n_k),
+                               self.slopes)
+        keep = _allowed(self.blocks.rows, key_rows, self.n_q, self.n_k, self.p.causal, self.p.window)
+        return kb, vb, scores, t, keep[:, :, None, None, :]
 
     def scatter(self, x, fill=0.0):
         """[N, Q, G, R, ...] -> [T_q, H, ...]."""
@@ -137,13 +168,14 @@ class _QueryBlocks:
                                    self.p.q_tokens, fill)
 
 
-def _segment_forward(p, q, k, v, q_offsets, kv_offsets):
-    """One segment: q [T_q, H, D], k, v [T_kv, Hk, D] float32 -> o [T_q, H, D], lse [H, T_q]."""
-    side = _QueryBlocks(p, q, k, v, q_offsets, kv_offsets)
+def _segment_forward(p, q, k, v, q_offsets, kv_offsets, slopes):
+    """One segment: q [T_q, H, D], k, v [T_kv, Hk, D] float32, ALiBi's slopes [G, R] divided by the
+    scale -> o [T_q, H, D], lse [H, T_q]."""
+    side = _QueryBlocks(p, q, k, v, q_offsets, kv_offsets, slopes)
 
     def step(carry, key_block):
         acc, row_sum, row_max = carry
-        _, vb, scores, keep = side.scores(key_block)
+        _, vb, scores, _, keep = side.scores(key_block)
         scores = jnp.where(keep, scores, -jnp.inf)
         new_max = jnp.maximum(row_max, scores.max(-1))
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -162,24 +194,26 @@ def _segment_forward(p, q, k, v, q_offsets, kv_offsets):
     return side.scatter(o), side.scatter(lse, jnp.inf).T
 
 
-def _segment_dq(p, q, k, v, do, lse, delta, q_offsets, kv_offsets):
-    side = _QueryBlocks(p, q, k, v, q_offsets, kv_offsets)
+def _segment_dq(p, q, k, v, do, lse, delta, q_offsets, kv_offsets, slopes):
+    side = _QueryBlocks(p, q, k, v, q_offsets, kv_offsets, slopes)
     dob = side.gather(do)
     lseb, deltab = (jnp.take(x.T, side.blocks.tokens, axis=0, mode="fill", fill_value=fill)
                     .reshape(side.split) for x, fill in ((lse, jnp.inf), (delta, 0.0)))
 
     def step(dq, key_block):
-        kb, vb, scores, keep = side.scores(key_block)
+        kb, vb, scores, t, keep = side.scores(key_block)
         probs = jnp.where(keep, jnp.exp((scores - lseb[..., None]) * p.scale), 0.0)
         dp = p.out_scale * jnp.einsum("nqgrd,nkgd->nqgrk", dob, vb, precision=_precision(p))
         ds = probs * (dp - deltab[..., None])
+        if p.softcap is not None:
+            ds = ds * (1 - t * t)
         return dq + jnp.einsum("nqgrk,nkgd->nqgrd", ds, kb, precision=_precision(p)), None
 
     dq, _ = lax.scan(step, _varying_like(jnp.zeros(side.q.shape), side.q), side.key_blocks)
     return side.scatter(p.scale * dq)
 
 
-def _segment_dkdv(p, q, k, v, do, lse, delta, q_offsets, kv_offsets):
+def _segment_dkdv(p, q, k, v, do, lse, delta, q_offsets, kv_offsets, slopes):
     group = p.num_heads // p.num_kv_heads
     blocks = _Blocks(kv_offsets, p.kv_tokens, p.kv_max_seq_len, BLOCK)
     q_start, n_q = _other_side(blocks, q_offsets, p.q_tokens, p.max_seq_len)
@@ -196,11 +230,15 @@ def _segment_dkdv(p, q, k, v, do, lse, delta, q_offsets, kv_offsets):
         qb, dob, deltab = (jnp.take(x, index, axis=0, mode="fill", fill_value=0) for x in (q, do, delta))
         lseb = jnp.take(lse, index, axis=0, mode="fill", fill_value=jnp.inf)
         scores = jnp.einsum("nqgrd,nkgd->nqgrk", qb, kb, precision=_precision(p))
-        keep = _allowed(query_rows[None], blocks.rows, n_q, n_k, p.causal)[:, :, None, None, :]
+        query_rows = jnp.broadcast_to(query_rows, (n_q.shape[0], BLOCK))
+        scores, t = _transform(p, scores, _distance(query_rows, blocks.rows, n_q, n_k), slopes)
+        keep = _allowed(query_rows, blocks.rows, n_q, n_k, p.causal, p.window)[:, :, None, None, :]
         probs = jnp.where(keep, jnp.exp((scores - lseb[..., None]) * p.scale), 0.0)
         dv = dv + p.out_scale * jnp.einsum("nqgrk,nqgrd->nkgd", probs, dob, precision=_precision(p))
         dp = p.out_scale * jnp.einsum("nqgrd,nkgd->nqgrk", dob, vb, precision=_precision(p))
         ds = probs * (dp - deltab[..., None])
+        if p.softcap is not None:
+            ds = ds * (1 - t * t)
         dk = dk + p.scale * jnp.einsum("nqgrk,nqgrd->nkgd", ds, qb, precision=_precision(p))
         return (dk, dv), None
 
@@ -210,18 +248,26 @@ def _segment_dkdv(p, q, k, v, do, lse, delta, q_offsets, kv_offsets):
     return blocks.scatter(dk, p.kv_tokens), blocks.scatter(dv, p.kv_tokens)
 
 
-def forward(p, q, k, v, q_offsets, kv_offsets):
+def _slopes(p, slopes):
+    """ALiBi's slopes [Z, H] as [Z, G, R] float32 in units of the unscaled scores (zeros without)."""
+    split = (p.num_segments, p.num_kv_heads, p.num_heads // p.num_kv_heads)
+    if not p.alibi:
+        return jnp.zeros(split, jnp.float32)
+    return jnp.broadcast_to(slopes.astype(jnp.float32) / p.scale, split[:1] + (p.num_heads,)).reshape(split)
+
+
+def forward(p, q, k, v, q_offsets, kv_offsets, slopes=None):
     """The `xla` backend's forward: o and the log-sum-exp [Z, H, T_q] (in units of the unscaled
-    scores, as the kernels', +inf where no key)."""
+    scores, as the kernels', +inf where no key). slopes: ALiBi's [Z, H] when p.alibi."""
     if p.empty or p.kv_tokens == 0 or p.batch == 0:
         return jnp.zeros(p.q_shape, q.dtype), jnp.full(p.stats_shape, jnp.inf, jnp.float32)
     q32, k32, v32 = _canonical(q, p, p.q_tokens), _canonical(k, p, p.kv_tokens), _canonical(v, p, p.kv_tokens)
     o, lse = jax.vmap(lambda *a: _segment_forward(p, *a))(
-        q32, k32, v32, _offsets_rows(q_offsets, p), _offsets_rows(kv_offsets, p))
+        q32, k32, v32, _offsets_rows(q_offsets, p), _offsets_rows(kv_offsets, p), _slopes(p, slopes))
     return _restore(o, p, q.dtype), lse
 
 
-def backward(p, q, k, v, q_offsets, kv_offsets, o, lse, do):
+def backward(p, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None):
     """The `xla` backend's backward: dq, dk, dv from the residuals of `forward`."""
     if p.empty or p.kv_tokens == 0 or p.batch == 0:
         return jnp.zeros(p.q_shape, q.dtype), jnp.zeros(p.kv_shape, k.dtype), jnp.zeros(p.kv_shape, v.dtype)
@@ -229,7 +275,7 @@ def backward(p, q, k, v, q_offsets, kv_offsets, o, lse, do):
     k32, v32 = _canonical(k, p, p.kv_tokens), _canonical(v, p, p.kv_tokens)
     delta = jnp.swapaxes(jnp.sum(o32 * do32, axis=-1), 1, 2)  # [Z, H, T_q]
     offsets = (_offsets_rows(q_offsets, p), _offsets_rows(kv_offsets, p))
-    args = (q32, k32, v32, do32, lse, delta, *offsets)
+    args = (q32, k32, v32, do32, lse, delta, *offsets, _slopes(p, slopes))
     dq = jax.vmap(lambda *a: _segment_dq(p, *a))(*args)
     dk, dv = jax.vmap(lambda *a: _segment_dkdv(p, *a))(*args)
     return _restore(dq, p, q.dtype), _restore(dk, p, k.dtype), _restore(dv, p, v.dtype)
@@ -237,11 +283,15 @@ def backward(p, q, k, v, q_offsets, kv_offsets, o, lse, do):
 
 def jagged_attention_reference(q, k, v, offsets, max_seq_len: int, *, kv_offsets=None,
                                kv_max_seq_len: int | None = None, scale: float | None = None,
-                               causal: bool = False, layout: str = "THD", out_scale: float = 1.0):
+                               causal: bool = False, layout: str = "THD", out_scale: float = 1.0,
+                               window: tuple[int | None, int | None] = (None, None),
+                               softcap: float | None = None, alibi_slopes=None):
     """Dense pure-JAX jagged attention with `jagged_attention`'s semantics (O(B * H * L^2) memory).
 
     Pads every sequence to [B, L, H, D], masks, and lets JAX differentiate (reverse and forward mode).
     `out_scale` multiplies the output (FBGEMM's semantics: scale=1.0, out_scale=1 / max_seq_len).
+    `window`, `softcap` and `alibi_slopes` ([H]) are `jagged_attention`'s; as there, no gradient flows to
+    the slopes.
     """
     if layout == "HTD":
         q, k, v = (jnp.swapaxes(x, 0, 1) for x in (q, k, v))
@@ -257,9 +307,16 @@ def jagged_attention_reference(q, k, v, offsets, max_seq_len: int, *, kv_offsets
     qp, n_q = pad(q, offsets, max_seq_len)
     kp, n_k = pad(jnp.repeat(k, group, axis=1), kv_offsets, kv_max_seq_len)
     vp, _ = pad(jnp.repeat(v, group, axis=1), kv_offsets, kv_max_seq_len)
-    keep = _allowed(jnp.arange(max_seq_len)[None], jnp.arange(kv_max_seq_len)[None], n_q, n_k, causal)
+    query_rows, key_rows = jnp.arange(max_seq_len)[None], jnp.arange(kv_max_seq_len)[None]
+    keep = _allowed(query_rows, key_rows, n_q, n_k, causal, window)
     # Unscaled scores, the max subtracted before the scale, as in the kernels (see the module docstring).
     scores = jnp.einsum("bqhd,bkhd->bhqk", qp, kp, precision=lax.Precision.HIGHEST)
+    if softcap is not None:
+        scores = softcap / scale * jnp.tanh(scores * (scale / softcap))
+    if alibi_slopes is not None:
+        slopes = lax.stop_gradient(jnp.asarray(alibi_slopes, jnp.float32)) / scale
+        distance = jnp.abs(_distance(query_rows, key_rows, n_q, n_k))  # [B, Q, K]
+        scores = scores - slopes[None, :, None, None] * distance[:, None]
     scores = jnp.where(keep[:, None], scores, -jnp.inf)
     row_max = lax.stop_gradient(scores.max(-1, keepdims=True))
     weights = jnp.exp((scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)) * scale)

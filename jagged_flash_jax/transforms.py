@@ -5,6 +5,8 @@ Every backend runs through `forward` and `backward` here, below the one custom_v
 - `jax.custom_batching.custom_vmap` folds a vmapped axis into the problem, so that vmap costs one
   launch: into the heads for "HTD" with shared offsets (a free reshape), otherwise into the segments
   of the token axis, each with its own row of offsets.
+- ALiBi slopes, when given, are one more operand [Z, H] (float32, a row per segment): vmap folds them
+  with the heads or the segments, and partitioning splits them as the heads and segments.
 - `jax.experimental.custom_partitioning` runs each device's heads, or each device's segments
   (data parallel: offsets [shards, B+1]), locally under a sharded `jax.jit`, with no collective; any
   other sharding raises an error that says what is supported.
@@ -39,6 +41,7 @@ class ForwardArgs(NamedTuple):
     v: object
     q_offsets: object
     kv_offsets: object
+    slopes: object = None  # ALiBi's [Z, H], only when the problem has ALiBi (Problem.alibi)
 
 
 class BackwardArgs(NamedTuple):
@@ -52,6 +55,7 @@ class BackwardArgs(NamedTuple):
     o: object
     lse: object
     do: object
+    slopes: object = None
 
 
 # Operands laid out like q, k, v (tokens and heads axes), and the offsets, by name.
@@ -70,20 +74,25 @@ def _varying_like(outputs, inputs):
                  for out in outputs)
 
 
-def _run_forward(p: Problem, q, k, v, q_offsets, kv_offsets):
+def _operands(args: tuple) -> tuple:
+    """ForwardArgs or BackwardArgs as operands: the slopes only where there are some."""
+    return tuple(args) if args.slopes is not None else tuple(args)[:-1]
+
+
+def _run_forward(p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None):
     if p.backend == "xla":
-        outputs = reference.forward(p, q, k, v, q_offsets, kv_offsets)
+        outputs = reference.forward(p, q, k, v, q_offsets, kv_offsets, slopes)
     else:
-        outputs = launch.plan.forward(launch.runner(p.backend), p, q, k, v, q_offsets, kv_offsets)
+        outputs = launch.plan.forward(launch.runner(p.backend), p, q, k, v, q_offsets, kv_offsets, slopes)
     return _varying_like(outputs, (q, k, v, q_offsets, kv_offsets))
 
 
-def _run_backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
+def _run_backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None):
     args = (q, k, v, q_offsets, kv_offsets, o, lse, do)
     if p.backend == "xla":
-        outputs = reference.backward(p, *args)
+        outputs = reference.backward(p, *args, slopes)
     else:
-        outputs = launch.plan.backward(launch.runner(p.backend), p, *args)
+        outputs = launch.plan.backward(launch.runner(p.backend), p, *args, slopes)
     return _varying_like(outputs, args)
 
 
@@ -126,11 +135,12 @@ def _sharding_rule(p: Problem, backward: bool):
     offsets = [("z b" if rows > 1 else f"o{i} b") for i, rows in
                enumerate((p.q_offsets_rows, p.kv_offsets_rows))]
     stats = f"{'z' if z else 'y'} {q_heads} t"
+    slopes = [f"{'z' if z else 'y'} {q_heads}"] if p.alibi else []
     if backward:
-        operands = [q_like, kv_like, kv_like, *offsets, q_like, stats, q_like]
+        operands = [q_like, kv_like, kv_like, *offsets, q_like, stats, q_like, *slopes]
         results = [q_like, kv_like, kv_like]
     else:
-        operands = [q_like, kv_like, kv_like, *offsets]
+        operands = [q_like, kv_like, kv_like, *offsets, *slopes]
         results = [q_like, stats]
     return f"{', '.join(operands)} -> {', '.join(results)}", sizes
 
@@ -190,7 +200,7 @@ class _Plan:
         segments = self.segment_axes or None
         spec = {"array": P(segments, heads, None) if self.layout == "THD" else P(heads, segments, None),
                 "offsets": P(segments, None), "shared_offsets": P(None, None),
-                "stats": P(segments, heads, None)}[kind]
+                "stats": P(segments, heads, None), "slopes": P(segments, heads)}[kind]
         return NamedSharding(self.mesh, spec)
 
     def local(self, p: Problem) -> Problem:
@@ -219,6 +229,8 @@ def _partitioned(p: Problem, run, backward: bool):
             result_shardings = (array, array, array)
         else:
             result_shardings = (array, plan.sharding("stats"))
+        if p.alibi:
+            arg_shardings += (plan.sharding("slopes"),)
         local = plan.local(p)
         return mesh, functools.partial(run, local), result_shardings, arg_shardings
 
@@ -276,6 +288,10 @@ class _Fold:
             return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[-1])
         return x.reshape(-1, *x.shape[2:])
 
+    def slopes(self, x, batched: bool):
+        """ALiBi's [V, Z, H] -> [Z, V*H] (heads) or [V*Z, H] (segments); None stays None."""
+        return None if x is None else self.stats(x[..., None], batched)[..., 0]
+
     def unstats(self, x):
         if self.into_heads:
             return jnp.moveaxis(x.reshape(x.shape[0], self.size, -1, x.shape[-1]), 1, 0)
@@ -293,8 +309,8 @@ def _forward_fn(p: Problem):
     partitioned = _partitioned(p, _run_forward, backward=False)
 
     @custom_vmap
-    def call(q, k, v, q_offsets, kv_offsets):
-        return partitioned(q, k, v, q_offsets, kv_offsets)
+    def call(*args):
+        return partitioned(*args)
 
     @call.def_vmap
     def rule(size, batched, *args):
@@ -302,7 +318,8 @@ def _forward_fn(p: Problem):
         fold = _Fold(p, size, batched.q_offsets or batched.kv_offsets)
         offsets = fold.fold_offsets(args.q_offsets, args.kv_offsets, batched.q_offsets, batched.kv_offsets)
         arrays = (fold.array(getattr(args, n), getattr(batched, n)) for n in ("q", "k", "v"))
-        o, lse = _forward_fn(fold.problem)(*arrays, *offsets)
+        operands = ForwardArgs(*arrays, *offsets, fold.slopes(args.slopes, batched.slopes))
+        o, lse = _forward_fn(fold.problem)(*_operands(operands))
         return (fold.unarray(o), fold.unstats(lse)), (True, True)
 
     return call
@@ -313,8 +330,8 @@ def _backward_fn(p: Problem):
     partitioned = _partitioned(p, _run_backward, backward=True)
 
     @custom_vmap
-    def call(q, k, v, q_offsets, kv_offsets, o, lse, do):
-        return partitioned(q, k, v, q_offsets, kv_offsets, o, lse, do)
+    def call(*args):
+        return partitioned(*args)
 
     @call.def_vmap
     def rule(size, batched, *args):
@@ -323,7 +340,9 @@ def _backward_fn(p: Problem):
         offsets = fold.fold_offsets(args.q_offsets, args.kv_offsets, batched.q_offsets, batched.kv_offsets)
         arrays = [fold.array(getattr(args, n), getattr(batched, n)) for n in ("q", "k", "v")]
         o, do = fold.array(args.o, batched.o), fold.array(args.do, batched.do)
-        grads = _backward_fn(fold.problem)(*arrays, *offsets, o, fold.stats(args.lse, batched.lse), do)
+        operands = BackwardArgs(*arrays, *offsets, o, fold.stats(args.lse, batched.lse), do,
+                                fold.slopes(args.slopes, batched.slopes))
+        grads = _backward_fn(fold.problem)(*_operands(operands))
         return tuple(fold.unarray(g) for g in grads), (True, True, True)
 
     return call
@@ -332,7 +351,7 @@ def _backward_fn(p: Problem):
 def _with_auto_axes(p: Problem, fn, args, result_types, backward: bool):
     """Run `fn` with explicit mesh axes turned into auto ones (custom_partitioning works with those),
     checking the shardings at trace time, and give results the shardings of `result_types`."""
-    mesh = explicit_mesh(args.q)
+    mesh = explicit_mesh(args[0])
     if mesh is None:
         return fn(*args)
     plan = _Plan(p, mesh, [jax.typeof(x) for x in args], backward)
@@ -342,14 +361,15 @@ def _with_auto_axes(p: Problem, fn, args, result_types, backward: bool):
         return jax.sharding.auto_axes(fn, out_sharding=out)(*args)
 
 
-def forward(p: Problem, q, k, v, q_offsets, kv_offsets):
-    """o and the float32 log-sum-exp [Z, H, T_q] (the backend's own convention), on any backend."""
-    args = ForwardArgs(q, k, v, q_offsets, kv_offsets)
+def forward(p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None):
+    """o and the float32 log-sum-exp [Z, H, T_q] (the backend's own convention), on any backend.
+    slopes: ALiBi's [Z, H] float32 when p.alibi, else None."""
+    args = _operands(ForwardArgs(q, k, v, q_offsets, kv_offsets, slopes))
     return _with_auto_axes(p, _forward_fn(p), args, (("array", q), ("stats", None)), backward=False)
 
 
-def backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
-    """dq, dk, dv from the residuals of `forward`."""
-    args = BackwardArgs(q, k, v, q_offsets, kv_offsets, o, lse, do)
+def backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None):
+    """dq, dk, dv from the residuals of `forward` (none for the slopes)."""
+    args = _operands(BackwardArgs(q, k, v, q_offsets, kv_offsets, o, lse, do, slopes))
     return _with_auto_axes(p, _backward_fn(p), args, (("array", q), ("array", k), ("array", v)),
                            backward=True)

@@ -87,9 +87,12 @@ def attended_mask(offsets, total: int, max_seq_len: int) -> np.ndarray:
 
 
 def reference(q, k, v, do, offsets, max_seq_len, *, kv_offsets=None, kv_max_seq_len=None, scale=1.0,
-              causal=False, out_scale=1.0):
-    """(o, dq, dk, dv) in float64 of out_scale * softmax(scale * q k^T) v per sequence, for token-major
-    q [T_q, H, D] and k, v [T_kv, H_kv, D]; zero outside the attended tokens."""
+              causal=False, out_scale=1.0, window=(None, None), softcap=None, alibi_slopes=None):
+    """(o, dq, dk, dv) in float64 of out_scale * softmax(s) v per sequence, for token-major q [T_q, H, D]
+    and k, v [T_kv, H_kv, D]; zero outside the attended tokens. s = scale * q k^T, then
+    softcap * tanh(s / softcap), then - slope_h * |i + n_k - n_q - j|; query i sees the keys with
+    -right <= i + n_k - n_q - j <= left for window (left, right) (and >= 0 when causal). The gradients
+    differentiate through the tanh; the slopes get none."""
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
     kv_offsets = offsets if kv_offsets is None else kv_offsets
     kv_max_seq_len = max_seq_len if kv_max_seq_len is None else kv_max_seq_len
@@ -103,21 +106,33 @@ def reference(q, k, v, do, offsets, max_seq_len, *, kv_offsets=None, kv_max_seq_
         if n_q == 0 or n_k == 0:
             continue
         rows, keys = slice(qs, qs + n_q), slice(ks, ks + n_k)
+        distance = np.arange(n_q)[:, None] + n_k - n_q - np.arange(n_k)[None, :]
         allowed = np.ones((n_q, n_k), bool)
         if causal:
-            allowed = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + n_k - n_q
+            allowed &= distance >= 0
+        if window[0] is not None:
+            allowed &= distance <= window[0]
+        if window[1] is not None:
+            allowed &= distance >= -window[1]
         seen = allowed.any(axis=1)  # queries with no key get 0
         for h in range(q.shape[1]):
             g = h // group
             qh, kh, vh, doh = q[rows, h], k[keys, g], v[keys, g], do[rows, h]
-            s = np.where(allowed, scale * qh @ kh.T, -np.inf)
+            s = scale * qh @ kh.T
+            cap_grad = np.ones_like(s)  # d(capped score) / d(score)
+            if softcap is not None:
+                t = np.tanh(s / softcap)
+                s, cap_grad = softcap * t, 1 - t * t
+            if alibi_slopes is not None:
+                s = s - float(alibi_slopes[h]) * np.abs(distance)
+            s = np.where(allowed, s, -np.inf)
             m = np.where(seen, s.max(axis=1), 0.0)
             p = np.where(allowed, np.exp(s - m[:, None]), 0.0)
             p /= np.where(seen, p.sum(axis=1), 1.0)[:, None]
             o[rows, h] = out_scale * p @ vh
             dv[keys, g] += out_scale * p.T @ doh
             dp = out_scale * doh @ vh.T
-            ds = p * (dp - np.sum(dp * p, axis=1, keepdims=True))
+            ds = p * (dp - np.sum(dp * p, axis=1, keepdims=True)) * cap_grad
             dq[rows, h] = scale * ds @ kh
             dk[keys, g] += scale * ds.T @ qh
     return o, dq, dk, dv

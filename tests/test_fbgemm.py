@@ -1,5 +1,6 @@
 """FBGEMM's op (`multi_head_jagged_flash_attention`) on every backend against the float64 reference:
-output and the three gradients, every precision, both layouts, offsets dtypes, tiles, determinism."""
+output and the three gradients, every precision, both layouts, offsets dtypes, tiles, determinism
+(also of jagged_attention with a window, a soft cap and ALiBi)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from helpers import (
     run_vjp,
 )
 
+import jagged_flash_jax as jfa
 from jagged_flash_jax import BlockSizes, KernelConfig
 
 # lengths, heads, head dim, max_seq_len, tokens before the first sequence, tokens after the last
@@ -116,10 +118,18 @@ def test_tile_sizes(tiles, backend):
     check(batch, 48, "fp32", backend, block_sizes=TILES[tiles])
 
 
+# jagged_attention with a window, a soft cap and ALiBi (the kernels' other masks and score transforms).
+_WITH_OPTIONS = dict(window=(9, 4), softcap=3.0, alibi_slopes=np.asarray([0.3, 0.07], np.float32))
+
+
 @pytest.mark.parametrize("backend", backend_params(KERNEL_BACKENDS))
-def test_backward_is_deterministic(backend):
+@pytest.mark.parametrize("options", ["fbgemm", "window-softcap-alibi"])
+def test_backward_is_deterministic(options, backend):
     batch = Batch.make([37, 3, 64], 2, 32, seed=5, scale=0.4)
-    first = run_vjp(fbgemm, batch, jnp.bfloat16, layout="HTD", max_seq_len=64, backend=backend)
-    second = run_vjp(fbgemm, batch, jnp.bfloat16, layout="HTD", max_seq_len=64, backend=backend)
+    op, kwargs = fbgemm, {}
+    if options != "fbgemm":
+        op, kwargs = jfa.jagged_attention, _WITH_OPTIONS
+    first = run_vjp(op, batch, jnp.bfloat16, layout="HTD", max_seq_len=64, backend=backend, **kwargs)
+    second = run_vjp(op, batch, jnp.bfloat16, layout="HTD", max_seq_len=64, backend=backend, **kwargs)
     for a, b in zip(first[4:], second[4:]):
         np.testing.assert_array_equal(a, b)

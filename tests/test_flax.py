@@ -52,6 +52,9 @@ CONFIGS = {
     "standard": dict(num_heads=2, semantics="standard"),
     "causal": dict(num_heads=2, semantics="standard", causal=True, scale=0.3),
     "gqa": dict(num_heads=4, num_kv_heads=2, semantics="standard", causal=True),
+    # jagged_attention's window, soft cap and ALiBi, passed through.
+    "options": dict(num_heads=4, num_kv_heads=2, semantics="standard", causal=True, window=(3, None),
+                    softcap=2.0, alibi_slopes=(0.5, 0.2, 0.1, 0.05)),
 }
 # relative_error bounds: float32 everywhere (HIGHEST projections, no TF32), and bfloat16 computation.
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
@@ -99,7 +102,10 @@ def _expected(layer, x, offsets, max_seq_len, dy):
     w_out = p["out"]["kernel"]
     scale, out_scale = _scales(layer, max_seq_len)
     a, dq, dk, dv = reference(q, k, v, np.einsum("to,hdo->thd", dy, w_out), np.asarray(offsets),
-                              max_seq_len, scale=scale, causal=layer.causal, out_scale=out_scale)
+                              max_seq_len, scale=scale, causal=layer.causal, out_scale=out_scale,
+                              window=getattr(layer, "window", (None, None)),
+                              softcap=getattr(layer, "softcap", None),
+                              alibi_slopes=getattr(layer, "alibi_slopes", None))
     y = np.einsum("thd,hdo->to", a, w_out) + p["out"].get("bias", 0)
     grads = {"out": {"kernel": np.einsum("thd,to->hdo", a, dy), "bias": dy.sum(0)}}
     dx = 0
@@ -154,7 +160,7 @@ ALL_FP32 = [(config, jnp.float32) for config in CONFIGS]
 REFERENCE_CASES = (
     _cases("xla", ALL_FP32)
     # The interpreter is slow (and computes bfloat16 in float32): two configurations.
-    + _cases("interpret", [("fbgemm", jnp.float32), ("gqa", jnp.float32)])
+    + _cases("interpret", [("fbgemm", jnp.float32), ("gqa", jnp.float32), ("options", jnp.float32)])
     + _cases("triton", ALL_FP32 + [(config, jnp.bfloat16) for config in CONFIGS]))
 
 
@@ -267,6 +273,10 @@ def test_shapes_defaults_and_dtype_promotion():
     (dict(semantics="flash"), "semantics must be one of"),
     (dict(causal=True), "semantics='fbgemm'.*cannot take causal=True"),
     (dict(scale=0.5), "semantics='fbgemm'.*cannot take scale=0.5"),
+    (dict(window=(2, 0)), r"semantics='fbgemm'.*cannot take window=\(2, 0\)"),
+    (dict(softcap=1.0), "semantics='fbgemm'.*cannot take softcap=1.0"),
+    (dict(alibi_slopes=(0.1, 0.2)), "semantics='fbgemm'.*cannot take alibi_slopes"),
+    (dict(semantics="standard", alibi_slopes=(0.1,)), "alibi_slopes must be a tuple of num_heads=2 floats"),
     (dict(num_kv_heads=1), "semantics='fbgemm'.*num_kv_heads=1 != num_heads=2"),
     (dict(semantics="standard", causal=1), "causal must be a bool"),
     (dict(semantics="standard", scale=float("nan")), "scale must be a finite float"),

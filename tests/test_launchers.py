@@ -285,6 +285,7 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
     vjp(jnp.ones_like(o))
     forward, preprocess, backward = fake_jax_triton.calls
     common = dict(NUM_HEADS=4, KV_GROUP=2, D=8, BLOCK_D=16, Q_MAX_LEN=20, KV_MAX_LEN=24, CAUSAL=True,
+                  WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
                   QK_SCALE=0.5 * LOG2E, INPUT_PRECISION=precision, STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK)
     # Params: batch, q and kv tokens per segment, q token/head strides, kv token/head strides (in units
     # of STRIDE_ALIGN = 8 elements), offsets row strides (0: one shared row), then fill chunks.
@@ -293,7 +294,7 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
     # and 3 slots: ceil(20 / 16) blocks and the tail-zeroing slot. Params end with the fill chunk,
     # ceil(tokens / slots), slots, and the D stride of a key-major v (none at D = 8).
     _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (12, 3),
-                arrays=[((24, 4, 8), f32)] + [((30, 2, 8), f32)] * 2 + [((1, 3), i32)] * 2,
+                arrays=[((24, 4, 8), f32)] + [((30, 2, 8), f32)] * 2 + [((1, 3), i32)] * 2 + [((1,), f32)],
                 params=(*strides, 8, 3, 0), out_shapes=(_sds((24, 4, 8), f32), _sds((1, 4, 24), f32)),
                 constants=dict(common, OUT_SCALE=1.0, BLOCK_M=16, BLOCK_N=32, V_KEY_MAJOR=False,
                                KEY_MAJOR_ALIGN=16), num_warps=2, num_stages=3)
@@ -308,7 +309,7 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
     _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (12, 6),
                 arrays=[((24, 4, 8), f32), ((30, 2, 8), f32), ((30, 2, 8), f32), ((24, 4, 8), f32),
                         ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32),
-                        ((24, 4, 8), f32), ((24, 4, 8), f32)],
+                        ((24, 4, 8), f32), ((24, 4, 8), f32), ((1,), f32)],
                 params=(*strides, 8, 10, 6, 0),
                 out_shapes=(_sds((24, 4, 8), f32), _sds((30, 2, 8), f32), _sds((30, 2, 8), f32)),
                 constants=dict(common, OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
@@ -331,13 +332,14 @@ def test_gpu_launcher_two_backward_launches(fake_jax_triton):
     vjp(jnp.ones_like(o))
     _, _, dq_call, dkdv_call = fake_jax_triton.calls
     constants = dict(NUM_HEADS=4, KV_GROUP=2, D=8, BLOCK_D=16, Q_MAX_LEN=20, KV_MAX_LEN=24, CAUSAL=True,
-                     QK_SCALE=0.5 * LOG2E, INPUT_PRECISION="tf32", STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK,
+                     WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
+                  QK_SCALE=0.5 * LOG2E, INPUT_PRECISION="tf32", STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK,
                      OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16, DQ_BLOCK_M=32,
                      DQ_BLOCK_N=16, QDO_KEY_MAJOR=False, KEY_MAJOR_ALIGN=16)
     strides = (2, 24, 30, 4, 1, 2, 1, 0, 0)
     arrays = [((24, 4, 8), f32), ((30, 2, 8), f32), ((30, 2, 8), f32), ((24, 4, 8), f32),
               ((1, 4, 24), f32), ((1, 4, 24), f32), ((1, 3), i32), ((1, 3), i32), ((24, 4, 8), f32),
-              ((24, 4, 8), f32)]
+              ((24, 4, 8), f32), ((1,), f32)]
     # dq: ceil(20 / 32) = 1 block and the tail slot; fill chunks ceil(tokens / 2); dk and dv are
     # one-element placeholders.
     _check_call(fake_jax_triton, dq_call, kernels.attention_bwd_kernel, (12, 2), arrays=arrays,
@@ -361,10 +363,11 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
     vjp(jnp.ones_like(o))
     forward, preprocess, backward = fake_jax_triton.calls
     common = dict(NUM_HEADS=2, KV_GROUP=1, D=24, BLOCK_D=32, Q_MAX_LEN=32, KV_MAX_LEN=32, CAUSAL=False,
+                  WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
                   QK_SCALE=LOG2E, INPUT_PRECISION="tf32", STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK)
     # HTD: token stride D, head stride T * D, in units of 8 elements.
     strides = (3, 40, 40, 3, 120, 3, 120, 0, 0)
-    arrays = [((2, 40, 24), bf16)] * 3 + [((1, 4), i32)] * 2
+    arrays = [((2, 40, 24), bf16)] * 3 + [((1, 4), i32)] * 2 + [((1,), f32)]
     _check_call(fake_jax_triton, forward, kernels.attention_fwd_kernel, (8, 3), arrays=arrays,
                 params=(*strides, 14, 3, 0),
                 out_shapes=(_sds((2, 40, 24), bf16), _sds((1, 2, 40), f32)),
@@ -376,7 +379,7 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
                 num_warps=4, num_stages=2)
     _check_call(fake_jax_triton, backward, kernels.attention_bwd_kernel, (8, 6),
                 arrays=[((2, 40, 24), bf16)] * 4 + [((1, 2, 40), f32)] * 2 + [((1, 4), i32)] * 2
-                + [((2, 40, 24), bf16)] * 2,
+                + [((2, 40, 24), bf16)] * 2 + [((1,), f32)],
                 params=(*strides, 14, 14, 6, 0), out_shapes=(_sds((2, 40, 24), bf16),) * 3,
                 constants=dict(common, OUT_SCALE=1 / 32, DS_SCALE=1 / 32, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16,
                                DQ_BLOCK_M=32, DQ_BLOCK_N=16, QDO_KEY_MAJOR=False, KEY_MAJOR_ALIGN=16,

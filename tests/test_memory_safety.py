@@ -190,12 +190,20 @@ def check_offsets_case(offsets, int64: bool, backend: str = "interpret") -> None
             backend=backend))
         fbgemm_op = jax.jit(lambda q, k, v, o: jfa.multi_head_jagged_flash_attention(
             q, k, v, o, MAX_SEQ_LEN, backend=backend))
+        # The band skips key and query blocks and ALiBi reads a slope per segment and head: with any
+        # offsets, they stay inside the arrays too.
+        options_op = jax.jit(lambda q, k, v, o, kv_o, slopes: jfa.jagged_attention(
+            q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, window=(5, 3),
+            softcap=2.0, alibi_slopes=slopes, backend=backend))
+        slopes = jnp.linspace(0.1, 0.9, HEADS, dtype=jnp.float32)
         cases = {
             "jagged_attention": (lambda q, k, v: self_op(q, k, v, q_offsets), (q, q, q), "THD", False),
             "jagged_attention cross causal": (lambda q, k, v: cross_op(q, k, v, q_offsets, kv_offsets),
                                               (q, kv, kv), "THD", True),
             "multi_head_jagged_flash_attention": (lambda q, k, v: fbgemm_op(q, k, v, q_offsets),
                                                   (q.swapaxes(0, 1),) * 3, "HTD", False),
+            "jagged_attention cross window softcap alibi": (
+                lambda q, k, v: options_op(q, k, v, q_offsets, kv_offsets, slopes), (q, kv, kv), "THD", True),
         }
         q_mask = covered(offsets, TOKENS, MAX_SEQ_LEN)
         # Every case twice: as chosen, then with key-major operands (which float32 inputs with TF32 and
@@ -264,7 +272,8 @@ def case_results(request):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: f"{'int64' if case[1] else 'int32'}{case[0]}")
 def test_adversarial_offsets_are_memory_safe(case_results, case):
-    """Forward and backward of both ops, self- and cross-attention, causal: see `check_offsets_case`.
+    """Forward and backward of both ops, self- and cross-attention, causal, a window with a soft cap and
+    ALiBi: see `check_offsets_case`.
     The guards raise if a kernel wrote outside its arrays; a read outside, or an output element left
     unwritten, would be a NaN."""
     result = case_results(*case)

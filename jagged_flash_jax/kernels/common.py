@@ -188,44 +188,115 @@ def _store(base, rows, cols, num_rows, value, token_stride, D: tl.constexpr, BLO
 
 
 @triton.jit
-def _causal_shift(n_q, n_k, CAUSAL: tl.constexpr):
-    """Query i attends key j <= i + shift (bottom-right aligned)."""
-    if CAUSAL:
+def _query_shift(n_q, n_k, ALIGNED: tl.constexpr):
+    """Query i sits at key position i + shift, bottom-right aligned (0 where nothing reads it: ALIGNED is
+    whether a mask or a bias does)."""
+    if ALIGNED:
         return n_k - n_q
     else:
         return 0
 
 
 @triton.jit
+def _band(keep, query_rows, key_rows, shift, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+          WINDOW_RIGHT: tl.constexpr):
+    """keep, and whether each key (key_rows, broadcast against query_rows) is in its query's band:
+    i + shift - WINDOW_LEFT <= j <= i + shift + WINDOW_RIGHT (a bound of -1 is none), and j <= i + shift
+    when CAUSAL."""
+    if CAUSAL:
+        keep = (key_rows <= query_rows + shift) & keep
+    if WINDOW_RIGHT >= 0:
+        keep = (key_rows <= query_rows + (shift + WINDOW_RIGHT)) & keep
+    if WINDOW_LEFT >= 0:
+        keep = (key_rows >= query_rows + (shift - WINDOW_LEFT)) & keep
+    return keep
+
+
+@triton.jit
+def _ceil_to(x, BLOCK: tl.constexpr):
+    return (x + BLOCK - 1) // BLOCK * BLOCK
+
+
+@triton.jit
 def _key_ranges(query_start, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr):
-    """For queries [query_start, +BLOCK_M): keys [0, clean_end) need no mask, [clean_end, end) do."""
+                CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
+    """For queries [query_start, +BLOCK_M): (start, clean_start, clean_end, end), the keys [start, end)
+    some query of the block sees (the blocks outside are skipped: a window's cost grows with its width,
+    not with n_k), of which the key blocks in [clean_start, clean_end) need no mask (every query of the
+    block sees every key). start and the clean bounds are multiples of BLOCK_N, clean_start <= clean_end,
+    and a first loop over [start, min(clean_start, end)) covers the masked keys before the clean ones."""
+    shift = n_k - n_q
+    last = query_start + BLOCK_M - 1
+    start = n_k * 0
+    clean_start = n_k * 0
     end = n_k
     clean_end = n_k
+    if WINDOW_LEFT >= 0:
+        start = tl.maximum(query_start + shift - WINDOW_LEFT, 0)
+        clean_start = tl.maximum(last + shift - WINDOW_LEFT, 0)
     if CAUSAL:
-        shift = n_k - n_q
-        end = tl.minimum(n_k, query_start + BLOCK_M + shift)
-        clean_end = tl.minimum(n_k, query_start + shift + 1)
-    end = tl.maximum(end, 0)
-    clean_end = tl.maximum(clean_end, 0) // BLOCK_N * BLOCK_N
-    return clean_end, end
+        end = tl.minimum(end, last + shift + 1)
+        clean_end = tl.minimum(clean_end, query_start + shift + 1)
+    if WINDOW_RIGHT >= 0:
+        end = tl.minimum(end, last + shift + WINDOW_RIGHT + 1)
+        clean_end = tl.minimum(clean_end, query_start + shift + WINDOW_RIGHT + 1)
+    start = start // BLOCK_N * BLOCK_N
+    clean_start = _ceil_to(clean_start, BLOCK_N)
+    clean_end = tl.maximum(tl.maximum(clean_end, 0) // BLOCK_N * BLOCK_N, clean_start)
+    return start, clean_start, clean_end, tl.maximum(end, 0)
 
 
 @triton.jit
 def _query_ranges(key_start, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr):
-    """For keys [key_start, +BLOCK_N): the query blocks [start, n_q) that see them, of which
-    [clean_start, clean_end) need no mask. All but n_q are multiples of BLOCK_M."""
-    clean_end = n_q // BLOCK_M * BLOCK_M
+                  CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
+    """For keys [key_start, +BLOCK_N): (start, clean_start, clean_end, end), the queries [start, end)
+    that see some of them, of which the query blocks in [clean_start, clean_end) see all of them
+    (unmasked), as `_key_ranges` (multiples of BLOCK_M but end)."""
+    shift = n_k - n_q
+    last = key_start + BLOCK_N - 1
+    start = n_q * 0
+    clean_start = n_q * 0
+    end = n_q
+    clean_end = n_q
+    # Query i sees key j when j - shift - right <= i <= j - shift + left.
     if CAUSAL:
-        shift = n_k - n_q
-        start = tl.maximum(key_start - shift, 0) // BLOCK_M * BLOCK_M
-        # The first block whose first query sees the block's last key.
-        diagonal_end = (tl.maximum(key_start + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        clean_start = tl.minimum(tl.maximum(diagonal_end, start), tl.maximum(clean_end, start))
-        return start, clean_start, tl.maximum(clean_start, clean_end)
-    else:
-        return 0, 0, clean_end
+        start = tl.maximum(start, key_start - shift)
+        clean_start = tl.maximum(clean_start, last - shift)
+    if WINDOW_RIGHT >= 0:
+        start = tl.maximum(start, key_start - shift - WINDOW_RIGHT)
+        clean_start = tl.maximum(clean_start, last - shift - WINDOW_RIGHT)
+    if WINDOW_LEFT >= 0:
+        end = tl.minimum(n_q, last - shift + WINDOW_LEFT + 1)
+        clean_end = tl.minimum(n_q, key_start - shift + WINDOW_LEFT + 1)
+    start = start // BLOCK_M * BLOCK_M
+    clean_start = _ceil_to(clean_start, BLOCK_M)
+    clean_end = tl.maximum(tl.maximum(clean_end, 0) // BLOCK_M * BLOCK_M, clean_start)
+    return start, clean_start, clean_end, tl.maximum(end, 0)
+
+
+@triton.jit
+def _tanh(y):
+    """tanh on exp2 (tl.math has no tanh on every Triton this package supports): +-1 exactly once |y|
+    passes 9, never NaN for a finite or infinite y."""
+    e = tl.math.exp2(tl.abs(y) * -2.8853900817779268)  # exp(-2|y|), in [0, 1]
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(y < 0, -t, t)
+
+
+@triton.jit
+def _scores(dots, query_rows, key_rows, shift, slope, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """(x, t): the scores the softmax takes, in units of the unscaled q.k (so that the online softmax,
+    the log-sum-exp and delta keep theirs), and the tanh of the soft cap (its derivative is 1 - t^2).
+    SOFTCAP is the cap divided by the scale (0: none): x = SOFTCAP * tanh(dots / SOFTCAP). With ALIBI,
+    x -= slope * |i + shift - j|, the slope (of this head) divided by the scale."""
+    t = dots
+    x = dots
+    if SOFTCAP > 0:
+        t = _tanh(dots * (1.0 / SOFTCAP))
+        x = t * SOFTCAP
+    if ALIBI:
+        x = x - slope * tl.abs(query_rows + shift - key_rows).to(tl.float32)
+    return x, t
 
 
 @triton.jit

@@ -19,8 +19,8 @@ from .common import (
     PARAM_FWD_V_D_STRIDE,
     PARAM_KEY_MAJOR_PADDED,
     _aligned,
+    _band,
     _bounds,
-    _causal_shift,
     _key_major_window,
     _key_ranges,
     _load,
@@ -29,7 +29,9 @@ from .common import (
     _params,
     _program,
     _query_ranges,
+    _query_shift,
     _rows,
+    _scores,
     _stats,
     _store,
     _zero_tail,
@@ -67,25 +69,29 @@ def key_major_kernel(
 
 @triton.jit
 def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, lead, n_k, shift,
-               kv_token_stride, v_d_stride, QK_SCALE: tl.constexpr, D: tl.constexpr,
+               slope, kv_token_stride, v_d_stride, QK_SCALE: tl.constexpr, D: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, V_KEY_MAJOR: tl.constexpr):
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+               WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+               V_KEY_MAJOR: tl.constexpr):
     """One step of the online softmax over keys [key_start, key_start + BLOCK_N), in base 2. row_max is
     the running maximum of the unscaled scores. Keys are counted from the start of the key window:
     the first `lead` ones (before the sequence, V_KEY_MAJOR only) and those from n_k on are masked."""
     key_rows = key_start + tl.arange(0, BLOCK_N)
     k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
-    scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+    scores, _ = _scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), query_rows[:, None],
+                        key_rows[None, :], shift, slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     if MASKED:
         # Masked keys must not take part in the row max: a real score far below 0 would underflow.
         keep = key_rows[None, :] < n_k
         if V_KEY_MAJOR:
             keep = keep & (key_rows[None, :] >= lead)
-        if CAUSAL:
-            keep = keep & (key_rows[None, :] <= query_rows[:, None] + shift)
+        keep = _band(keep, query_rows[:, None], key_rows[None, :], shift, CAUSAL=CAUSAL,
+                     WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT)
         scores = tl.where(keep, scores, -INF)
-    p, correction, row_sum, new_max = _online_softmax(scores, row_max, row_sum, QK_SCALE,
-                                                      EMPTY_ROWS=MASKED and CAUSAL)
+    p, correction, row_sum, new_max = _online_softmax(
+        scores, row_max, row_sum, QK_SCALE,
+        EMPTY_ROWS=MASKED and (CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0))
     if V_KEY_MAJOR:
         v = tl.trans(_load_key_major(v_base, key_rows, cols, lead, n_k, v_d_stride, D, BLOCK_D, MASKED))
     else:
@@ -97,15 +103,20 @@ def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, 
 
 @triton.jit
 def attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+    q_ptr, k_ptr, v_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr,
     o_ptr, lse_ptr,
     NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
+    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, QK_SCALE: tl.constexpr,
     OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
     V_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr,
 ):
     """o and the base-2 log-sum-exp for one block of BLOCK_M queries, or the zero fill of o.
+
+    Query i sees the keys of its band (`common._band`: causal, a window) and nothing else: key blocks
+    outside every band of the query block are not visited. With ALIBI, slopes_ptr holds the slopes
+    [segments, NUM_HEADS] in units of the unscaled scores; otherwise it is never read.
 
     With V_KEY_MAJOR, v comes as [H_kv, D, tokens] (tokens contiguous, D rows PARAM_FWD_V_D_STRIDE
     apart), so that the B operand of p @ v is K-major: TF32 matrix products need that of both operands,
@@ -153,33 +164,45 @@ def attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], -INF, dtype=tl.float32)
-    shift = _causal_shift(n_q, n_window, CAUSAL)
-    clean_end, end = _key_ranges(query_start, n_q, n_window, BLOCK_M, BLOCK_N, CAUSAL)
-    clean_start = 0
-    tail_start = clean_end
+    shift = _query_shift(n_q, n_window,
+                         ALIGNED=CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0 or ALIBI)
+    if ALIBI:
+        slope = tl.load(slopes_ptr + segment * NUM_HEADS + head)
+    else:
+        slope = 0.0
+    start, clean_start, clean_end, end = _key_ranges(
+        query_start, n_q, n_window, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
+        WINDOW_RIGHT=WINDOW_RIGHT)
     if V_KEY_MAJOR:  # a first block with keys before the sequence is masked
-        clean_start = (lead > 0).to(tl.int32) * BLOCK_N
-        tail_start = tl.maximum(clean_end, clean_start)
-        for key_start in range(0, tl.minimum(clean_start, end), BLOCK_N):
+        clean_start = tl.maximum(clean_start, (lead > 0).to(tl.int32) * BLOCK_N)
+        clean_end = tl.maximum(clean_end, clean_start)
+    if V_KEY_MAJOR or WINDOW_LEFT >= 0:
+        for key_start in range(start, tl.minimum(clean_start, end), BLOCK_N):
             acc, row_sum, row_max = _fwd_block(
-                acc, row_sum, row_max, q, k_base, v_base, key_start=key_start, query_rows=query_rows,
-                cols=cols, lead=lead, n_k=n_window, shift=shift, kv_token_stride=kv_token_stride,
-                v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-                INPUT_PRECISION=INPUT_PRECISION, MASKED=True, CAUSAL=CAUSAL, V_KEY_MAJOR=V_KEY_MAJOR)
+                acc, row_sum, row_max, q, k_base, v_base, key_start=key_start,
+                query_rows=query_rows, cols=cols, lead=lead, n_k=n_window, shift=shift, slope=slope,
+                kv_token_stride=kv_token_stride, v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D,
+                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
+                CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+                ALIBI=ALIBI, V_KEY_MAJOR=V_KEY_MAJOR)
     for key_start in range(clean_start, clean_end, BLOCK_N):
         acc, row_sum, row_max = _fwd_block(
-            acc, row_sum, row_max, q, k_base, v_base, key_start=key_start, query_rows=query_rows,
-            cols=cols, lead=lead, n_k=n_window, shift=shift, kv_token_stride=kv_token_stride,
-            v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-            INPUT_PRECISION=INPUT_PRECISION, MASKED=False, CAUSAL=CAUSAL, V_KEY_MAJOR=V_KEY_MAJOR)
-    for key_start in range(tail_start, end, BLOCK_N):
+            acc, row_sum, row_max, q, k_base, v_base, key_start=key_start,
+            query_rows=query_rows, cols=cols, lead=lead, n_k=n_window, shift=shift, slope=slope,
+            kv_token_stride=kv_token_stride, v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=False,
+            CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+            ALIBI=ALIBI, V_KEY_MAJOR=V_KEY_MAJOR)
+    for key_start in range(clean_end, end, BLOCK_N):
         acc, row_sum, row_max = _fwd_block(
-            acc, row_sum, row_max, q, k_base, v_base, key_start=key_start, query_rows=query_rows,
-            cols=cols, lead=lead, n_k=n_window, shift=shift, kv_token_stride=kv_token_stride,
-            v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-            INPUT_PRECISION=INPUT_PRECISION, MASKED=True, CAUSAL=CAUSAL, V_KEY_MAJOR=V_KEY_MAJOR)
+            acc, row_sum, row_max, q, k_base, v_base, key_start=key_start,
+            query_rows=query_rows, cols=cols, lead=lead, n_k=n_window, shift=shift, slope=slope,
+            kv_token_stride=kv_token_stride, v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
+            CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+            ALIBI=ALIBI, V_KEY_MAJOR=V_KEY_MAJOR)
 
-    attended = row_sum > 0  # false only for queries with no key (empty key sequence, or causal)
+    attended = row_sum > 0  # false only for queries with no key (empty key sequence, or band)
     acc = acc * (OUT_SCALE / tl.where(attended, row_sum, 1.0))[:, None]
     o_base = _rows(o_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
     _store(o_base, query_rows, cols, n_q, acc, q_token_stride, D, BLOCK_D)
@@ -220,10 +243,11 @@ def attention_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_block(dk, dv, k, v, q_base, do_base, q_km_base, do_km_base, lse_base, delta_base, query_start,
-                key_rows, cols, lead, n_q, shift, q_token_stride, km_d_stride, QK_SCALE: tl.constexpr,
+                key_rows, cols, lead, n_q, shift, slope, q_token_stride, km_d_stride, QK_SCALE: tl.constexpr,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                QDO_KEY_MAJOR: tl.constexpr):
+                WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                ALIBI: tl.constexpr, QDO_KEY_MAJOR: tl.constexpr):
     """Accumulate into dk, dv (unscaled) the queries [query_start, +BLOCK_M) of one query head.
 
     Works on transposed scores [keys, queries], so that no operand of dk and dv needs a transpose.
@@ -250,17 +274,20 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_km_base, do_km_base, lse_base, 
     else:
         q_b = q
         do_b = do
-    scores_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
+    scores_t, t_t = _scores(tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION), query_rows[None, :],
+                            key_rows[:, None], shift, slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     p_t = tl.math.exp2((scores_t - lse[None, :]) * QK_SCALE)
-    if MASKED and (CAUSAL or QDO_KEY_MAJOR):
+    if MASKED and (CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0 or QDO_KEY_MAJOR):
         # The tokens before the sequence (QDO_KEY_MAJOR) may hold anything, inf and nan included.
         keep = (query_rows[None, :] >= lead) if QDO_KEY_MAJOR else True
-        if CAUSAL:
-            keep = (key_rows[:, None] <= query_rows[None, :] + shift) & keep
+        keep = _band(keep, query_rows[None, :], key_rows[:, None], shift, CAUSAL=CAUSAL,
+                     WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT)
         p_t = tl.where(keep, p_t, 0.0)
     dv = tl.dot(p_t.to(do_b.dtype), do_b, dv, input_precision=INPUT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP > 0:
+        ds_t = ds_t * (1.0 - t_t * t_t)
     if MASKED and QDO_KEY_MAJOR:
         ds_t = tl.where(keep, ds_t, 0.0)
     dk = tl.dot(ds_t.to(q_b.dtype), q_b, dk, input_precision=INPUT_PRECISION)
@@ -269,11 +296,12 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_km_base, do_km_base, lse_base, 
 
 @triton.jit
 def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_km_ptr, dk_ptr, dv_ptr,
-                  q_offsets_ptr, kv_offsets_ptr, segment, sequence, kv_head, key_start, q_tokens,
+                  q_offsets_ptr, kv_offsets_ptr, slopes_ptr, segment, sequence, kv_head, key_start, q_tokens,
                   kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride, km_d_stride,
                   NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr,
                   BLOCK_D: tl.constexpr, Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr,
-                  CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr, DS_SCALE: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, QK_SCALE: tl.constexpr, DS_SCALE: tl.constexpr,
                   OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, QDO_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr):
     """dk and dv of keys [key_start, +BLOCK_N) of one kv head: every query block of every query head
@@ -298,8 +326,10 @@ def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_
     v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    shift = _causal_shift(n_window, n_k, CAUSAL)
-    start, clean_start, clean_end = _query_ranges(key_start, n_window, n_k, BLOCK_M, BLOCK_N, CAUSAL)
+    shift = _query_shift(n_window, n_k, ALIGNED=CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0 or ALIBI)
+    start, clean_start, clean_end, end = _query_ranges(
+        key_start, n_window, n_k, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
+        WINDOW_RIGHT=WINDOW_RIGHT)
     if QDO_KEY_MAJOR:
         # A first block with queries before the sequence is masked. Every bound stays a visible
         # multiple of BLOCK_M, so that the compiler knows the key-major rows 16-byte aligned.
@@ -313,27 +343,40 @@ def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_
         delta_base = _stats(delta_ptr, segment, head, q_start - lead, q_tokens, NUM_HEADS)
         q_km_base = q_km_ptr + head.to(tl.int64) * D * km_d_stride + window
         do_km_base = do_km_ptr + head.to(tl.int64) * D * km_d_stride + window
-        for query_start in range(start, clean_start, BLOCK_M):
+        if ALIBI:
+            slope = tl.load(slopes_ptr + segment * NUM_HEADS + head)
+        else:
+            slope = 0.0
+        for query_start in range(start, tl.minimum(clean_start, end), BLOCK_M):
             dk, dv = _dkdv_block(
                 dk, dv, k, v, q_base=q_base, do_base=do_base, q_km_base=q_km_base, do_km_base=do_km_base,
                 lse_base=lse_base, delta_base=delta_base, query_start=query_start, key_rows=key_rows,
-                cols=cols, lead=lead, n_q=n_window, shift=shift, q_token_stride=q_token_stride,
+                cols=cols, lead=lead, n_q=n_window, shift=shift, slope=slope, q_token_stride=q_token_stride,
                 km_d_stride=km_d_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-                INPUT_PRECISION=INPUT_PRECISION, MASKED=True, CAUSAL=CAUSAL, QDO_KEY_MAJOR=QDO_KEY_MAJOR)
+                INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
+                CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+                ALIBI=ALIBI,
+                QDO_KEY_MAJOR=QDO_KEY_MAJOR)
         for query_start in range(clean_start, clean_end, BLOCK_M):
             dk, dv = _dkdv_block(
                 dk, dv, k, v, q_base=q_base, do_base=do_base, q_km_base=q_km_base, do_km_base=do_km_base,
                 lse_base=lse_base, delta_base=delta_base, query_start=query_start, key_rows=key_rows,
-                cols=cols, lead=lead, n_q=n_window, shift=shift, q_token_stride=q_token_stride,
+                cols=cols, lead=lead, n_q=n_window, shift=shift, slope=slope, q_token_stride=q_token_stride,
                 km_d_stride=km_d_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-                INPUT_PRECISION=INPUT_PRECISION, MASKED=False, CAUSAL=CAUSAL, QDO_KEY_MAJOR=QDO_KEY_MAJOR)
-        for query_start in range(clean_end, n_window, BLOCK_M):
+                INPUT_PRECISION=INPUT_PRECISION, MASKED=False,
+                CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+                ALIBI=ALIBI,
+                QDO_KEY_MAJOR=QDO_KEY_MAJOR)
+        for query_start in range(clean_end, end, BLOCK_M):
             dk, dv = _dkdv_block(
                 dk, dv, k, v, q_base=q_base, do_base=do_base, q_km_base=q_km_base, do_km_base=do_km_base,
                 lse_base=lse_base, delta_base=delta_base, query_start=query_start, key_rows=key_rows,
-                cols=cols, lead=lead, n_q=n_window, shift=shift, q_token_stride=q_token_stride,
+                cols=cols, lead=lead, n_q=n_window, shift=shift, slope=slope, q_token_stride=q_token_stride,
                 km_d_stride=km_d_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-                INPUT_PRECISION=INPUT_PRECISION, MASKED=True, CAUSAL=CAUSAL, QDO_KEY_MAJOR=QDO_KEY_MAJOR)
+                INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
+                CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+                ALIBI=ALIBI,
+                QDO_KEY_MAJOR=QDO_KEY_MAJOR)
     dk_base = _rows(dk_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
     dv_base = _rows(dv_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
     _store(dk_base, key_rows, cols, n_k, dk * DS_SCALE, kv_token_stride, D, BLOCK_D)
@@ -341,33 +384,37 @@ def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_
 
 
 @triton.jit
-def _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start, query_rows, cols, n_k, shift,
+def _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start, query_rows, cols, n_k, shift, slope,
               kv_token_stride, QK_SCALE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
-              CAUSAL: tl.constexpr):
+              CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Accumulate into dq (unscaled) the keys [key_start, key_start + BLOCK_N)."""
     key_rows = key_start + tl.arange(0, BLOCK_N)
     k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
     v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
-    scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+    scores, t = _scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), query_rows[:, None],
+                        key_rows[None, :], shift, slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     p = tl.math.exp2((scores - lse[:, None]) * QK_SCALE)
     if MASKED:
-        keep = key_rows[None, :] < n_k
-        if CAUSAL:
-            keep = keep & (key_rows[None, :] <= query_rows[:, None] + shift)
+        keep = _band(key_rows[None, :] < n_k, query_rows[:, None], key_rows[None, :], shift, CAUSAL=CAUSAL,
+                     WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT)
         p = tl.where(keep, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP > 0:
+        ds = ds * (1.0 - t * t)
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
 
 
 @triton.jit
 def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr,
-                kv_offsets_ptr, segment, sequence, head, query_start, q_tokens, kv_tokens,
+                kv_offsets_ptr, slopes_ptr, segment, sequence, head, query_start, q_tokens, kv_tokens,
                 q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
                 NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr,
                 BLOCK_D: tl.constexpr, Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr,
-                CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr, DS_SCALE: tl.constexpr,
+                CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, QK_SCALE: tl.constexpr, DS_SCALE: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq of the queries [query_start, query_start + BLOCK_M), walking their key blocks."""
     q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
@@ -389,18 +436,36 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offse
     k_base = _rows(k_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
     v_base = _rows(v_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    shift = _causal_shift(n_q, n_k, CAUSAL)
-    clean_end, end = _key_ranges(query_start, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL)
-    for key_start in range(0, clean_end, BLOCK_N):
+    shift = _query_shift(n_q, n_k, ALIGNED=CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0 or ALIBI)
+    if ALIBI:
+        slope = tl.load(slopes_ptr + segment * NUM_HEADS + head)
+    else:
+        slope = 0.0
+    start, clean_start, clean_end, end = _key_ranges(
+        query_start, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
+        WINDOW_RIGHT=WINDOW_RIGHT)
+    if WINDOW_LEFT >= 0:
+        for key_start in range(start, tl.minimum(clean_start, end), BLOCK_N):
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start=key_start, query_rows=query_rows,
+                           cols=cols, n_k=n_k, shift=shift, slope=slope, kv_token_stride=kv_token_stride,
+                           QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+                           INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
+                           CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT,
+                           SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+    for key_start in range(clean_start, clean_end, BLOCK_N):
         dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start=key_start, query_rows=query_rows,
-                       cols=cols, n_k=n_k, shift=shift, kv_token_stride=kv_token_stride, QK_SCALE=QK_SCALE,
-                       D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION,
-                       MASKED=False, CAUSAL=CAUSAL)
+                       cols=cols, n_k=n_k, shift=shift, slope=slope, kv_token_stride=kv_token_stride,
+                       QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+                       INPUT_PRECISION=INPUT_PRECISION, MASKED=False,
+                       CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+                       ALIBI=ALIBI)
     for key_start in range(clean_end, end, BLOCK_N):
         dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start=key_start, query_rows=query_rows,
-                       cols=cols, n_k=n_k, shift=shift, kv_token_stride=kv_token_stride, QK_SCALE=QK_SCALE,
-                       D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION,
-                       MASKED=True, CAUSAL=CAUSAL)
+                       cols=cols, n_k=n_k, shift=shift, slope=slope, kv_token_stride=kv_token_stride,
+                       QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+                       INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
+                       CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+                       ALIBI=ALIBI)
     dq_base = _rows(dq_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
     _store(dq_base, query_rows, cols, n_q, dq * DS_SCALE, q_token_stride, D, BLOCK_D)
 
@@ -408,9 +473,10 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offse
 @triton.jit
 def attention_bwd_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, q_km_ptr, do_km_ptr,
-    params_ptr, dq_ptr, dk_ptr, dv_ptr,
+    slopes_ptr, params_ptr, dq_ptr, dk_ptr, dv_ptr,
     NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr,
+    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, QK_SCALE: tl.constexpr,
     DS_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr,
     DQ_BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
@@ -426,7 +492,8 @@ def attention_bwd_kernel(
 
     With QDO_KEY_MAJOR, q_km and do_km are q and do as [H, D, tokens] (see key_major_kernel; D rows
     PARAM_BWD_KM_D_STRIDE apart), for the dk/dv programs (see `_dkdv_block`); otherwise they are q and
-    do again, unused.
+    do again, unused. The band, the soft cap and ALiBi are the forward's (see attention_fwd_kernel); the
+    cap's derivative multiplies ds, and the slopes get no gradient.
 
     Every output element has one writer and there are no atomics: the result is deterministic.
     """
@@ -468,11 +535,13 @@ def attention_bwd_kernel(
     block -= 1
     if is_dq:
         _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr,
-                    segment=segment, sequence=sequence, head=head, query_start=block * DQ_BLOCK_M,
+                    slopes_ptr, segment=segment, sequence=sequence, head=head, query_start=block * DQ_BLOCK_M,
                     q_tokens=q_tokens, kv_tokens=kv_tokens, q_token_stride=q_token_stride,
                     q_head_stride=q_head_stride, kv_token_stride=kv_token_stride,
                     kv_head_stride=kv_head_stride, NUM_HEADS=NUM_HEADS, KV_GROUP=KV_GROUP, D=D,
-                    BLOCK_D=BLOCK_D, Q_MAX_LEN=Q_MAX_LEN, KV_MAX_LEN=KV_MAX_LEN, CAUSAL=CAUSAL,
+                    BLOCK_D=BLOCK_D, Q_MAX_LEN=Q_MAX_LEN, KV_MAX_LEN=KV_MAX_LEN,
+                    CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+                    ALIBI=ALIBI,
                     QK_SCALE=QK_SCALE, DS_SCALE=DS_SCALE, INPUT_PRECISION=INPUT_PRECISION,
                     BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N)
     elif head % KV_GROUP == 0:
@@ -481,12 +550,14 @@ def attention_bwd_kernel(
         else:
             km_d_stride = 0
         _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_km_ptr, dk_ptr, dv_ptr,
-                      q_offsets_ptr, kv_offsets_ptr, segment=segment, sequence=sequence,
+                      q_offsets_ptr, kv_offsets_ptr, slopes_ptr, segment=segment, sequence=sequence,
                       kv_head=head // KV_GROUP, key_start=block * DKDV_BLOCK_N, q_tokens=q_tokens,
                       kv_tokens=kv_tokens, q_token_stride=q_token_stride, q_head_stride=q_head_stride,
                       kv_token_stride=kv_token_stride, kv_head_stride=kv_head_stride,
                       km_d_stride=km_d_stride, NUM_HEADS=NUM_HEADS, KV_GROUP=KV_GROUP, D=D,
-                      BLOCK_D=BLOCK_D, Q_MAX_LEN=Q_MAX_LEN, KV_MAX_LEN=KV_MAX_LEN, CAUSAL=CAUSAL,
+                      BLOCK_D=BLOCK_D, Q_MAX_LEN=Q_MAX_LEN, KV_MAX_LEN=KV_MAX_LEN,
+                      CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+                      ALIBI=ALIBI,
                       QK_SCALE=QK_SCALE, DS_SCALE=DS_SCALE, OUT_SCALE=OUT_SCALE,
                       INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N,
                       QDO_KEY_MAJOR=QDO_KEY_MAJOR, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN)

@@ -71,6 +71,11 @@ class Problem:
     input_precision: str
     block_sizes: BlockSizes
     backend: str  # "triton", "interpret" or "xla"
+    # (left, right): query i (at key position i + n_k - n_q) sees keys from i + n_k - n_q - left to
+    # i + n_k - n_q + right; None is no bound (right is None under causal, which bounds it at 0).
+    window: tuple[int | None, int | None] = (None, None)
+    softcap: float | None = None  # scores become softcap * tanh(scores / softcap), on the scaled scores
+    alibi: bool = False  # the slopes [Z, H] come as an operand (transforms.ForwardArgs.slopes)
 
     # -- shapes ------------------------------------------------------------------------------------
     def shape(self, heads: int, tokens: int) -> tuple[int, int, int]:
@@ -196,7 +201,11 @@ def _common(p: Problem):
     constants = dict(
         NUM_HEADS=p.num_heads, KV_GROUP=p.num_heads // p.num_kv_heads, D=p.head_dim,
         BLOCK_D=head_block(p.head_dim), Q_MAX_LEN=p.max_seq_len, KV_MAX_LEN=p.kv_max_seq_len,
-        CAUSAL=p.causal, QK_SCALE=p.scale * LOG2E, INPUT_PRECISION=p.input_precision,
+        CAUSAL=p.causal, WINDOW_LEFT=-1 if p.window[0] is None else p.window[0],
+        WINDOW_RIGHT=-1 if p.window[1] is None else p.window[1],
+        # In units of the unscaled scores, as the kernels keep them (see kernels.common._scores).
+        SOFTCAP=0.0 if p.softcap is None else p.softcap / p.scale, ALIBI=p.alibi,
+        QK_SCALE=p.scale * LOG2E, INPUT_PRECISION=p.input_precision,
         STRIDE_ALIGN=align, FILL_BLOCK=FILL_BLOCK)
     return params, constants
 
@@ -240,7 +249,15 @@ def _tokens_contiguous(run: Runner, p: Problem, x, heads: int, tokens: int) -> j
     return out
 
 
-def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
+def _slopes(p: Problem, slopes) -> jax.Array:
+    """The kernels' ALiBi operand: the slopes [Z, H] in units of the unscaled scores (divided by the
+    scale), float32; without ALiBi a one-element placeholder they never read."""
+    if not p.alibi:
+        return jnp.zeros((1,), jnp.float32)
+    return jnp.broadcast_to(slopes.astype(jnp.float32) / p.scale, (p.num_segments, p.num_heads))
+
+
+def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None):
     """o (zero where no query is attended) and the float32 base-2 log-sum-exp [Z, H, T_q]."""
     if p.empty:
         return jnp.zeros(p.q_shape, q.dtype), jnp.full(p.stats_shape, jnp.inf, jnp.float32)
@@ -261,11 +278,11 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
         constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                        V_KEY_MAJOR=v_key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, max_registers=cfg.max_registers)
-    o, lse = run(call, (q, k, v, q_offsets, kv_offsets, _params(call)))
+    o, lse = run(call, (q, k, v, q_offsets, kv_offsets, _slopes(p, slopes), _params(call)))
     return o, lse
 
 
-def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
+def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None):
     """dq, dk, dv: the preprocess (delta = rowsum(o * do)), then the dq and dk/dv programs (in one launch
     or two, see Problem.backward_launches)."""
     if p.empty:
@@ -308,7 +325,8 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
             constants=dict(constants, DQ_PROGRAMS="dq" in launch.grads, DKDV_PROGRAMS="dk" in launch.grads),
             num_warps=launch.config.num_warps, num_stages=launch.config.num_stages,
             max_registers=launch.config.max_registers)
-        arrays = (q, k, v, do, lse, delta, q_offsets, kv_offsets, q_km, do_km, _params(call))
+        arrays = (q, k, v, do, lse, delta, q_offsets, kv_offsets, q_km, do_km, _slopes(p, slopes),
+                  _params(call))
         grads.update((name, x) for name, x in zip(shapes, run(call, arrays)) if name in launch.grads)
     return grads["dq"], grads["dk"], grads["dv"]
 

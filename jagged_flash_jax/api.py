@@ -16,10 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import checkify
 
 from . import transforms
 from .configs import INTERPRET_BLOCK_SIZES, MAX_HEAD_DIM, BlockSizes, default_block_sizes
+from .jagged import attended_tokens
 from .launch import plan
 
 BACKENDS = ("auto", "triton", "interpret", "xla")
@@ -259,20 +261,27 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _attention(q, k, v, q_offsets, kv_offsets, problem: plan.Problem):
-    o, _ = _forward(problem, q, k, v, q_offsets, kv_offsets)
-    return o
+    """o and the log-sum-exp residual [Z, H, T_q] (units of the unscaled scores; see `_user_lse`)."""
+    return _forward(problem, q, k, v, q_offsets, kv_offsets)
 
 
 def _attention_fwd(q, k, v, q_offsets, kv_offsets, problem: plan.Problem):
+    # symbolic_zeros=True: the primals come wrapped (CustomVJPPrimal), all but the static problem.
+    q, k, v, q_offsets, kv_offsets = (x.value for x in (q, k, v, q_offsets, kv_offsets))
     o, lse = _forward(problem, q, k, v, q_offsets, kv_offsets)
     o = checkpoint_name(o, RESIDUAL_NAMES[0])
     lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
-    return o, (q, k, v, q_offsets, kv_offsets, o, lse)
+    return (o, lse), (q, k, v, q_offsets, kv_offsets, o, lse)
 
 
-def _attention_bwd(problem: plan.Problem, residuals, do):
+def _attention_bwd(problem: plan.Problem, residuals, cotangents):
     q, k, v, q_offsets, kv_offsets, o, lse = residuals
-    dq, dk, dv = _backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do.astype(q.dtype))
+    do, dlse = cotangents
+    # Symbolic zeros: a caller who never reads the log-sum-exp (return_lse=False, or a loss without
+    # it) runs the backward exactly as without it, with no extra operand or subtraction.
+    do = jnp.zeros_like(o) if isinstance(do, SymbolicZero) else do.astype(q.dtype)
+    dlse = None if isinstance(dlse, SymbolicZero) else dlse.astype(jnp.float32)
+    dq, dk, dv = _backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do, dlse)
     return dq, dk, dv, None, None
 
 
@@ -287,8 +296,8 @@ def _forward(problem: plan.Problem, q, k, v, q_offsets, kv_offsets):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _backward(problem: plan.Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
-    return transforms.backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do)
+def _backward(problem: plan.Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, dlse):
+    return transforms.backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do, dlse)
 
 
 def _no_second_order(problem, primals, tangents):
@@ -299,7 +308,7 @@ _forward.defjvp(_no_second_order)
 _backward.defjvp(_no_second_order)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def _call(q, k, v, q_offsets, kv_offsets, problem):
@@ -315,6 +324,22 @@ def _call(q, k, v, q_offsets, kv_offsets, problem):
         if "forward-mode" not in str(err):
             raise
         raise TypeError(FORWARD_MODE_ERROR) from err
+
+
+def _user_lse(lse, q_offsets, problem: plan.Problem):
+    """The residual [Z, H, T] (unscaled units, +inf without keys, unwritten where no query attends) as
+    the natural log-sum-exp of the scaled scores, laid out like q's token and head axes: [Z*T, H]
+    ("THD") or [H, Z*T] ("HTD"); -inf, the log of an empty sum, for rows without keys and for tokens no
+    query attends. Plain JAX after the custom_vjp, so JAX carries the cotangent through the scale and
+    the mask (zero where -inf), and the unwritten entries are selected away, never read into a value."""
+    rows = jnp.broadcast_to(q_offsets.reshape(-1, q_offsets.shape[-1]),
+                            (problem.num_segments, q_offsets.shape[-1]))
+    attended = jax.vmap(lambda o: attended_tokens(o, problem.q_tokens, problem.max_seq_len))(rows)
+    keep = attended[:, None, :] & (lse < jnp.inf)  # [Z, H, T]
+    lse = jnp.where(keep, problem.scale * lse, -jnp.inf)
+    if problem.layout == "THD":
+        return jnp.swapaxes(lse, 1, 2).reshape(-1, problem.num_heads)
+    return jnp.swapaxes(lse, 0, 1).reshape(problem.num_heads, -1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -338,7 +363,8 @@ def jagged_attention(
     allow_tf32: bool = True,
     block_sizes: BlockSizes | None = None,
     validate: bool = False,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Variable-length (jagged) multi-head attention with the standard semantics.
 
     Sequence b has queries offsets[b]:offsets[b+1] and keys kv_offsets[b]:kv_offsets[b+1]. With
@@ -381,12 +407,18 @@ def jagged_attention(
         The op does not wrap itself, so that the error composes with the caller's jit, vmap, grad
         and other checks, and stays a value under their control; without the wrapper, jax.jit
         refuses the unfunctionalized check at trace time, which says so.
+      return_lse: also return the log-sum-exp of each query's scaled scores (see Returns).
 
     Returns:
       The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v; forward
-      mode and second order raise TypeError.
+      mode and second order raise TypeError. With return_lse=True, the pair (output, lse): lse is
+      float32 [T_q, H] ("THD") or [H, T_q] ("HTD"), the natural log of sum_j exp(scale * q_i . k_j)
+      over the keys query i attends, -inf (the log of an empty sum) for a query with no key and for
+      the tokens no query attends (past max_seq_len, outside offsets). It is differentiable too (its
+      cotangent flows into the backward), and merges partial results: see `merge_attention`.
     """
     max_seq_len = _static_int(max_seq_len, "max_seq_len")
+    return_lse = _static_bool(return_lse, "return_lse")
     kv_max_seq_len = max_seq_len if kv_max_seq_len is None else _static_int(kv_max_seq_len,
                                                                              "kv_max_seq_len")
     offsets = _as_offsets(offsets, "offsets")
@@ -398,7 +430,10 @@ def jagged_attention(
         scale=_static_scale(scale, q.shape[-1]), out_scale=1.0, causal=_static_bool(causal, "causal"),
         layout=layout, allow_tf32=_static_bool(allow_tf32, "allow_tf32"), backend=backend,
         block_sizes=block_sizes, self_attention=self_attention, validate=_static_bool(validate, "validate"))
-    return _call(q, k, v, offsets, kv_offsets, problem)
+    o, lse = _call(q, k, v, offsets, kv_offsets, problem)
+    if return_lse:
+        return o, _user_lse(lse, offsets, problem)
+    return o
 
 
 def multi_head_jagged_flash_attention(
@@ -447,4 +482,4 @@ def multi_head_jagged_flash_attention(
         out_scale=1.0 / max_seq_len, causal=False, layout=layout,
         allow_tf32=_static_bool(allow_tf32, "allow_tf32"), backend=backend, block_sizes=block_sizes,
         self_attention=True, validate=_static_bool(validate, "validate"))
-    return _call(q, k, v, offsets, offsets, problem)
+    return _call(q, k, v, offsets, offsets, problem)[0]

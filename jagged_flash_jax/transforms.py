@@ -42,7 +42,8 @@ class ForwardArgs(NamedTuple):
 
 
 class BackwardArgs(NamedTuple):
-    """The operands of `backward`: the forward's, its residuals o and lse, and the output gradient."""
+    """The operands of `backward`: the forward's, its residuals o and lse, the output gradient, and the
+    log-sum-exp's gradient (None, and no operand at all, when the caller does not use it)."""
 
     q: object
     k: object
@@ -52,6 +53,7 @@ class BackwardArgs(NamedTuple):
     o: object
     lse: object
     do: object
+    dlse: object = None
 
 
 # Operands laid out like q, k, v (tokens and heads axes), and the offsets, by name.
@@ -78,13 +80,13 @@ def _run_forward(p: Problem, q, k, v, q_offsets, kv_offsets):
     return _varying_like(outputs, (q, k, v, q_offsets, kv_offsets))
 
 
-def _run_backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
+def _run_backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, dlse=None):
     args = (q, k, v, q_offsets, kv_offsets, o, lse, do)
     if p.backend == "xla":
-        outputs = reference.backward(p, *args)
+        outputs = reference.backward(p, *args, dlse=dlse)
     else:
-        outputs = launch.plan.backward(launch.runner(p.backend), p, *args)
-    return _varying_like(outputs, args)
+        outputs = launch.plan.backward(launch.runner(p.backend), p, *args, dlse=dlse)
+    return _varying_like(outputs, args if dlse is None else (*args, dlse))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -103,7 +105,7 @@ def _dims(p: Problem):
     return (0, 1) if p.layout == "THD" else (1, 0)
 
 
-def _sharding_rule(p: Problem, backward: bool):
+def _sharding_rule(p: Problem, backward: bool, with_dlse: bool = False):
     """Shardy rule: the token axis is (segments, tokens), the query heads are (kv heads, group).
 
     Factors that appear as a whole dimension somewhere (z and t in the statistics) get their size
@@ -127,7 +129,7 @@ def _sharding_rule(p: Problem, backward: bool):
                enumerate((p.q_offsets_rows, p.kv_offsets_rows))]
     stats = f"{'z' if z else 'y'} {q_heads} t"
     if backward:
-        operands = [q_like, kv_like, kv_like, *offsets, q_like, stats, q_like]
+        operands = [q_like, kv_like, kv_like, *offsets, q_like, stats, q_like] + [stats] * with_dlse
         results = [q_like, kv_like, kv_like]
     else:
         operands = [q_like, kv_like, kv_like, *offsets]
@@ -204,7 +206,7 @@ class _Plan:
         return self.sharding("shared_offsets" if rows == 1 else "offsets")
 
 
-def _partitioned(p: Problem, run, backward: bool):
+def _partitioned(p: Problem, run, backward: bool, with_dlse: bool = False):
     @custom_partitioning
     def call(*args):
         return run(p, *args)
@@ -215,7 +217,7 @@ def _partitioned(p: Problem, run, backward: bool):
         offsets = (plan.offsets_sharding(p.q_offsets_rows), plan.offsets_sharding(p.kv_offsets_rows))
         arg_shardings = (array, array, array, *offsets)
         if backward:
-            arg_shardings += (array, plan.sharding("stats"), array)
+            arg_shardings += (array, plan.sharding("stats"), array) + (plan.sharding("stats"),) * with_dlse
             result_shardings = (array, array, array)
         else:
             result_shardings = (array, plan.sharding("stats"))
@@ -223,7 +225,7 @@ def _partitioned(p: Problem, run, backward: bool):
         return mesh, functools.partial(run, local), result_shardings, arg_shardings
 
     call.def_partition(partition=partition,
-                       sharding_rule=lambda *_: _sharding_rule(p, backward))
+                       sharding_rule=lambda *_: _sharding_rule(p, backward, with_dlse))
     return call
 
 
@@ -309,12 +311,12 @@ def _forward_fn(p: Problem):
 
 
 @functools.cache
-def _backward_fn(p: Problem):
-    partitioned = _partitioned(p, _run_backward, backward=True)
+def _backward_fn(p: Problem, with_dlse: bool):
+    partitioned = _partitioned(p, _run_backward, backward=True, with_dlse=with_dlse)
 
     @custom_vmap
-    def call(q, k, v, q_offsets, kv_offsets, o, lse, do):
-        return partitioned(q, k, v, q_offsets, kv_offsets, o, lse, do)
+    def call(*args):  # BackwardArgs, dlse only when with_dlse
+        return partitioned(*args)
 
     @call.def_vmap
     def rule(size, batched, *args):
@@ -323,7 +325,9 @@ def _backward_fn(p: Problem):
         offsets = fold.fold_offsets(args.q_offsets, args.kv_offsets, batched.q_offsets, batched.kv_offsets)
         arrays = [fold.array(getattr(args, n), getattr(batched, n)) for n in ("q", "k", "v")]
         o, do = fold.array(args.o, batched.o), fold.array(args.do, batched.do)
-        grads = _backward_fn(fold.problem)(*arrays, *offsets, o, fold.stats(args.lse, batched.lse), do)
+        stats = [fold.stats(args.lse, batched.lse)]
+        dlse = [fold.stats(args.dlse, batched.dlse)] if with_dlse else []
+        grads = _backward_fn(fold.problem, with_dlse)(*arrays, *offsets, o, *stats, do, *dlse)
         return tuple(fold.unarray(g) for g in grads), (True, True, True)
 
     return call
@@ -332,7 +336,7 @@ def _backward_fn(p: Problem):
 def _with_auto_axes(p: Problem, fn, args, result_types, backward: bool):
     """Run `fn` with explicit mesh axes turned into auto ones (custom_partitioning works with those),
     checking the shardings at trace time, and give results the shardings of `result_types`."""
-    mesh = explicit_mesh(args.q)
+    mesh = explicit_mesh(args[0])
     if mesh is None:
         return fn(*args)
     plan = _Plan(p, mesh, [jax.typeof(x) for x in args], backward)
@@ -348,8 +352,10 @@ def forward(p: Problem, q, k, v, q_offsets, kv_offsets):
     return _with_auto_axes(p, _forward_fn(p), args, (("array", q), ("stats", None)), backward=False)
 
 
-def backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do):
-    """dq, dk, dv from the residuals of `forward`."""
-    args = BackwardArgs(q, k, v, q_offsets, kv_offsets, o, lse, do)
-    return _with_auto_axes(p, _backward_fn(p), args, (("array", q), ("array", k), ("array", v)),
-                           backward=True)
+def backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, dlse=None):
+    """dq, dk, dv from the residuals of `forward`, the output gradient and, unless None, the gradient of
+    the log-sum-exp residual ([Z, H, T_q] float32, in its units)."""
+    args = BackwardArgs(q, k, v, q_offsets, kv_offsets, o, lse, do, dlse)
+    with_dlse = dlse is not None
+    return _with_auto_axes(p, _backward_fn(p, with_dlse), args if with_dlse else args[:-1],
+                           (("array", q), ("array", k), ("array", v)), backward=True)

@@ -436,6 +436,53 @@ def jagged_attention(
     return o
 
 
+def merge_attention(outputs, lses) -> tuple[jax.Array, jax.Array]:
+    """Merge attentions over disjoint key sets into the attention over their union: (o, lse).
+
+    Each part k is an output o_k (any layout, [..., D]) and its log-sum-exp lse_k (o_k's shape less
+    D, float32), as `jagged_attention(..., return_lse=True)` gives: o_k is softmax-weighted over the
+    keys of part k, and exp(lse_k) is their sum of exp(scale * q . k). The union's are
+        lse = log sum_k exp(lse_k),    o = sum_k exp(lse_k - lse) o_k.
+    A part with lse_k = -inf (no key) counts for nothing; where every part has none, o = 0 and
+    lse = -inf, as `jagged_attention` gives for a query with no key. Pure JAX, differentiable.
+
+    Uses: the keys of a KV cache and of the new tokens attended in two calls (with their own
+    kv_offsets), or context parallelism, where each device attends its slice of the keys and the
+    partial results are gathered and merged. Causal masks are the caller's to split: each part's
+    mask must be the union's restricted to its keys.
+
+    Args:
+      outputs: a sequence of arrays of one shape [..., D] (float32, bfloat16 or float16).
+      lses: a sequence, as long, of float32 arrays of shape outputs[k].shape[:-1].
+
+    Returns:
+      (o, lse): o with the shape and dtype of outputs[0], lse float32.
+    """
+    outputs, lses = list(outputs), list(lses)
+    if not outputs or len(outputs) != len(lses):
+        raise ValueError(f"outputs and lses must be two non-empty sequences of one length, got "
+                         f"{len(outputs)} outputs and {len(lses)} lses")
+    for i, (o, lse) in enumerate(zip(outputs, lses)):
+        if o.shape != outputs[0].shape or o.dtype != outputs[0].dtype:
+            raise ValueError(f"outputs[{i}] must have the shape and dtype of outputs[0] "
+                             f"({outputs[0].shape}, {outputs[0].dtype}), got {o.shape}, {o.dtype}")
+        if lse.shape != o.shape[:-1]:
+            raise ValueError(f"lses[{i}] must have the shape of outputs[{i}] less its last axis "
+                             f"{o.shape[:-1]}, got {lse.shape}")
+    stacked = jnp.stack([lse.astype(jnp.float32) for lse in lses])
+    # Not jax.nn.logsumexp: its gradient is nan where every part is -inf. The max shifts the exponents
+    # only (the result does not depend on it), and where no part has a key every weight is exp(-inf) = 0.
+    top = jax.lax.stop_gradient(stacked.max(axis=0))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.exp(stacked - top)
+    total = weights.sum(axis=0)
+    seen = total > 0
+    total = jnp.where(seen, total, 1.0)
+    lse = jnp.where(seen, top + jnp.log(total), -jnp.inf)
+    o = sum((w / total)[..., None] * x.astype(jnp.float32) for w, x in zip(weights, outputs))
+    return o.astype(outputs[0].dtype), lse
+
+
 def multi_head_jagged_flash_attention(
     q: jax.Array,
     k: jax.Array,

@@ -305,3 +305,35 @@ def test_return_lse_must_be_a_bool():
     q = jnp.zeros((4, 1, 8))
     with pytest.raises(TypeError, match="return_lse"):
         jfa.jagged_attention(q, q, q, [0, 4], 4, backend="xla", return_lse="yes")
+
+
+def test_flax_layers_return_the_attention_lse():
+    """The nnx and linen layers' return_lse: the output of return_lse=False and the lse of jagged_attention
+    on the layer's own projections, the two twins alike; FBGEMM semantics refuse it."""
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    from jagged_flash_jax.flax import (
+        JaggedMultiHeadAttention,
+        JaggedMultiHeadDotProductAttention,
+        linen_variables_from_nnx,
+    )
+
+    offsets = jnp.asarray([0, 5, 5, 12], jnp.int32)
+    x = jax.random.normal(jax.random.key(0), (14, 16))
+    kw = dict(semantics="standard", causal=True, num_kv_heads=1, backend="xla", allow_tf32=False)
+    layer = JaggedMultiHeadAttention(2, 16, rngs=nnx.Rngs(0), **kw)
+    y, lse = layer(x, offsets, 6, return_lse=True)
+    np.testing.assert_array_equal(y, layer(x, offsets, 6))
+    q, k, v = layer.query(x), layer.key(x), layer.value(x)
+    _, want = jfa.jagged_attention(q, k, v, offsets, 6, causal=True, backend="xla", allow_tf32=False,
+                                   return_lse=True)
+    np.testing.assert_array_equal(lse, want)
+    assert lse.shape == (14, 2) and np.isneginf(lse[12:]).all()
+    linen = JaggedMultiHeadDotProductAttention(2, **kw)
+    linen_y, linen_lse = linen.apply(linen_variables_from_nnx(layer), x, offsets, 6, return_lse=True)
+    np.testing.assert_allclose(linen_y, y, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(linen_lse, lse)
+    fbgemm = JaggedMultiHeadAttention(2, 16, rngs=nnx.Rngs(0), backend="xla")
+    with pytest.raises(ValueError, match="return_lse"):
+        fbgemm(x, offsets, 6, return_lse=True)

@@ -1,6 +1,6 @@
 """Jagged (variable-length) multi-head flash attention for JAX, with Triton kernels."""
 
-from .api import jagged_attention, multi_head_jagged_flash_attention
+from .api import jagged_attention, merge_attention, multi_head_jagged_flash_attention
 from .configs import BlockSizes, KernelConfig
 from .jagged import (
     DataParallelBatch,
@@ -20,6 +20,7 @@ __all__ = [
     "jagged_attention",
     "jagged_attention_reference",
     "jagged_to_padded",
+    "merge_attention",
     "multi_head_jagged_flash_attention",
     "offsets_from_lengths",
     "pack_data_parallel",

@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import checkify
 
 from . import transforms
 from .configs import INTERPRET_BLOCK_SIZES, MAX_HEAD_DIM, BlockSizes, default_block_sizes
+from .jagged import attended_tokens
 from .launch import plan
 
 BACKENDS = ("auto", "triton", "interpret", "xla")
@@ -307,20 +309,28 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _attention(q, k, v, q_offsets, kv_offsets, slopes, problem: plan.Problem):
-    o, _ = _forward(problem, q, k, v, q_offsets, kv_offsets, slopes)
-    return o
+    """o and the log-sum-exp residual [Z, H, T_q] (units of the unscaled scores; see `_user_lse`)."""
+    return _forward(problem, q, k, v, q_offsets, kv_offsets, slopes)
 
 
 def _attention_fwd(q, k, v, q_offsets, kv_offsets, slopes, problem: plan.Problem):
+    # symbolic_zeros=True: the primals come wrapped (CustomVJPPrimal), all but the static problem.
+    q, k, v, q_offsets, kv_offsets, slopes = jax.tree.map(lambda x: x.value,
+                                                          (q, k, v, q_offsets, kv_offsets, slopes))
     o, lse = _forward(problem, q, k, v, q_offsets, kv_offsets, slopes)
     o = checkpoint_name(o, RESIDUAL_NAMES[0])
     lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
-    return o, (q, k, v, q_offsets, kv_offsets, o, lse, slopes)
+    return (o, lse), (q, k, v, q_offsets, kv_offsets, o, lse, slopes)
 
 
-def _attention_bwd(problem: plan.Problem, residuals, do):
+def _attention_bwd(problem: plan.Problem, residuals, cotangents):
     q, k, v, q_offsets, kv_offsets, o, lse, slopes = residuals
-    dq, dk, dv = _backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do.astype(q.dtype), slopes)
+    do, dlse = cotangents
+    # Symbolic zeros: a caller who never reads the log-sum-exp (return_lse=False, or a loss without
+    # it) runs the backward exactly as without it, with no extra operand or subtraction.
+    do = jnp.zeros_like(o) if isinstance(do, SymbolicZero) else do.astype(q.dtype)
+    dlse = None if isinstance(dlse, SymbolicZero) else dlse.astype(jnp.float32)
+    dq, dk, dv = _backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse)
     # The ALiBi slopes get no gradient (as in FlashAttention): a zero cotangent.
     return dq, dk, dv, None, None, None
 
@@ -336,8 +346,8 @@ def _forward(problem: plan.Problem, q, k, v, q_offsets, kv_offsets, slopes):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _backward(problem: plan.Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes):
-    return transforms.backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes)
+def _backward(problem: plan.Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse):
+    return transforms.backward(problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse)
 
 
 def _no_second_order(problem, primals, tangents):
@@ -348,7 +358,7 @@ _forward.defjvp(_no_second_order)
 _backward.defjvp(_no_second_order)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 def _call(q, k, v, q_offsets, kv_offsets, problem, slopes=None):
@@ -364,6 +374,22 @@ def _call(q, k, v, q_offsets, kv_offsets, problem, slopes=None):
         if "forward-mode" not in str(err):
             raise
         raise TypeError(FORWARD_MODE_ERROR) from err
+
+
+def _user_lse(lse, q_offsets, problem: plan.Problem):
+    """The residual [Z, H, T] (unscaled units, +inf without keys, unwritten where no query attends) as
+    the natural log-sum-exp of the scaled scores, laid out like q's token and head axes: [Z*T, H]
+    ("THD") or [H, Z*T] ("HTD"); -inf, the log of an empty sum, for rows without keys and for tokens no
+    query attends. Plain JAX after the custom_vjp, so JAX carries the cotangent through the scale and
+    the mask (zero where -inf), and the unwritten entries are selected away, never read into a value."""
+    rows = jnp.broadcast_to(q_offsets.reshape(-1, q_offsets.shape[-1]),
+                            (problem.num_segments, q_offsets.shape[-1]))
+    attended = jax.vmap(lambda o: attended_tokens(o, problem.q_tokens, problem.max_seq_len))(rows)
+    keep = attended[:, None, :] & (lse < jnp.inf)  # [Z, H, T]
+    lse = jnp.where(keep, problem.scale * lse, -jnp.inf)
+    if problem.layout == "THD":
+        return jnp.swapaxes(lse, 1, 2).reshape(-1, problem.num_heads)
+    return jnp.swapaxes(lse, 0, 1).reshape(problem.num_heads, -1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -390,7 +416,8 @@ def jagged_attention(
     window: tuple[int | None, int | None] = (None, None),
     softcap: float | None = None,
     alibi_slopes: jax.Array | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Variable-length (jagged) multi-head attention with the standard semantics.
 
     Sequence b has queries offsets[b]:offsets[b+1] and keys kv_offsets[b]:kv_offsets[b+1]. With
@@ -443,12 +470,18 @@ def jagged_attention(
       alibi_slopes: [H] float array (float32 in the kernels) or None: ALiBi, adding
         -alibi_slopes[h] * |i + n_k - n_q - j| to the (scaled, capped) scores of query head h. An
         operand (it may be traced), but not differentiated, as in FlashAttention: its gradient is 0.
+      return_lse: also return the log-sum-exp of each query's scaled scores (see Returns).
 
     Returns:
       The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v; forward
-      mode and second order raise TypeError.
+      mode and second order raise TypeError. With return_lse=True, the pair (output, lse): lse is
+      float32 [T_q, H] ("THD") or [H, T_q] ("HTD"), the natural log of sum_j exp(scale * q_i . k_j)
+      over the keys query i attends, -inf (the log of an empty sum) for a query with no key and for
+      the tokens no query attends (past max_seq_len, outside offsets). It is differentiable too (its
+      cotangent flows into the backward), and merges partial results: see `merge_attention`.
     """
     max_seq_len = _static_int(max_seq_len, "max_seq_len")
+    return_lse = _static_bool(return_lse, "return_lse")
     kv_max_seq_len = max_seq_len if kv_max_seq_len is None else _static_int(kv_max_seq_len,
                                                                              "kv_max_seq_len")
     offsets = _as_offsets(offsets, "offsets")
@@ -463,7 +496,57 @@ def jagged_attention(
         layout=layout, allow_tf32=_static_bool(allow_tf32, "allow_tf32"), backend=backend,
         block_sizes=block_sizes, self_attention=self_attention, validate=_static_bool(validate, "validate"),
         window=window, softcap=_static_softcap(softcap), alibi=slopes is not None)
-    return _call(q, k, v, offsets, kv_offsets, problem, slopes)
+    o, lse = _call(q, k, v, offsets, kv_offsets, problem, slopes)
+    if _static_bool(return_lse, "return_lse"):
+        return o, _user_lse(lse, offsets, problem)
+    return o
+
+
+def merge_attention(outputs, lses) -> tuple[jax.Array, jax.Array]:
+    """Merge attentions over disjoint key sets into the attention over their union: (o, lse).
+
+    Each part k is an output o_k (any layout, [..., D]) and its log-sum-exp lse_k (o_k's shape less
+    D, float32), as `jagged_attention(..., return_lse=True)` gives: o_k is softmax-weighted over the
+    keys of part k, and exp(lse_k) is their sum of exp(scale * q . k). The union's are
+        lse = log sum_k exp(lse_k),    o = sum_k exp(lse_k - lse) o_k.
+    A part with lse_k = -inf (no key) counts for nothing; where every part has none, o = 0 and
+    lse = -inf, as `jagged_attention` gives for a query with no key. Pure JAX, differentiable.
+
+    Uses: the keys of a KV cache and of the new tokens attended in two calls (with their own
+    kv_offsets), or context parallelism, where each device attends its slice of the keys and the
+    partial results are gathered and merged. Causal masks are the caller's to split: each part's
+    mask must be the union's restricted to its keys.
+
+    Args:
+      outputs: a sequence of arrays of one shape [..., D] (float32, bfloat16 or float16).
+      lses: a sequence, as long, of float32 arrays of shape outputs[k].shape[:-1].
+
+    Returns:
+      (o, lse): o with the shape and dtype of outputs[0], lse float32.
+    """
+    outputs, lses = list(outputs), list(lses)
+    if not outputs or len(outputs) != len(lses):
+        raise ValueError(f"outputs and lses must be two non-empty sequences of one length, got "
+                         f"{len(outputs)} outputs and {len(lses)} lses")
+    for i, (o, lse) in enumerate(zip(outputs, lses)):
+        if o.shape != outputs[0].shape or o.dtype != outputs[0].dtype:
+            raise ValueError(f"outputs[{i}] must have the shape and dtype of outputs[0] "
+                             f"({outputs[0].shape}, {outputs[0].dtype}), got {o.shape}, {o.dtype}")
+        if lse.shape != o.shape[:-1]:
+            raise ValueError(f"lses[{i}] must have the shape of outputs[{i}] less its last axis "
+                             f"{o.shape[:-1]}, got {lse.shape}")
+    stacked = jnp.stack([lse.astype(jnp.float32) for lse in lses])
+    # Not jax.nn.logsumexp: its gradient is nan where every part is -inf. The max shifts the exponents
+    # only (the result does not depend on it), and where no part has a key every weight is exp(-inf) = 0.
+    top = jax.lax.stop_gradient(stacked.max(axis=0))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.exp(stacked - top)
+    total = weights.sum(axis=0)
+    seen = total > 0
+    total = jnp.where(seen, total, 1.0)
+    lse = jnp.where(seen, top + jnp.log(total), -jnp.inf)
+    o = sum((w / total)[..., None] * x.astype(jnp.float32) for w, x in zip(weights, outputs))
+    return o.astype(outputs[0].dtype), lse
 
 
 def multi_head_jagged_flash_attention(
@@ -512,4 +595,4 @@ def multi_head_jagged_flash_attention(
         out_scale=1.0 / max_seq_len, causal=False, layout=layout,
         allow_tf32=_static_bool(allow_tf32, "allow_tf32"), backend=backend, block_sizes=block_sizes,
         self_attention=True, validate=_static_bool(validate, "validate"))
-    return _call(q, k, v, offsets, offsets, problem)
+    return _call(q, k, v, offsets, offsets, problem)[0]

@@ -141,15 +141,19 @@ def _out_sharding(a) -> NamedSharding | None:
 
 
 def _attend(q, k, v, offsets, max_seq_len, *, semantics, causal, scale, backend, allow_tf32,
-            window=(None, None), softcap=None, alibi_slopes=None):
-    """The op on projections q [T, H, D], k, v [T, H_kv, D], read token-major (no transposes)."""
+            window=(None, None), softcap=None, alibi_slopes=None, return_lse=False):
+    """The op on projections q [T, H, D], k, v [T, H_kv, D], read token-major (no transposes); with
+    return_lse, (a, lse [T, H])."""
     if semantics == "fbgemm":
+        if return_lse:
+            raise ValueError("return_lse=True needs semantics='standard' (jagged_attention); FBGEMM's op "
+                             "has no log-sum-exp output")
         return multi_head_jagged_flash_attention(q, k, v, offsets, max_seq_len, allow_tf32=allow_tf32,
                                                  backend=backend, layout="THD")
     slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
     return jagged_attention(q, k, v, offsets, max_seq_len, scale=scale, causal=causal, layout="THD",
                             backend=backend, allow_tf32=allow_tf32, window=tuple(window), softcap=softcap,
-                            alibi_slopes=slopes)
+                            alibi_slopes=slopes, return_lse=return_lse)
 
 
 class JaggedMultiHeadAttention(nnx.Module):
@@ -278,7 +282,7 @@ class JaggedMultiHeadAttention(nnx.Module):
         self.value = linear(in_features, (self.num_kv_heads, self.head_dim), -1, "qkv")
         self.out = linear((num_heads, self.head_dim), self.out_features, (-2, -1), "out")
 
-    def __call__(self, x: jax.Array, offsets: jax.Array, max_seq_len: int) -> jax.Array:
+    def __call__(self, x: jax.Array, offsets: jax.Array, max_seq_len: int, *, return_lse: bool = False):
         """Attention of the jagged tokens x [T, in_features] split by offsets [B+1].
 
         Args:
@@ -286,15 +290,21 @@ class JaggedMultiHeadAttention(nnx.Module):
           offsets: [B+1] int32/int64; sequence b is x[offsets[b]:offsets[b+1]]. Or [shards, B+1], local
             to each of `shards` equal slices of the token axis (data parallelism: `pack_data_parallel`).
           max_seq_len: static Python int; only the first max_seq_len tokens of a sequence attend.
+          return_lse: also return the attention's log-sum-exp [T, H] (semantics="standard" only; see
+            `jagged_attention`), for merging with another attention over other keys before `out`.
 
         Returns:
-          [T, out_features]; a token outside the attended ones gets the out bias.
+          [T, out_features]; a token outside the attended ones gets the out bias. With return_lse, the
+          pair (that, lse).
         """
         _check_input(x, self.in_features)
         q, k, v = self.query(x), self.key(x), self.value(x)  # [T, H, D], [T, H_kv, D] x 2
         a = _attend(q, k, v, offsets, max_seq_len, semantics=self.semantics, causal=self.causal,
                     scale=self.scale, backend=self.backend, allow_tf32=self.allow_tf32, window=self.window,
-                    softcap=self.softcap, alibi_slopes=self.alibi_slopes)
+                    softcap=self.softcap, alibi_slopes=self.alibi_slopes, return_lse=return_lse)
+        if return_lse:
+            a, lse = a
+            return self.out(a, out_sharding=_out_sharding(a)), lse
         return self.out(a, out_sharding=_out_sharding(a))
 
 
@@ -386,8 +396,9 @@ class JaggedMultiHeadDotProductAttention(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x: jax.Array, offsets: jax.Array, max_seq_len: int) -> jax.Array:
-        """[T, out_features] attention of the jagged tokens x [T, F] split by offsets [B+1]."""
+    def __call__(self, x: jax.Array, offsets: jax.Array, max_seq_len: int, *, return_lse: bool = False):
+        """[T, out_features] attention of the jagged tokens x [T, F] split by offsets [B+1]; with
+        return_lse, the pair (that, the attention's log-sum-exp [T, H]), as the nnx module's."""
         _check_input(x, None)
         features = x.shape[-1]
         qkv_features = self.qkv_features if self.qkv_features is not None else features
@@ -409,7 +420,10 @@ class JaggedMultiHeadDotProductAttention(nn.Module):
         k, v = (dense((num_kv_heads, head_dim), -1, name, "qkv")(x) for name in ("key", "value"))
         a = _attend(q, k, v, offsets, max_seq_len, semantics=self.semantics, causal=self.causal,
                     scale=self.scale, backend=self.backend, allow_tf32=self.allow_tf32, window=self.window,
-                    softcap=self.softcap, alibi_slopes=self.alibi_slopes)
+                    softcap=self.softcap, alibi_slopes=self.alibi_slopes, return_lse=return_lse)
+        if return_lse:
+            a, lse = a
+            return dense(out_features, (-2, -1), "out", "out", _out_sharding(a))(a), lse
         return dense(out_features, (-2, -1), "out", "out", _out_sharding(a))(a)
 
 

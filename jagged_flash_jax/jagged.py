@@ -70,6 +70,14 @@ def sequence_bounds(offsets: jax.Array, total: int, max_seq_len: int | None = No
     return starts, lengths
 
 
+def attended_tokens(offsets: jax.Array, total: int, max_seq_len: int) -> jax.Array:
+    """Boolean [T]: whether token t is among the first max_seq_len tokens of some sequence (the union of
+    the clamped sequences, so malformed offsets give the tokens the kernels write)."""
+    starts, lengths = sequence_bounds(offsets, total, max_seq_len)
+    edges = jnp.zeros(total + 1, jnp.int32).at[starts].add(1).at[starts + lengths].add(-1)
+    return jnp.cumsum(edges[:total]) > 0
+
+
 def _token_axis(x, layout: str | None, name: str) -> int:
     """The token axis of a jagged array: [T, F] (rank 2), or rank 3 with an explicit layout."""
     if x.ndim == 2 and layout in (None, "THD"):

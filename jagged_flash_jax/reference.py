@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._compat import varying_axes
+from ._util import lse_gradient
 from .jagged import jagged_to_padded, padded_to_jagged, sequence_bounds
 
 BLOCK = 64  # rows of a query or key block
@@ -267,13 +268,16 @@ def forward(p, q, k, v, q_offsets, kv_offsets, slopes=None):
     return _restore(o, p, q.dtype), lse
 
 
-def backward(p, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None):
-    """The `xla` backend's backward: dq, dk, dv from the residuals of `forward`."""
+def backward(p, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None, dlse=None):
+    """The `xla` backend's backward: dq, dk, dv from the residuals of `forward`, the output gradient and,
+    unless None, the log-sum-exp's gradient [Z, H, T_q] (in its units)."""
     if p.empty or p.kv_tokens == 0 or p.batch == 0:
         return jnp.zeros(p.q_shape, q.dtype), jnp.zeros(p.kv_shape, k.dtype), jnp.zeros(p.kv_shape, v.dtype)
     q32, do32, o32 = (_canonical(x, p, p.q_tokens) for x in (q, do, o))
     k32, v32 = _canonical(k, p, p.kv_tokens), _canonical(v, p, p.kv_tokens)
     delta = jnp.swapaxes(jnp.sum(o32 * do32, axis=-1), 1, 2)  # [Z, H, T_q]
+    if dlse is not None:  # here dL/ds = scale * p * (dp - delta), dp with the output scale
+        delta = delta - lse_gradient(lse, dlse, p.scale)
     offsets = (_offsets_rows(q_offsets, p), _offsets_rows(kv_offsets, p))
     args = (q32, k32, v32, do32, lse, delta, *offsets, _slopes(p, slopes))
     dq = jax.vmap(lambda *a: _segment_dq(p, *a))(*args)

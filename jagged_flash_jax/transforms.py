@@ -45,7 +45,8 @@ class ForwardArgs(NamedTuple):
 
 
 class BackwardArgs(NamedTuple):
-    """The operands of `backward`: the forward's, its residuals o and lse, and the output gradient."""
+    """The operands of `backward`: the forward's, its residuals o and lse, the output gradient, and the
+    log-sum-exp's gradient (None, and no operand at all, when the caller does not use it)."""
 
     q: object
     k: object
@@ -56,6 +57,7 @@ class BackwardArgs(NamedTuple):
     lse: object
     do: object
     slopes: object = None
+    dlse: object = None
 
 
 # Operands laid out like q, k, v (tokens and heads axes), and the offsets, by name.
@@ -74,26 +76,40 @@ def _varying_like(outputs, inputs):
                  for out in outputs)
 
 
-def _operands(args: tuple) -> tuple:
-    """ForwardArgs or BackwardArgs as operands: the slopes only where there are some."""
-    return tuple(args) if args.slopes is not None else tuple(args)[:-1]
+def _fields(kind, p: Problem, with_dlse: bool = False) -> tuple[str, ...]:
+    """The fields of ForwardArgs or BackwardArgs that a call passes as operands, in order: ALiBi's
+    slopes only with ALiBi, and the log-sum-exp's gradient only when the caller uses it."""
+    return tuple(f for f in kind._fields if (f != "slopes" or p.alibi) and (f != "dlse" or with_dlse))
 
 
-def _run_forward(p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None):
+def _operands(args, p: Problem, with_dlse: bool = False) -> tuple:
+    """ForwardArgs or BackwardArgs as the operands of a call (see `_fields`)."""
+    return tuple(getattr(args, f) for f in _fields(type(args), p, with_dlse))
+
+
+def _unpack(kind, p: Problem, operands, with_dlse: bool = False):
+    """The operands of a call (or their batched flags) as ForwardArgs or BackwardArgs."""
+    return kind(**dict(zip(_fields(kind, p, with_dlse), operands)))
+
+
+def _run_forward(p: Problem, *operands):
+    args = _unpack(ForwardArgs, p, operands)
     if p.backend == "xla":
-        outputs = reference.forward(p, q, k, v, q_offsets, kv_offsets, slopes)
+        outputs = reference.forward(p, *args)
     else:
-        outputs = launch.plan.forward(launch.runner(p.backend), p, q, k, v, q_offsets, kv_offsets, slopes)
-    return _varying_like(outputs, (q, k, v, q_offsets, kv_offsets))
+        outputs = launch.plan.forward(launch.runner(p.backend), p, *args)
+    return _varying_like(outputs, operands)
 
 
-def _run_backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None):
-    args = (q, k, v, q_offsets, kv_offsets, o, lse, do)
+def _run_backward(p: Problem, *operands, with_dlse: bool = False):
+    args = _unpack(BackwardArgs, p, operands, with_dlse)
+    grads = (args.q, args.k, args.v, args.q_offsets, args.kv_offsets, args.o, args.lse, args.do)
     if p.backend == "xla":
-        outputs = reference.backward(p, *args, slopes)
+        outputs = reference.backward(p, *grads, slopes=args.slopes, dlse=args.dlse)
     else:
-        outputs = launch.plan.backward(launch.runner(p.backend), p, *args, slopes)
-    return _varying_like(outputs, args)
+        outputs = launch.plan.backward(launch.runner(p.backend), p, *grads, slopes=args.slopes,
+                                       dlse=args.dlse)
+    return _varying_like(outputs, operands)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -112,7 +128,7 @@ def _dims(p: Problem):
     return (0, 1) if p.layout == "THD" else (1, 0)
 
 
-def _sharding_rule(p: Problem, backward: bool):
+def _sharding_rule(p: Problem, backward: bool, with_dlse: bool = False):
     """Shardy rule: the token axis is (segments, tokens), the query heads are (kv heads, group).
 
     Factors that appear as a whole dimension somewhere (z and t in the statistics) get their size
@@ -137,7 +153,7 @@ def _sharding_rule(p: Problem, backward: bool):
     stats = f"{'z' if z else 'y'} {q_heads} t"
     slopes = [f"{'z' if z else 'y'} {q_heads}"] if p.alibi else []
     if backward:
-        operands = [q_like, kv_like, kv_like, *offsets, q_like, stats, q_like, *slopes]
+        operands = [q_like, kv_like, kv_like, *offsets, q_like, stats, q_like, *slopes] + [stats] * with_dlse
         results = [q_like, kv_like, kv_like]
     else:
         operands = [q_like, kv_like, kv_like, *offsets, *slopes]
@@ -214,7 +230,7 @@ class _Plan:
         return self.sharding("shared_offsets" if rows == 1 else "offsets")
 
 
-def _partitioned(p: Problem, run, backward: bool):
+def _partitioned(p: Problem, run, backward: bool, with_dlse: bool = False):
     @custom_partitioning
     def call(*args):
         return run(p, *args)
@@ -229,13 +245,12 @@ def _partitioned(p: Problem, run, backward: bool):
             result_shardings = (array, array, array)
         else:
             result_shardings = (array, plan.sharding("stats"))
-        if p.alibi:
-            arg_shardings += (plan.sharding("slopes"),)
+        arg_shardings += (plan.sharding("slopes"),) * p.alibi + (plan.sharding("stats"),) * with_dlse
         local = plan.local(p)
         return mesh, functools.partial(run, local), result_shardings, arg_shardings
 
     call.def_partition(partition=partition,
-                       sharding_rule=lambda *_: _sharding_rule(p, backward))
+                       sharding_rule=lambda *_: _sharding_rule(p, backward, with_dlse))
     return call
 
 
@@ -314,35 +329,37 @@ def _forward_fn(p: Problem):
 
     @call.def_vmap
     def rule(size, batched, *args):
-        args, batched = ForwardArgs(*args), ForwardArgs(*batched)
+        args, batched = (_unpack(ForwardArgs, p, x) for x in (args, batched))
         fold = _Fold(p, size, batched.q_offsets or batched.kv_offsets)
         offsets = fold.fold_offsets(args.q_offsets, args.kv_offsets, batched.q_offsets, batched.kv_offsets)
         arrays = (fold.array(getattr(args, n), getattr(batched, n)) for n in ("q", "k", "v"))
         operands = ForwardArgs(*arrays, *offsets, fold.slopes(args.slopes, batched.slopes))
-        o, lse = _forward_fn(fold.problem)(*_operands(operands))
+        o, lse = _forward_fn(fold.problem)(*_operands(operands, fold.problem))
         return (fold.unarray(o), fold.unstats(lse)), (True, True)
 
     return call
 
 
 @functools.cache
-def _backward_fn(p: Problem):
-    partitioned = _partitioned(p, _run_backward, backward=True)
+def _backward_fn(p: Problem, with_dlse: bool):
+    partitioned = _partitioned(p, functools.partial(_run_backward, with_dlse=with_dlse), backward=True,
+                               with_dlse=with_dlse)
 
     @custom_vmap
-    def call(*args):
+    def call(*args):  # BackwardArgs, without the absent ones (see `_fields`)
         return partitioned(*args)
 
     @call.def_vmap
     def rule(size, batched, *args):
-        args, batched = BackwardArgs(*args), BackwardArgs(*batched)
+        args, batched = (_unpack(BackwardArgs, p, x, with_dlse) for x in (args, batched))
         fold = _Fold(p, size, batched.q_offsets or batched.kv_offsets)
         offsets = fold.fold_offsets(args.q_offsets, args.kv_offsets, batched.q_offsets, batched.kv_offsets)
         arrays = [fold.array(getattr(args, n), getattr(batched, n)) for n in ("q", "k", "v")]
         o, do = fold.array(args.o, batched.o), fold.array(args.do, batched.do)
         operands = BackwardArgs(*arrays, *offsets, o, fold.stats(args.lse, batched.lse), do,
-                                fold.slopes(args.slopes, batched.slopes))
-        grads = _backward_fn(fold.problem)(*_operands(operands))
+                                fold.slopes(args.slopes, batched.slopes),
+                                fold.stats(args.dlse, batched.dlse) if with_dlse else None)
+        grads = _backward_fn(fold.problem, with_dlse)(*_operands(operands, fold.problem, with_dlse))
         return tuple(fold.unarray(g) for g in grads), (True, True, True)
 
     return call
@@ -364,12 +381,14 @@ def _with_auto_axes(p: Problem, fn, args, result_types, backward: bool):
 def forward(p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None):
     """o and the float32 log-sum-exp [Z, H, T_q] (the backend's own convention), on any backend.
     slopes: ALiBi's [Z, H] float32 when p.alibi, else None."""
-    args = _operands(ForwardArgs(q, k, v, q_offsets, kv_offsets, slopes))
+    args = _operands(ForwardArgs(q, k, v, q_offsets, kv_offsets, slopes), p)
     return _with_auto_axes(p, _forward_fn(p), args, (("array", q), ("stats", None)), backward=False)
 
 
-def backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None):
-    """dq, dk, dv from the residuals of `forward` (none for the slopes)."""
-    args = _operands(BackwardArgs(q, k, v, q_offsets, kv_offsets, o, lse, do, slopes))
-    return _with_auto_axes(p, _backward_fn(p), args, (("array", q), ("array", k), ("array", v)),
+def backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None, dlse=None):
+    """dq, dk, dv from the residuals of `forward` (none for the slopes), the output gradient and, unless
+    None, the gradient of the log-sum-exp residual ([Z, H, T_q] float32, in its units)."""
+    with_dlse = dlse is not None
+    args = _operands(BackwardArgs(q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse), p, with_dlse)
+    return _with_auto_axes(p, _backward_fn(p, with_dlse), args, (("array", q), ("array", k), ("array", v)),
                            backward=True)

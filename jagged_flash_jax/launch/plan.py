@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import kernels
-from .._util import cdiv
+from .._util import cdiv, lse_gradient
 from ..configs import BlockSizes, KernelConfig, head_block
 from ..kernels import params as param
 
@@ -282,9 +282,11 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None
     return o, lse
 
 
-def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None):
+def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None,
+             dlse=None):
     """dq, dk, dv: the preprocess (delta = rowsum(o * do)), then the dq and dk/dv programs (in one launch
-    or two, see Problem.backward_launches)."""
+    or two, see Problem.backward_launches). `dlse`, the gradient of the log-sum-exp [Z, H, T_q] (in its
+    units), or None."""
     if p.empty:
         return jnp.zeros(p.q_shape, q.dtype), jnp.zeros(p.kv_shape, k.dtype), jnp.zeros(p.kv_shape, v.dtype)
     bs = p.block_sizes
@@ -300,6 +302,8 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
                        OUT_SCALE=p.out_scale, BLOCK_M=bs.preprocess_block_m,
                        STRIDE_ALIGN=align))
     (delta,) = run(preprocess, (o, do, _params(preprocess)))
+    if dlse is not None:
+        delta = delta - lse_gradient(lse, dlse, p.scale * p.out_scale)
     # The dk/dv programs' q and do, key-major, for TF32 products; else q and do again (unused).
     qdo_key_major = key_major(p, q.dtype, "q_do")
     q_km, do_km = ([_tokens_contiguous(run, p, x, p.num_heads, p.q_tokens) for x in (q, do)]

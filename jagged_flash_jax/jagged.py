@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._util import cdiv
+
 
 def explicit_mesh(x):
     """The mesh of x's type when some of its axes are Explicit (sharding in types), else None."""
@@ -183,12 +185,12 @@ def pack_data_parallel(arrays: jax.Array | Sequence[jax.Array], offsets, num_sha
             raise ValueError(f"every array must have the {total} tokens of the first, got shape {x.shape}")
     offsets = np.asarray(offsets, np.int64)
     batch = offsets.size - 1
-    local_batch = max(1, -(-batch // num_shards))
+    local_batch = max(1, cdiv(batch, num_shards))
     bounds = np.minimum(np.arange(num_shards + 1) * local_batch, batch)
     firsts, lasts = offsets[bounds[:-1]], offsets[bounds[1:]]
     needed = int((lasts - firsts).max()) if num_shards else 0
     if tokens_per_shard is None:
-        tokens_per_shard = max(8, -(-needed // 8) * 8)
+        tokens_per_shard = max(8, cdiv(needed, 8) * 8)
     elif tokens_per_shard < needed:
         raise ValueError(f"tokens_per_shard={tokens_per_shard} is less than the {needed} tokens of the "
                          f"largest shard")

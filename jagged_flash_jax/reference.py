@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._compat import varying_axes
-from ._util import lse_gradient
+from ._util import cdiv, lse_gradient
 from .jagged import jagged_to_padded, padded_to_jagged, sequence_bounds
 
 BLOCK = 64  # rows of a query or key block
@@ -67,9 +67,9 @@ class _Blocks:
     def __init__(self, offsets, tokens: int, max_len: int, block: int):
         batch = offsets.shape[0] - 1
         self.starts, self.lengths = sequence_bounds(offsets, tokens, max_len)
-        counts = -(-self.lengths // block)
+        counts = cdiv(self.lengths, block)
         ends = jnp.cumsum(counts)
-        slots = jnp.arange(-(-tokens // block) + batch)
+        slots = jnp.arange(cdiv(tokens, block) + batch)
         self.valid = slots < ends[-1] if batch else jnp.zeros(slots.shape, bool)
         self.sequence = jnp.minimum(jnp.searchsorted(ends, slots, side="right"), max(batch - 1, 0))
         self.first_row = (slots - (ends - counts)[self.sequence]) * block  # within its sequence
@@ -144,7 +144,7 @@ class _QueryBlocks:
         self.n_q = self.blocks.lengths[self.blocks.sequence]
         self.split = (*self.blocks.tokens.shape, p.num_kv_heads, p.num_heads // p.num_kv_heads)  # N Q G R
         self.q = self.gather(q)
-        self.key_blocks = jnp.arange(-(-min(p.kv_max_seq_len, p.kv_tokens) // BLOCK))
+        self.key_blocks = jnp.arange(cdiv(min(p.kv_max_seq_len, p.kv_tokens), BLOCK))
 
     def gather(self, x):
         """x [T_q, H, D] -> [N, Q, G, R, D]."""
@@ -243,7 +243,7 @@ def _segment_dkdv(p, q, k, v, do, lse, delta, q_offsets, kv_offsets, slopes):
         dk = dk + p.scale * jnp.einsum("nqgrk,nqgrd->nkgd", ds, qb, precision=_precision(p))
         return (dk, dv), None
 
-    query_blocks = -(-min(p.max_seq_len, p.q_tokens) // BLOCK)
+    query_blocks = cdiv(min(p.max_seq_len, p.q_tokens), BLOCK)
     init = _varying_like((jnp.zeros(kb.shape), jnp.zeros(vb.shape)), kb)
     (dk, dv), _ = lax.scan(step, init, jnp.arange(query_blocks))
     return blocks.scatter(dk, p.kv_tokens), blocks.scatter(dv, p.kv_tokens)

@@ -257,9 +257,9 @@ def test_without_lse_the_backward_is_unchanged(backend, monkeypatch):
     seen = []
     backward = transforms.backward
 
-    def spy(p, q, k, v, q_offsets, kv_offsets, o, lse, do, dlse):
+    def spy(p, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse):
         seen.append(dlse is None)
-        return backward(p, q, k, v, q_offsets, kv_offsets, o, lse, do, dlse)
+        return backward(p, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse)
 
     monkeypatch.setattr(transforms, "backward", spy)
     results = []

@@ -22,7 +22,7 @@ from jax.experimental import checkify
 
 from . import transforms
 from .configs import INTERPRET_BLOCK_SIZES, MAX_HEAD_DIM, BlockSizes, default_block_sizes
-from .jagged import attended_tokens
+from .jagged import attended_tokens, order_error
 from .launch import plan
 
 BACKENDS = ("auto", "triton", "interpret", "xla")
@@ -218,13 +218,9 @@ def _check_offsets_content(offsets, name: str, tokens: int, layout: str, validat
         rows = np.asarray(offsets).reshape(-1, offsets.shape[-1])
         for r, row in enumerate(rows):
             at = f"{name}[{r}]" if offsets.ndim == 2 else name
-            if row[0] < 0:
-                raise ValueError(f"{at} must be >= 0, got {at}[0] = {row[0]}")
-            drops = np.flatnonzero(np.diff(row) < 0)
-            if drops.size:
-                i = int(drops[0])
-                raise ValueError(f"{at} must be non-decreasing, got {at}[{i}] = {row[i]} > "
-                                 f"{at}[{i + 1}] = {row[i + 1]}")
+            error = order_error(row, at)
+            if error:
+                raise ValueError(error)
             if row[-1] > tokens:
                 hint = ""
                 if offsets.ndim == 1 and layout == "HTD":

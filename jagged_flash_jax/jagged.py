@@ -38,6 +38,17 @@ def offsets_from_lengths(lengths, dtype=jnp.int32) -> jax.Array:
     return jnp.concatenate([jnp.zeros(1, dtype), jnp.cumsum(lengths, dtype=dtype)])
 
 
+def order_error(row: np.ndarray, name: str) -> str | None:
+    """Why a concrete row of offsets `name` does not rise from 0 without falling, or None."""
+    if row[0] < 0:
+        return f"{name} must be >= 0, got {name}[0] = {row[0]}"
+    drops = np.flatnonzero(np.diff(row) < 0)
+    if drops.size:
+        i = int(drops[0])
+        return f"{name} must be non-decreasing, got {name}[{i}] = {row[i]} > {name}[{i + 1}] = {row[i + 1]}"
+    return None
+
+
 def check_offsets(offsets, total: int) -> None:
     """Eagerly check that offsets are non-negative, non-decreasing and at most `total`.
 
@@ -51,13 +62,9 @@ def check_offsets(offsets, total: int) -> None:
         raise ValueError(f"offsets must be a 1-D integer array, got shape {a.shape} and dtype {a.dtype}")
     if a.size == 0:
         raise ValueError("offsets must have B+1 >= 1 entries, got an empty array")
-    if a[0] < 0:
-        raise ValueError(f"offsets must be >= 0, got offsets[0] = {a[0]}")
-    drops = np.flatnonzero(np.diff(a) < 0)
-    if drops.size:
-        i = int(drops[0])
-        raise ValueError(f"offsets must be non-decreasing, got offsets[{i}] = {a[i]} > "
-                         f"offsets[{i + 1}] = {a[i + 1]}")
+    error = order_error(a, "offsets")
+    if error:
+        raise ValueError(error)
     if a[-1] > total:
         raise ValueError(f"offsets must be at most the number of tokens {total}, got offsets[-1] = {a[-1]}")
 

@@ -22,6 +22,7 @@ import triton.language as tl
 from helpers import to_numpy
 
 import jagged_flash_jax as jfa
+from jagged_flash_jax import transforms
 from jagged_flash_jax.launch import interpret, plan
 from jagged_flash_jax.launch.plan import KernelCall
 
@@ -212,6 +213,11 @@ def check_offsets_case(offsets, int64: bool, backend: str = "interpret") -> None
         try:
             for key_major in (chosen, lambda p, dtype, operands: True):
                 plan.key_major = key_major
+                # The plan runs when a problem is first traced: without this, the jitted ops and the
+                # transforms' cached functions would replay the first variant's kernels.
+                jax.clear_caches()
+                transforms._forward_fn.cache_clear()
+                transforms._backward_fn.cache_clear()
                 for name, (op, args, layout, cross) in cases.items():
                     name += ", key-major" * (key_major is not chosen)
                     o, vjp = jax.vjp(op, *args)

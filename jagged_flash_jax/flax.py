@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .api import BACKENDS, jagged_attention, multi_head_jagged_flash_attention
+from .jagged import explicit_mesh
 
 __all__ = [
     "SEMANTICS",
@@ -130,11 +131,10 @@ def _out_sharding(a) -> NamedSharding | None:
     Explicit mesh axes (sharding in types): the contraction over them is an all-reduce, which
     `dot_general` wants to be told. Tokens keep their sharding, the features are replicated. None
     otherwise (no mesh, or Auto axes: XLA's propagation decides)."""
-    sharding = getattr(jax.typeof(a), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or not mesh.explicit_axes:
+    mesh = explicit_mesh(a)
+    if mesh is None:
         return None
-    spec = tuple(sharding.spec) + (None,) * 3
+    spec = tuple(jax.typeof(a).sharding.spec) + (None,) * 3
     if spec[1] is None and spec[2] is None:
         return None
     return NamedSharding(mesh, P(spec[0], None))

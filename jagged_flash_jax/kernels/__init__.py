@@ -3,10 +3,10 @@
 Pure Triton, no JAX: the same functions are compiled for the GPU (launch/gpu.py) and run by Triton's
 interpreter on the CPU (launch/interpret.py). `common.py` holds what every kernel family shares (the
 runtime-parameter layout, addressing, a sequence's extent, masks and key/query ranges, the online
-softmax, the zero fills); `portable.py` the kernels that run on any GPU and in the interpreter; a
-Hopper family (`hopper.py`) is to reuse common.py. Parameters come in the order jax-triton passes them:
-input arrays (the last an int32 array of runtime sizes, its slots named in `params.py`), outputs, then
-compile-time constants (always given by keyword).
+softmax, the zero fills); `portable.py` the kernels that run on any GPU and in the interpreter (a
+Hopper family would reuse common.py: docs/performance.md, "Hopper kernels"). Parameters come in the
+order jax-triton passes them: input arrays (the last an int32 array of runtime sizes, its slots named
+in `params.py`), outputs, then compile-time constants (always given by keyword).
 
 Addressing. q, o, do, dq share one layout and k, v, dk, dv another; the launcher passes each family's
 token and head strides (in units of STRIDE_ALIGN elements, see `common._aligned`), so "THD" and "HTD"

@@ -7,7 +7,7 @@ from .plan import Runner
 
 def runner(launcher: str) -> Runner:
     """The `run(call, arrays)` function of a launcher, imported on first use. Its dependencies are checked
-    here, before the plan first reads kernels.py (which imports triton), so that a missing one is named
+    here, before the plan first reads the kernels (which import triton), so that a missing one is named
     with the extra that installs it."""
     if launcher == "triton":
         from . import gpu

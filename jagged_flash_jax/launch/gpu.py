@@ -1,4 +1,4 @@
-"""Runs the kernels of kernels.py on the GPU through jax_triton.triton_call.
+"""Runs the kernels of the kernels package on the GPU through jax_triton.triton_call.
 
 jax_triton is imported on first use only: its import fails on a machine without a GPU build of jax, and
 needs triton, which the package does not require.

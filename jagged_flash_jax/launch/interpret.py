@@ -1,4 +1,5 @@
-"""Runs the kernels of kernels.py in Triton's interpreter on the CPU, called from JAX by pure_callback.
+"""Runs the kernels (the kernels package) in Triton's interpreter on the CPU, called from JAX by
+pure_callback.
 
 It owns the host arrays, each between guard zones that prove the kernel wrote nothing outside them;
 how the interpreter is driven (private Triton internals) lives in `_compat.interpret`.

@@ -252,6 +252,16 @@ def _query_ranges(key_start, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     """For keys [key_start, +BLOCK_N): (start, clean_start, clean_end, end), the queries [start, end)
     that see some of them, of which the query blocks in [clean_start, clean_end) see all of them
     (unmasked), as `_key_ranges` (multiples of BLOCK_M but end)."""
+    if WINDOW_LEFT < 0 and WINDOW_RIGHT < 0:
+        # No window: the form ptxas spills least with in the causal backward (116 bytes of spill stores
+        # against 644 with the general form below, at 64 x 128 dk/dv and 128 x 128 dq tiles, 8 warps).
+        clean_end = n_q // BLOCK_M * BLOCK_M
+        if CAUSAL:
+            start = tl.maximum(key_start - (n_k - n_q), 0) // BLOCK_M * BLOCK_M
+            diagonal_end = _ceil_to(tl.maximum(key_start + BLOCK_N - 1 - (n_k - n_q), 0), BLOCK_M)
+            clean_start = tl.minimum(tl.maximum(diagonal_end, start), tl.maximum(clean_end, start))
+            return start, clean_start, tl.maximum(clean_start, clean_end), n_q
+        return n_q * 0, n_q * 0, clean_end, n_q
     shift = n_k - n_q
     last = key_start + BLOCK_N - 1
     start = n_q * 0

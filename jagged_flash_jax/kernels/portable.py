@@ -347,7 +347,10 @@ def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_
             slope = tl.load(slopes_ptr + segment * NUM_HEADS + head)
         else:
             slope = 0.0
-        for query_start in range(start, tl.minimum(clean_start, end), BLOCK_M):
+        # Without a window, clean_start <= end already (the first form of _query_ranges).
+        for query_start in range(start, tl.minimum(clean_start, end) if WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0
+                                 else clean_start,
+                                 BLOCK_M):
             dk, dv = _dkdv_block(
                 dk, dv, k, v, q_base=q_base, do_base=do_base, q_km_base=q_km_base, do_km_base=do_km_base,
                 lse_base=lse_base, delta_base=delta_base, query_start=query_start, key_rows=key_rows,

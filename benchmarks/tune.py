@@ -38,10 +38,12 @@ CANDIDATES = {
 TUNE_CASES = "long,rec-long,L4096-D256,L4096-D64,rec-mid,rec-small"  # one per entry of the table
 
 
-def tile_jobs(case, dtype: str, backend: str) -> list[tuple]:
-    """benchmarks.run jobs, one per candidate; the impl label holds the tiles tried."""
+def tile_jobs(case, dtype: str, backend: str, candidates: dict | None = None) -> list[tuple]:
+    """benchmarks.run jobs, one per candidate (CANDIDATES' for the case, or `candidates`, of the form of
+    one CANDIDATES value); the impl label holds the tiles tried."""
     bits = 16 if jnp.dtype(dtype).itemsize <= 2 else 32
-    table = next((v for (b, d), v in sorted(CANDIDATES.items()) if b == bits and d >= case.head_dim), {})
+    table = candidates or next((v for (b, d), v in sorted(CANDIDATES.items())
+                                if b == bits and d >= case.head_dim), {})
     tries = [("fwd", dict(fwd=t)) for t in table.get("fwd", [])]
     tries += [("fwd+bwd", dict(dkdv=dkdv, dq=dq)) for dkdv, dq in table.get("bwd", [])]
     jobs = []
@@ -82,10 +84,13 @@ def choose(rows: list[dict], gpu: str) -> dict:
 def main(argv=None) -> None:
     p = run.parser("python -m benchmarks.tune", __doc__)
     p.add_argument("--backend", default="triton", help="'interpret' checks this script on a CPU")
+    p.add_argument("--candidates", type=json.loads,
+                   help='tiles to try instead of CANDIDATES\', as JSON: {"fwd": [[block_m, block_n, warps, '
+                        'stages(, max_registers)], ...], "bwd": [[dkdv, dq], ...]}')
     p.set_defaults(cases=TUNE_CASES, dtypes="bfloat16,float32", seconds=0.1)
     args = p.parse_args(argv)
-    results = run.run_cases(args, argv, lambda case, dtype: tile_jobs(case, dtype, args.backend),
-                            "benchmarks.tune")
+    jobs = lambda case, dtype: tile_jobs(case, dtype, args.backend, args.candidates)  # noqa: E731
+    results = run.run_cases(args, argv, jobs, "benchmarks.tune")
     if results is None:  # a worker
         return
     gpu = results["metadata"].get("device", "unknown")

@@ -49,7 +49,9 @@ def tile_jobs(case, dtype: str, backend: str, candidates: dict | None = None) ->
     jobs = []
     for mode, tiles in tries:
         def make(case, tiles=tiles):
-            default = configs.default_block_sizes(case.head_dim, dtype, case.max_seq_len, case.kv_max_seq_len)
+            default = configs.default_block_sizes(
+                case.head_dim, dtype, case.max_seq_len, case.kv_max_seq_len,
+                configs.band_width(case.window or (None, None), case.causal))
             entry = dict(configs.entry_to_json(("", bits, 0, None), default), **tiles)
             return impls.jfa(case, backend, configs.entry_from_json(entry)[1])
         jobs.append((f"jfa-{backend} {json.dumps(tiles)}", mode, make, backend == "triton"))

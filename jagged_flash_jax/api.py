@@ -21,7 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental import checkify
 
 from . import transforms
-from .configs import INTERPRET_BLOCK_SIZES, MAX_HEAD_DIM, BlockSizes, default_block_sizes
+from .configs import INTERPRET_BLOCK_SIZES, MAX_HEAD_DIM, BlockSizes, band_width, default_block_sizes
 from .jagged import attended_tokens, order_error
 from .launch import plan
 
@@ -283,16 +283,18 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
                              f"elements in one sequence (at most its tokens) is more than the kernels "
                              f"address (< 2**31)")
     backend = _resolve_backend(backend)
+    window = _static_window(window, causal, bounds[0][2], bounds[1][2])
     if block_sizes is None:
         block_sizes = (INTERPRET_BLOCK_SIZES if backend == "interpret"
-                       else default_block_sizes(dim, q.dtype, max_seq_len, kv_max_seq_len))
+                       else default_block_sizes(dim, q.dtype, max_seq_len, kv_max_seq_len,
+                                                band_width(window, causal)))
     problem = plan.Problem(
         layout=layout, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
         batch=offsets.shape[-1] - 1, num_segments=rows, q_tokens=q_tokens // rows,
         kv_tokens=kv_tokens // rows, q_offsets_rows=rows, kv_offsets_rows=rows, max_seq_len=max_seq_len,
         kv_max_seq_len=kv_max_seq_len, causal=causal, scale=scale, out_scale=out_scale,
         input_precision="tf32" if allow_tf32 else "ieee", block_sizes=block_sizes, backend=backend,
-        window=_static_window(window, causal, bounds[0][2], bounds[1][2]), softcap=softcap, alibi=alibi)
+        window=window, softcap=softcap, alibi=alibi)
     if backend != "xla":
         plan.check_grid(problem)
     return problem

@@ -119,7 +119,9 @@ BUILTIN_TABLE = table_from_json([
          dq=[64, 32, 4, 3]),
     dict(gpu=_H200, bits=16, head_dim=64, max_seq_len=None, fwd=[128, 64, 8, 3], dkdv=[32, 64, 4, 3],
          dq=[128, 32, 8, 3]),
-    dict(gpu=_H200, bits=16, head_dim=128, max_seq_len=1024, fwd=[64, 64, 4, 3], dkdv=[64, 128, 8, 2],
+    dict(gpu=_H200, bits=16, head_dim=128, max_seq_len=256, fwd=[64, 64, 4, 3], dkdv=[32, 64, 4, 3],
+         dq=[128, 32, 4, 3]),
+    dict(gpu=_H200, bits=16, head_dim=128, max_seq_len=1024, fwd=[128, 64, 8, 2, 128], dkdv=[64, 128, 8, 2],
          dq=[128, 64, 8, 2]),
     dict(gpu=_H200, bits=16, head_dim=128, max_seq_len=None, fwd=[128, 64, 8, 3], dkdv=[64, 128, 8, 2],
          dq=[128, 128, 8, 2]),
@@ -202,13 +204,23 @@ def fit_to_lengths(tiles: BlockSizes, max_seq_len: int, kv_max_seq_len: int) -> 
                                dq=fit(tiles.dq))
 
 
-def default_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None
-                        ) -> BlockSizes:
+def band_width(window: tuple[int | None, int | None], causal: bool) -> int | None:
+    """The most keys one query sees under a window (left, right), right being 0 under causal; None where a
+    side is unbounded."""
+    left, right = window[0], 0 if causal else window[1]
+    return None if left is None or right is None else left + right + 1
+
+
+def default_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None,
+                        band: int | None = None) -> BlockSizes:
     """Tiles for the GPU kernels: the table's entry by GPU, element size, padded head dimension and the
-    longer of max_seq_len and kv_max_seq_len (default: max_seq_len), fitted to both lengths."""
+    longer of max_seq_len and kv_max_seq_len (default: max_seq_len), or `band` where shorter (the most
+    keys one query sees: a sliding window's width, whose blocks are shaped like short sequences'),
+    fitted to both lengths."""
     kv_max_seq_len = max_seq_len if kv_max_seq_len is None else kv_max_seq_len
     table = load_table(os.environ.get(TUNED_CONFIGS_ENV) or None)
-    key = table_key(head_dim, dtype, max(max_seq_len, kv_max_seq_len), table=table)
+    longest = max(max_seq_len, kv_max_seq_len)
+    key = table_key(head_dim, dtype, longest if band is None else min(longest, band), table=table)
     if key is None:
         raise ValueError(f"no tile configuration covers head dimension {head_dim} (at most {MAX_HEAD_DIM})")
     return fit_to_lengths(table[key], max_seq_len, kv_max_seq_len)

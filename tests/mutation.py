@@ -47,6 +47,7 @@ MUTANTS = [
  ("kernels: a launch of one kind of program takes its slots as pairs", "jagged_flash_jax/kernels/portable.py", "        is_dq = DQ_PROGRAMS\n        block = slot\n", "        is_dq = DQ_PROGRAMS\n        block = slot // 2\n", "tests/test_fbgemm.py -k tile_sizes"),
  ("plan: bfloat16 takes a key-major v", "jagged_flash_jax/launch/plan.py", "and jnp.dtype(dtype).itemsize == 4", "and jnp.dtype(dtype).itemsize >= 2", "tests/test_launchers.py"),
  ("plan: key-major operands at any head dimension", "jagged_flash_jax/launch/plan.py", "head_block(p.head_dim) in KEY_MAJOR_HEAD_DIMS[operands]", "head_block(p.head_dim) > 0", "tests/test_launchers.py"),
+ ("configs: a window's width does not key the tiles", "jagged_flash_jax/configs.py", "longest if band is None else min(longest, band)", "longest", "tests/test_launchers.py -k window"),
  ("configs: query blocks not fitted to max_seq_len", "jagged_flash_jax/configs.py", "block_m = min(c.block_m, q_rows)", "block_m = c.block_m", "tests/test_launchers.py"),
  ("kernels: the key-major transpose writes past its padded tokens", "jagged_flash_jax/kernels/portable.py", "mask=(cols[:, None] < D) & (rows[None, :] < padded - first))", "mask=(cols[:, None] < D) & (rows[None, :] < padded - first + 16))", "tests/test_memory_safety.py -k adversarial"),
  ("compat: triton.language left patched after an interpreted run", "jagged_flash_jax/_compat.py", "        _restore_language(state)\n", "\n", "tests/test_launchers.py -k triton_language"),

@@ -2,7 +2,8 @@
 
 JAX: how an abstract value names the manual mesh axes it varies over. Triton (triton>=3.6,<3.10): the
 private interpreter internals that run this process's `@triton.jit` kernels on numpy arrays. jax-triton
-(0.4.1): two shims, one for its import under triton 3.6 and one for its launch of warp-specialized kernels.
+(0.4.1): three shims, for its import under triton 3.6, its launch of warp-specialized kernels, and the
+TMA descriptors' metadata of triton < 3.7.
 """
 
 from __future__ import annotations
@@ -366,3 +367,33 @@ def patch_jax_triton(jax_triton) -> None:
     if lib is None or isinstance(lib, _KernelLibWithCompiledWarps):  # no GPU support, or done already
         return
     triton_lib.triton_kernel_call_lib = _KernelLibWithCompiledWarps(lib)
+
+
+def patch_tensordesc_meta(jax_triton) -> None:
+    """jax-triton 0.4.1 requires an `is_im2col` key in every entry of a compiled kernel's
+    `tensordesc_meta` (its CompilationResult checks the keys of TensorDescMeta); triton < 3.7 writes no
+    such key, so every kernel taking a TMA descriptor fails there. Entries without it get False (im2col
+    descriptors came with 3.7). Only where jax-triton asks for the key and triton lacks it; once."""
+    triton_lib = getattr(jax_triton, "triton_lib", None)
+    result = getattr(triton_lib, "CompilationResult", None)
+    meta = getattr(triton_lib, "TensorDescMeta", None)
+    if result is None or "is_im2col" not in getattr(meta, "__annotations__", {}):
+        return
+    try:
+        import triton
+    except ImportError:
+        return
+    if _release(getattr(triton, "__version__", "")) >= (3, 7):
+        return
+    original = result.__post_init__
+    if getattr(original, "adds_is_im2col", False):
+        return
+
+    def __post_init__(self):  # noqa: N807 (the dataclass hook's name)
+        if self.tensordesc_meta is not None:
+            self.tensordesc_meta = [entry if "is_im2col" in entry else dict(entry, is_im2col=False)
+                                    for entry in self.tensordesc_meta]
+        original(self)
+
+    __post_init__.adds_is_im2col = True
+    result.__post_init__ = __post_init__

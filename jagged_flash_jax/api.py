@@ -295,6 +295,10 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
         kv_max_seq_len=kv_max_seq_len, causal=causal, scale=scale, out_scale=out_scale,
         input_precision="tf32" if allow_tf32 else "ieee", block_sizes=block_sizes, backend=backend,
         window=window, softcap=softcap, alibi=alibi)
+    if backend == "triton":
+        from .launch import hopper
+
+        problem = problem.with_(forward_kernel=hopper.forward_kernel(problem, q.dtype))
     if backend != "xla":
         plan.check_grid(problem)
     return problem

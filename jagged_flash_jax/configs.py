@@ -18,6 +18,10 @@ import numpy as np
 
 # Path of a JSON table written by `python -m benchmarks.tune`: its entries replace or add to the built-in.
 TUNED_CONFIGS_ENV = "JAGGED_FLASH_JAX_TUNED_CONFIGS"
+# "portable" forces the portable forward kernel where the Hopper one would run (launch/hopper.py);
+# "auto" or unset: the Hopper forward wherever it applies.
+FORWARD_KERNEL_ENV = "JAGGED_FLASH_JAX_FORWARD"
+FORWARD_KERNEL_CHOICES = ("auto", "portable")
 
 MAX_HEAD_DIM = 256
 # The GPU whose table is used for GPUs (and head dimensions) that have no entry of their own.
@@ -69,6 +73,19 @@ def head_block(head_dim: int) -> int:
     Also the longest block that rows of this many tokens need."""
     return max(16, 1 << (head_dim - 1).bit_length())
 
+
+# The Hopper forward (kernels/hopper.py), by head dimension: 128 query rows (two consumer warpgroups of
+# 64), key tiles of block_n in a ring of num_stages (3 stages of 128 keys exceed shared memory at
+# D = 128), 4 warps requested (the compiled kernel has 12: the consumers and a producer warpgroup, whose
+# count the launch takes from the PTX, see _compat.patch_jax_triton), and max_registers as the cap that
+# setmaxnreg redistributes (HOPPER_CONSUMER_REGS per consumer thread, HOPPER_PRODUCER_REGS per
+# producer's). Measured on the H200: docs/performance.md, "Hopper kernels".
+HOPPER_FORWARD_TILES = {
+    128: KernelConfig(128, 128, num_warps=4, num_stages=2, max_registers=168),
+    256: KernelConfig(128, 64, num_warps=4, num_stages=2, max_registers=168),
+}
+HOPPER_CONSUMER_REGS = 240
+HOPPER_PRODUCER_REGS = 24
 
 INTERPRET_BLOCK_SIZES = BlockSizes(
     fwd=KernelConfig(16, 32),

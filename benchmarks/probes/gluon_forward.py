@@ -1,3 +1,4 @@
+# ruff: noqa: E501 (a probe, kept as it ran on the GPU)
 """Probe: the jagged attention forward's hot loop in Gluon (TMA + wgmma, optionally warp-specialized).
 
 Standalone, not wired into the package. Layout [T, H, D] for q, k, v, o; offsets [B + 1] int32; sequence b

@@ -3,10 +3,11 @@
 Pure Triton, no JAX: the same functions are compiled for the GPU (launch/gpu.py) and run by Triton's
 interpreter on the CPU (launch/interpret.py). `common.py` holds what every kernel family shares (the
 runtime-parameter layout, addressing, a sequence's extent, masks and key/query ranges, the online
-softmax, the zero fills); `portable.py` the kernels that run on any GPU and in the interpreter (a
-Hopper family would reuse common.py: docs/performance.md, "Hopper kernels"). Parameters come in the
-order jax-triton passes them: input arrays (the last an int32 array of runtime sizes, its slots named
-in `params.py`), outputs, then compile-time constants (always given by keyword).
+softmax, the zero fills); `portable.py` the kernels that run on any GPU and in the interpreter;
+`hopper.py` a forward for Hopper GPUs in Gluon (TMA, wgmma, warp specialization; compiled only, it has
+no interpreter), with the portable forward's contract. Parameters come in the order jax-triton passes
+them: input arrays (the last an int32 array of runtime sizes, its slots named in `params.py`), outputs,
+then compile-time constants (always given by keyword).
 
 Addressing. q, o, do, dq share one layout and k, v, dk, dv another; the launcher passes each family's
 token and head strides (in units of STRIDE_ALIGN elements, see `common._aligned`), so "THD" and "HTD"
@@ -32,7 +33,8 @@ no key get o = 0 and log-sum-exp +inf.
 """
 
 __all__ = [
-    "attention_bwd_kernel", "attention_bwd_preprocess_kernel", "attention_fwd_kernel", "key_major_kernel",
+    "attention_bwd_kernel", "attention_bwd_preprocess_kernel", "attention_fwd_kernel",
+    "hopper_attention_fwd_kernel", "key_major_kernel",
 ]
 
 
@@ -40,6 +42,10 @@ def __getattr__(name: str):
     """The kernels, imported on first use: Triton, which they need, comes only with the `interpret` and
     GPU extras, and the package (its `xla` backend, the launch plan, kernels/params.py) imports
     without it."""
+    if name == "hopper_attention_fwd_kernel":  # needs triton.experimental.gluon
+        from . import hopper
+
+        return hopper.attention_fwd_kernel
     if name in __all__:
         from . import portable
 

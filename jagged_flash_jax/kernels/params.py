@@ -18,6 +18,8 @@ KV_OFFSETS_STRIDE = 8
 FWD_FILL_CHUNK = 9  # tokens each zero-fill program clears
 FWD_SLOTS = 10  # programs per (segment, sequence or fill, head)
 FWD_V_D_STRIDE = 11  # a key-major v's D rows, in units
+# The Hopper forward's own (kernels/hopper.py).
+HOPPER_FWD_BLOCKS = 9  # query blocks per (sequence, head)
 # The backward's own.
 BWD_Q_FILL_CHUNK = 9  # tokens each dq zero-fill program clears
 BWD_KV_FILL_CHUNK = 10  # ... each dk/dv one

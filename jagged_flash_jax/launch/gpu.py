@@ -7,9 +7,11 @@ needs triton, which the package does not require.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from .. import _compat
 from .plan import KernelCall
@@ -48,6 +50,7 @@ def jax_triton_module():
         raise ImportError(f"backend='triton' is tested with {JAX_TRITON_SUPPORTED} and {TRITON_SUPPORTED}; "
                           f"found {' and '.join(outside)}: {INSTALL_HINT}")
     _compat.patch_jax_triton(jax_triton)
+    _compat.patch_tensordesc_meta(jax_triton)
     return jax_triton
 
 
@@ -84,10 +87,30 @@ def available() -> bool:
     return on_gpu() and unavailable_reason() is None
 
 
+def _tensor_descriptor(jax_triton, x: jax.Array, block: tuple[int, ...]):
+    """A host-made TMA descriptor of `block` tiles over x, in the NVMMA shared layout Gluon's TMA loads
+    and wgmma take (the kernel allocates its buffers with the descriptor's layout)."""
+    from triton.experimental.gluon import language as gl
+
+    dtype = {jnp.dtype(jnp.bfloat16): gl.bfloat16, jnp.dtype(jnp.float16): gl.float16}[jnp.dtype(x.dtype)]
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+    return jax_triton.TensorDescriptor.from_array(x, block, layout=layout)
+
+
 def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    jax_triton = jax_triton_module()
     options = {} if call.max_registers is None else {"backend_options": {"maxnreg": call.max_registers}}
-    outputs = jax_triton_module().triton_call(
-        *arrays,
-        kernel=call.kernel, out_type=call.out_shapes, grid=call.grid,
-        num_warps=call.num_warps, num_stages=call.num_stages, **options, **call.constants)
+    arrays = list(arrays)
+    for index, block in call.descriptors:
+        arrays[index] = _tensor_descriptor(jax_triton, arrays[index], block)
+    if call.aliases:
+        options["input_output_aliases"] = dict(call.aliases)
+    with warnings.catch_warnings():
+        # jax-triton 0.4 deprecates input_output_aliases for Refs, which custom_partitioning and
+        # custom_vmap bodies do not carry as simply; aliasing still works as documented.
+        warnings.filterwarnings("ignore", "input_output_aliases is deprecated", DeprecationWarning)
+        outputs = jax_triton.triton_call(
+            *arrays,
+            kernel=call.kernel, out_type=call.out_shapes, grid=call.grid,
+            num_warps=call.num_warps, num_stages=call.num_stages, **options, **call.constants)
     return tuple(outputs)

@@ -22,7 +22,14 @@ import jax.numpy as jnp
 
 from .. import kernels
 from .._util import cdiv, lse_gradient
-from ..configs import BlockSizes, KernelConfig, head_block
+from ..configs import (
+    HOPPER_CONSUMER_REGS,
+    HOPPER_FORWARD_TILES,
+    HOPPER_PRODUCER_REGS,
+    BlockSizes,
+    KernelConfig,
+    head_block,
+)
 from ..kernels import params as param
 
 # CUDA's limit on the first grid dimension, which enumerates every program of a launch.
@@ -76,6 +83,10 @@ class Problem:
     window: tuple[int | None, int | None] = (None, None)
     softcap: float | None = None  # scores become softcap * tanh(scores / softcap), on the scaled scores
     alibi: bool = False  # the slopes [Z, H] come as an operand (transforms.ForwardArgs.slopes)
+    # "hopper" (kernels/hopper.py) or "portable": chosen by launch/hopper.py when the problem is built.
+    # The Hopper kernel takes one offsets segment: a problem that vmap or partitioning gives several
+    # runs the portable one (see `hopper_forward`).
+    forward_kernel: str = "portable"
 
     # -- shapes ------------------------------------------------------------------------------------
     def shape(self, heads: int, tokens: int) -> tuple[int, int, int]:
@@ -130,6 +141,11 @@ class Problem:
         return BackwardLaunch(("dq",), dq, dq, bs.dq), BackwardLaunch(("dk", "dv"), dkdv, dkdv, bs.dkdv)
 
     @property
+    def hopper_forward(self) -> bool:
+        """Whether the forward runs the Hopper kernel."""
+        return self.forward_kernel == "hopper" and self.num_segments == 1
+
+    @property
     def empty(self) -> bool:
         return self.num_segments * self.num_heads * self.q_tokens * self.head_dim == 0
 
@@ -161,6 +177,11 @@ class KernelCall:
     num_warps: int = 4
     num_stages: int = 2
     max_registers: int | None = None  # per thread (Triton's maxnreg), or None
+    # (array index, block shape): arrays the GPU launcher passes as TMA descriptors of that block over
+    # the array (2-D), instead of as pointers (the Hopper forward's).
+    descriptors: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # (input index, output index): inputs whose buffer is that output (pre-filled outputs).
+    aliases: tuple[tuple[int, int], ...] = ()
 
 
 Runner = Callable[[KernelCall, Sequence[jax.Array]], Sequence[jax.Array]]
@@ -261,6 +282,8 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None
     """o (zero where no query is attended) and the float32 base-2 log-sum-exp [Z, H, T_q]."""
     if p.empty:
         return jnp.zeros(p.q_shape, q.dtype), jnp.full(p.stats_shape, jnp.inf, jnp.float32)
+    if p.hopper_forward:
+        return _hopper_forward(run, p, q, k, v, q_offsets, kv_offsets)
     cfg = p.block_sizes.fwd
     params, constants = _common(p)
     slots = p.forward_slots
@@ -279,6 +302,41 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None
                        V_KEY_MAJOR=v_key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, max_registers=cfg.max_registers)
     o, lse = run(call, (q, k, v, q_offsets, kv_offsets, _slopes(p, slopes), _params(call)))
+    return o, lse
+
+
+def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
+    """The Hopper forward (kernels/hopper.py): q, k, v as TMA descriptors over 2-D views whose rows are
+    one token stride long, o and the log-sum-exp pre-filled with 0 and +inf (the kernel writes each
+    sequence's first n_q rows only) and aliased to the outputs."""
+    tiles = HOPPER_FORWARD_TILES[p.head_dim]
+    params, constants = _common(p)
+    blocks = p.blocks(tiles.block_m, p.q_tokens, p.max_seq_len)
+    o = jnp.zeros(p.q_shape, q.dtype)
+    lse = jnp.full(p.stats_shape, jnp.inf, jnp.float32)
+    programs = p.batch * p.num_heads * blocks
+    if programs == 0:
+        return o, lse
+    q_token_stride = p.strides(p.num_heads, p.q_tokens)[0]
+    kv_token_stride = p.strides(p.num_kv_heads, p.kv_tokens)[0]
+    views = (q.reshape(-1, q_token_stride), k.reshape(-1, kv_token_stride), v.reshape(-1, kv_token_stride))
+    call = KernelCall(
+        kernels.hopper_attention_fwd_kernel, grid=(programs,),
+        out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
+                    jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
+        params=_pack({**params, param.HOPPER_FWD_BLOCKS: blocks}),
+        constants={**{name: constants[name] for name in (
+            "NUM_HEADS", "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "QK_SCALE", "STRIDE_ALIGN")},
+            "OUT_SCALE": p.out_scale, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
+            "STAGES": tiles.num_stages, "CONSUMER_REGS": HOPPER_CONSUMER_REGS,
+            "PRODUCER_REGS": HOPPER_PRODUCER_REGS},
+        # Gluon's pipeline is the kernel's own (STAGES): Triton's num_stages does nothing here.
+        num_warps=tiles.num_warps, num_stages=1, max_registers=tiles.max_registers,
+        # The query tile is one consumer warpgroup's 64 rows.
+        descriptors=((0, (tiles.block_m // 2, p.head_dim)), (1, (tiles.block_n, p.head_dim)),
+                     (2, (tiles.block_n, p.head_dim))),
+        aliases=((5, 0), (6, 1)))
+    o, lse = run(call, (*views, q_offsets, kv_offsets, o, lse, _params(call)))
     return o, lse
 
 

@@ -1,0 +1,293 @@
+"""The Hopper (sm_90a) forward, in Gluon: FlashAttention-3's structure, with the portable forward's
+contract (see kernels/__init__.py) for what launch/plan.py sends it.
+
+One program per block of BLOCK_M = 128 queries of one (sequence, head): a 1-warp producer partition
+issues the TMA loads (its two query tiles of 64 rows once, then the keys and values into a STAGES-deep
+ring), and two consumer warpgroups (the default partition and a worker, 64 query rows each, setmaxnreg
+CONSUMER_REGS / PRODUCER_REGS) each run S_j = Q K_j^T asynchronously while P_{j-1} V_{j-1} is in flight,
+the softmax of S_j under it. No barrier across the consumers in the loop: each releases a ring slot
+with one mbarrier arrival (the empty barriers count 2). benchmarks/probes/gluon_forward.py is the
+probe this came from (its `coop` variant), with the measurements in docs/performance.md.
+
+Semantics as the portable forward's (kernels/portable.py, common.py): offsets clamped as
+`common._extent`, n_q = min(len_q, Q_MAX_LEN) queries against n_k = min(len_kv, KV_MAX_LEN) keys, causal
+bottom-right aligned (key j <= query i + n_k - n_q), GQA (kv head = head // KV_GROUP), o scaled by
+OUT_SCALE, the online softmax subtracting the running max (of the unscaled scores) before it scales,
+and the base-2 log-sum-exp in units of the unscaled scores, +inf for a query with no key. Only the rows
+< n_q of each sequence are written: the launcher passes o and the log-sum-exp filled with 0 and +inf.
+
+Addressing. q, k, v come as TMA descriptors over 2-D views [elements / token_stride, token_stride] of
+their arrays (one row per token in "THD", one per (head, token) in "HTD"): token t of head h is at
+element t * token_stride + h * head_stride, so at row t + (h * head_stride) // token_stride and column
+(h * head_stride) % token_stride. A tile that runs past a sequence reads other tokens (or heads; the
+copy engine reads zeros past the array, never outside it): keys past the sequence are removed with a
+`where` on the scores, and the rows of the last value tile past them zeroed in shared memory before
+P V reads them (P is 0 there, but 0 * NaN is NaN). o is stored from registers with masked stores.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import params
+
+# Gluon's API moves between Triton versions: gated on what exists. The TMA load is tma.async_load from
+# 3.7 on (tma.async_copy_global_to_shared before); the partition's barrier gl.barrier from 3.7 on
+# (gl.thread_barrier before).
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+INF: gl.constexpr = gl.constexpr(float("inf"))
+# Query rows of one consumer warpgroup (a wgmma's M is 64 per warpgroup).
+CONSUMER_ROWS: gl.constexpr = gl.constexpr(64)
+PARAM_Q_TOKENS: gl.constexpr = gl.constexpr(params.Q_TOKENS)
+PARAM_KV_TOKENS: gl.constexpr = gl.constexpr(params.KV_TOKENS)
+PARAM_Q_TOKEN_STRIDE: gl.constexpr = gl.constexpr(params.Q_TOKEN_STRIDE)
+PARAM_Q_HEAD_STRIDE: gl.constexpr = gl.constexpr(params.Q_HEAD_STRIDE)
+PARAM_KV_TOKEN_STRIDE: gl.constexpr = gl.constexpr(params.KV_TOKEN_STRIDE)
+PARAM_KV_HEAD_STRIDE: gl.constexpr = gl.constexpr(params.KV_HEAD_STRIDE)
+PARAM_HOPPER_FWD_BLOCKS: gl.constexpr = gl.constexpr(params.HOPPER_FWD_BLOCKS)
+
+
+@gluon.jit
+def _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN: gl.constexpr):
+    """First token (int64) and attended length (int32) of a sequence: common._bounds (offsets clamped
+    into [0, num_tokens], each end to at least its start)."""
+    start = gl.load(offsets_ptr + sequence).to(gl.int64)
+    end = gl.load(offsets_ptr + sequence + 1).to(gl.int64)
+    start = gl.minimum(gl.maximum(start, 0), num_tokens)
+    end = gl.minimum(gl.maximum(end, start), num_tokens)
+    return start, gl.minimum(end - start, MAX_LEN).to(gl.int32)
+
+
+@gluon.jit
+def _tile_origin(first_token, head, token_stride, head_stride):
+    """(row, column) of a sequence's first token of `head` in the descriptors' 2-D view (see the
+    module's docstring), int32 as TMA takes them."""
+    head_offset = head.to(gl.int64) * head_stride
+    row = first_token + head_offset // token_stride
+    return row.to(gl.int32), (head_offset % token_stride).to(gl.int32)
+
+
+@gluon.jit
+def _needs_mask(j, n_k, row0, shift, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Whether key block j has keys past n_k, or (causal) keys that some query of rows [row0, +64) does
+    not see."""
+    end = (j + 1) * BLOCK_N
+    if CAUSAL:
+        return (end > n_k) | (end - 1 > row0 + shift)
+    else:
+        return end > n_k
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, masked, QK_SCALE: gl.constexpr,
+                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """common._online_softmax on one score tile (unscaled q.k): (p, m, l, alpha). The max is subtracted
+    before the scale, so the top score of a row gets exactly 2**0 at any magnitude."""
+    if masked:  # runtime, uniform: the last key block, and the diagonal ones when causal
+        cols = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < n_k, 0)
+        if CAUSAL:
+            rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, s_layout))
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + shift, 1))
+        s = gl.where(keep, s, -INF)
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    if CAUSAL:  # a row may have seen no key yet (max -inf): subtract 0 there, not -inf
+        m_safe = gl.where(m_new == -INF, 0.0, m_new)
+    else:
+        m_safe = m_new
+    alpha = gl.exp2((m_i - m_safe) * QK_SCALE)
+    p = gl.exp2((s - gl.expand_dims(m_safe, 1)) * QK_SCALE)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _zero_tail_rows(v_buf, n_rows, BLOCK_N: gl.constexpr):
+    """Zero the rows >= n_rows of a value tile in shared memory (other tokens, maybe NaN). Run by one
+    warpgroup (4 warps)."""
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    tile = v_buf.load(blocked)
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocked))
+    tile = gl.where(gl.expand_dims(rows < n_rows, 1), tile, gl.zeros_like(tile))
+    v_buf.store(tile)
+    fence_async_shared()  # generic-proxy writes, read next by wgmma (async proxy)
+    _partition_barrier()  # every warp's rows written before the arrival that releases them
+
+
+@gluon.jit
+def _issue_kv(desc, bar, buf, row, col):
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    _tma_load(desc, [row, col], bar, buf)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+              q_row, q_col, kv_row, kv_col, num_key_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The 1-warp load partition: both query tiles once, then K_j and V_j into the ring as slots free."""
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row + w * CONSUMER_ROWS, q_col], q_bars.index(w), q_smem.index(w))
+    for j in range(num_key_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        row = kv_row + j * BLOCK_N
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)  # fresh barriers: phase 1 counts as complete
+        _issue_kv(k_desc, k_ready.index(slot), k_smem.index(slot), row, kv_col)
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        _issue_kv(v_desc, v_ready.index(slot), v_smem.index(slot), row, kv_col)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr, lse_ptr,
+              q_start, n_q, n_k, key_end, shift, start_m, head, q_tokens, q_token_stride, q_head_stride,
+              D: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, CAUSAL: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+    """One consumer warpgroup: queries [start_m + 64 WG, +64) against keys [0, key_end), then their o
+    and log-sum-exp."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = k_smem.dtype
+    row0 = start_m + WG * CONSUMER_ROWS
+    q = q_smem.index(WG)
+    num_key_blocks = gl.cdiv(key_end, BLOCK_N)
+
+    m_i = gl.full([CONSUMER_ROWS], -INF, gl.float32, layout=row_layout)
+    l_i = gl.full([CONSUMER_ROWS], 0.0, gl.float32, layout=row_layout)
+    acc = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bars.index(WG), 0)  # always: the load must land before the program may end
+    if num_key_blocks > 0:
+        # S_0 alone; then S_j with P_{j-1} V_{j-1} in flight; then the last P V.
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, n_k, row0, shift,
+                                           _needs_mask(0, n_k, row0, shift, BLOCK_N, CAUSAL), QK_SCALE,
+                                           CAUSAL, BLOCK_N, s_layout)
+        for j in range(1, num_key_blocks):
+            ks = j % STAGES
+            vs = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(ks), (j // STAGES) & 1)
+            mbarrier.wait(v_ready.index(vs), ((j - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            s_tok = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc_tok = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(ks), count=1)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, j * BLOCK_N, n_k, row0, shift,
+                                               _needs_mask(j, n_k, row0, shift, BLOCK_N, CAUSAL), QK_SCALE,
+                                               CAUSAL, BLOCK_N, s_layout)
+            acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+            mbarrier.arrive(v_empty.index(vs), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        # Warpgroup 0 zeroes the rows of the last value tile past the keys and signals the other.
+        last = num_key_blocks - 1
+        vs = last % STAGES
+        tail = key_end - last * BLOCK_N
+        mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
+        if tail < BLOCK_N:
+            if WG == 0:
+                _zero_tail_rows(v_smem.index(vs), tail, BLOCK_N)
+                mbarrier.arrive(tail_bar, count=1)
+            else:
+                mbarrier.wait(tail_bar, 0)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(vs), acc)
+
+    # Epilogue: rows < n_q only (the launcher's buffers hold 0 and +inf elsewhere).
+    attended = l_i > 0  # false only for queries with no key
+    o_factor = gl.where(attended, OUT_SCALE / gl.where(attended, l_i, 1.0), 0.0)
+    o = acc * gl.expand_dims(gl.convert_layout(o_factor, gl.SliceLayout(1, o_layout)), 1)
+    rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    o_rows = (q_start + rows).to(gl.int64) * q_token_stride + head.to(gl.int64) * q_head_stride
+    o_ptrs = o_ptr + gl.expand_dims(o_rows, 1) + gl.expand_dims(cols, 0)
+    gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(rows < n_q, 1))
+    # In units of the unscaled scores: sum_j exp2((s_j - lse) * QK_SCALE) = 1.
+    lse = gl.where(attended, m_i + gl.log2(l_i) * (1.0 / QK_SCALE), INF)
+    lse_rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
+    lse_ptrs = lse_ptr + head.to(gl.int64) * q_tokens + q_start + lse_rows
+    gl.store(lse_ptrs, lse, mask=lse_rows < n_q)
+
+
+@gluon.jit
+def attention_fwd_kernel(
+    q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, o_ptr, lse_ptr, params_ptr,
+    NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """o and the base-2 log-sum-exp of one block of BLOCK_M (= 128, two warpgroups') queries of one
+    (sequence, head), on a one-axis grid: each (sequence, head)'s PARAM_HOPPER_FWD_BLOCKS blocks
+    adjacent, the last first. o_ptr and lse_ptr are inputs, the launcher's pre-filled buffers (aliased
+    to the outputs, so no output follows params_ptr): o [tokens, H, D] or [H, tokens, D] with q's
+    strides, lse [1, H, q_tokens]."""
+    q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
+    kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
+    blocks = gl.load(params_ptr + PARAM_HOPPER_FWD_BLOCKS)
+    pid = gl.program_id(0)
+    block = blocks - 1 - pid % blocks
+    head = (pid // blocks) % NUM_HEADS
+    sequence = pid // blocks // NUM_HEADS
+    q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+    start_m = block * BLOCK_M
+    if start_m < n_q:
+        q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
+        q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
+        kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
+        kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
+        kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
+        q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
+        kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
+        # The keys the block's last query sees (common._key_ranges' end), bottom-right aligned.
+        shift = n_k - n_q
+        if CAUSAL:
+            key_end = gl.maximum(gl.minimum(n_k, start_m + BLOCK_M + shift), 0)
+        else:
+            key_end = n_k
+        num_key_blocks = gl.cdiv(key_end, BLOCK_N)
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(2):
+            mbarrier.init(q_bars.index(w), count=1)
+        mbarrier.init(tail_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+            mbarrier.init(v_empty.index(i), count=2)
+        fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
+
+        # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
+                         lse_ptr, q_start, n_q, n_k, key_end, shift, start_m, head, q_tokens, q_token_stride,
+                         q_head_stride, D, QK_SCALE, OUT_SCALE, CAUSAL, BLOCK_N, STAGES, 0)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
+                         lse_ptr, q_start, n_q, n_k, key_end, shift, start_m, head, q_tokens, q_token_stride,
+                         q_head_stride, D, QK_SCALE, OUT_SCALE, CAUSAL, BLOCK_N, STAGES, 1)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
+                         v_empty, q_row, q_col, kv_row, kv_col, num_key_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

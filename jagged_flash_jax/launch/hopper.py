@@ -1,0 +1,79 @@
+"""Which forward kernel a problem of the triton backend runs: the Hopper one (kernels/hopper.py, Gluon)
+or the portable one. Chosen once, when api.py builds the Problem (its static `forward_kernel` field),
+so that jit caches one trace per choice; the backward is the portable one either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import numpy as np
+
+from ..configs import FORWARD_KERNEL_CHOICES, FORWARD_KERNEL_ENV, HOPPER_FORWARD_TILES
+from .plan import Problem
+
+# The byte alignment TMA needs of every stride but the innermost.
+TMA_ALIGN = 16
+
+
+@functools.cache
+def gluon_available() -> bool:
+    """Whether this Triton has Gluon's Hopper module (triton.experimental.gluon, 3.6 on) and the
+    kernel module imports with it."""
+    try:
+        from ..kernels import hopper  # noqa: F401
+    except Exception:  # ImportError, or an API the kernel module needs that this Triton lacks
+        return False
+    return True
+
+
+def device_capability() -> tuple[int, int] | None:
+    """(major, minor) of the first device's CUDA compute capability, or None (not a CUDA device)."""
+    try:
+        text = jax.devices()[0].compute_capability
+        major, minor = str(text).split(".")[:2]
+        return int(major), int(minor)
+    except Exception:
+        return None
+
+
+def requested() -> str:
+    """$JAGGED_FLASH_JAX_FORWARD, checked: "auto" (also when unset or empty) or "portable"."""
+    value = os.environ.get(FORWARD_KERNEL_ENV, "").strip().lower() or "auto"
+    if value not in FORWARD_KERNEL_CHOICES:
+        raise ValueError(f"{FORWARD_KERNEL_ENV}={value!r}: expected one of {FORWARD_KERNEL_CHOICES}")
+    return value
+
+
+def portable_reason(p: Problem, dtype) -> str | None:
+    """Why the problem's forward runs the portable kernel on the triton backend, or None: it runs the
+    Hopper one."""
+    if requested() == "portable":
+        return f"{FORWARD_KERNEL_ENV}=portable"
+    if p.backend != "triton":
+        return f"backend {p.backend!r}"
+    itemsize = np.dtype(dtype).itemsize
+    if itemsize != 2:
+        return f"{np.dtype(dtype).name} inputs (16-bit only)"
+    if p.head_dim not in HOPPER_FORWARD_TILES:
+        return f"head dimension {p.head_dim} (only {sorted(HOPPER_FORWARD_TILES)})"
+    if p.num_segments != 1:
+        return f"{p.num_segments} offsets segments (only one)"
+    if p.window != (None, None) or p.softcap is not None or p.alibi:
+        return "a window, soft cap or ALiBi (the portable kernel's options)"
+    strides = (*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))
+    if any(stride * itemsize % TMA_ALIGN for stride in strides):
+        return f"strides {strides} not {TMA_ALIGN}-byte aligned (TMA)"
+    capability = device_capability()
+    if capability is None or capability[0] != 9:
+        return f"compute capability {capability} (Hopper's wgmma needs 9.x)"
+    if not gluon_available():
+        return "no triton.experimental.gluon with Hopper support"
+    return None
+
+
+def forward_kernel(p: Problem, dtype) -> str:
+    """"hopper" or "portable": see `portable_reason`."""
+    return "portable" if portable_reason(p, dtype) else "hopper"

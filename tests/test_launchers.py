@@ -30,6 +30,7 @@ import jagged_flash_jax as jfa
 from jagged_flash_jax import _compat, api, configs, kernels
 from jagged_flash_jax.configs import BlockSizes, KernelConfig
 from jagged_flash_jax.launch import gpu, plan
+from jagged_flash_jax.launch import hopper as hopper_launch
 
 TESTS = Path(__file__).resolve().parent
 LOG2E = 1.4426950408889634
@@ -235,7 +236,18 @@ def fake_jax_triton(fake_gpu, monkeypatch):
         module.params[id(array)] = call.params
         return array
 
+    @dataclasses.dataclass(frozen=True)
+    class TensorDescriptor:  # jax_triton.TensorDescriptor.from_array's arguments
+        base: jax.Array
+        block_shape: tuple[int, ...]
+        layout: object
+
+        @classmethod
+        def from_array(cls, array, block_shape, layout=None):
+            return cls(array, tuple(block_shape), layout)
+
     module.triton_call = triton_call
+    module.TensorDescriptor = TensorDescriptor
     module.params = {}
     monkeypatch.setattr(plan, "_params", params)
     monkeypatch.setitem(sys.modules, "jax_triton", module)
@@ -574,7 +586,170 @@ def test_the_triton_backend_under_triton_interpret_says_so(fake_jax_triton, monk
 
 
 # ---------------------------------------------------------------------------------------------------
-# jax-triton 0.4 shims: its import under triton 3.6, its launch of warp-specialized kernels
+# The Hopper forward: which problems take it, and its launch
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hopper_gpu(fake_jax_triton, monkeypatch):
+    """The fake jax_triton on a device of compute capability 9.0, no override in the environment."""
+    monkeypatch.setattr(hopper_launch, "device_capability", lambda: (9, 0))
+    monkeypatch.delenv(configs.FORWARD_KERNEL_ENV, raising=False)
+    return fake_jax_triton
+
+
+def _forward_kernel(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_heads=4, cross=False,
+                    segments=False, fbgemm=False, **options):
+    """The attention kernel that the forward of one call launches (float32 may launch transposes
+    first), on 40 query tokens of 4 heads."""
+    fake.calls.clear()
+    tokens, kv_tokens = 40, 50 if cross else 40
+    shape = lambda t, h: (t, h, dim) if layout == "THD" else (h, t, dim)  # noqa: E731
+    q = jnp.ones(shape(tokens, 4), dtype)
+    kv = jnp.ones(shape(kv_tokens, kv_heads), dtype)
+    offsets = jnp.asarray([[0, 5, 20], [0, 10, 20]] if segments else [0, 15, 40], jnp.int32)
+    if fbgemm:
+        jfa.multi_head_jagged_flash_attention(q, kv, kv, offsets, 32, layout=layout, backend="triton")
+    else:
+        if cross:
+            options.update(kv_offsets=jnp.asarray([0, 20, 50], jnp.int32), kv_max_seq_len=30)
+        jfa.jagged_attention(q, kv, kv, offsets, 32, layout=layout, backend="triton", **options)
+    return next(call["kernel"] for call in fake.calls if call["kernel"] is not kernels.key_major_kernel)
+
+
+@pytest.mark.parametrize("case", [
+    dict(), dict(layout="HTD"), dict(causal=True), dict(kv_heads=2), dict(kv_heads=1, layout="HTD"),
+    dict(cross=True, causal=True, kv_heads=2), dict(dtype=jnp.float16, dim=256), dict(fbgemm=True),
+    dict(fbgemm=True, layout="THD"), dict(return_lse=True)], ids=str)
+def test_hopper_gpus_take_the_hopper_forward(hopper_gpu, case):
+    assert _forward_kernel(hopper_gpu, **case) is kernels.hopper_attention_fwd_kernel
+
+
+@pytest.mark.parametrize("case", [
+    dict(dim=64), dict(dim=96), dict(dtype=jnp.float32), dict(window=(8, None)), dict(window=(None, 4)),
+    dict(softcap=5.0), dict(alibi_slopes=jnp.ones(4)), dict(segments=True)], ids=str)
+def test_the_portable_forward_keeps_what_the_hopper_one_lacks(hopper_gpu, case):
+    assert _forward_kernel(hopper_gpu, **case) is kernels.attention_fwd_kernel
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0), None])
+def test_other_gpus_take_the_portable_forward(hopper_gpu, monkeypatch, capability):
+    monkeypatch.setattr(hopper_launch, "device_capability", lambda: capability)
+    assert _forward_kernel(hopper_gpu) is kernels.attention_fwd_kernel
+
+
+def test_the_environment_forces_the_portable_forward(hopper_gpu, monkeypatch):
+    portable, hopper = kernels.attention_fwd_kernel, kernels.hopper_attention_fwd_kernel
+    for value, kernel in (("portable", portable), (" Portable ", portable), ("auto", hopper), ("", hopper)):
+        monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, value)
+        assert _forward_kernel(hopper_gpu) is kernel, value
+    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hoper")
+    with pytest.raises(ValueError, match=f"{configs.FORWARD_KERNEL_ENV}='hoper'.*'auto', 'portable'"):
+        _forward_kernel(hopper_gpu)
+
+
+def test_without_gluon_the_portable_forward_runs(hopper_gpu, monkeypatch):
+    """A Triton without triton.experimental.gluon: the kernel module does not import, and the portable
+    forward runs."""
+    hopper_launch.gluon_available.cache_clear()
+    monkeypatch.delitem(sys.modules, "jagged_flash_jax.kernels.hopper", raising=False)
+    monkeypatch.delattr(kernels, "hopper", raising=False)
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)
+    try:
+        assert not hopper_launch.gluon_available()
+        assert _forward_kernel(hopper_gpu) is kernels.attention_fwd_kernel
+    finally:
+        hopper_launch.gluon_available.cache_clear()
+
+
+def test_vmap_keeps_the_hopper_forward_only_with_one_segment(hopper_gpu):
+    """vmap folds its axis into the heads ("HTD", shared offsets: one segment, Hopper) or into segments
+    of the token axis (batched offsets: portable), below the choice made for the unbatched problem."""
+    q = jnp.ones((3, 4, 40, 128), jnp.bfloat16)
+    offsets = jnp.asarray([0, 15, 40], jnp.int32)
+    op = lambda q, o: jfa.jagged_attention(q, q, q, o, 32, layout="HTD", backend="triton")  # noqa: E731
+    for offsets_axis, kernel in ((None, kernels.hopper_attention_fwd_kernel),
+                                 (0, kernels.attention_fwd_kernel)):
+        hopper_gpu.calls.clear()
+        batched_offsets = offsets if offsets_axis is None else jnp.stack([offsets] * 3)
+        jax.vmap(op, in_axes=(0, offsets_axis))(q, batched_offsets)
+        # (custom_vmap traces the unbatched problem too, before its rule: the last launch is the rule's)
+        assert hopper_gpu.calls[-1]["kernel"] is kernel
+
+
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
+    """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 200, kv_max_seq_len 30,
+    causal: one launch of 2 x 4 x 1 programs (sequences x heads x 128-query blocks), q, k, v as TMA
+    descriptors over 2-D views one token stride wide, o and the log-sum-exp as inputs aliased to the
+    outputs (pre-filled: see test_the_hopper_launch_prefills_its_outputs), 4 warps asked (the launch
+    takes the compiled 12 from the PTX) and a register cap of 168."""
+    from triton.experimental.gluon import language as gl
+
+    bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
+    q_shape, kv_shape = ((40, 4, 128), (50, 2, 128)) if layout == "THD" else ((4, 40, 128), (2, 50, 128))
+    q, kv = jnp.ones(q_shape, bf16), jnp.ones(kv_shape, bf16)
+    o = jfa.jagged_attention(q, kv, kv, jnp.asarray([0, 15, 40], jnp.int32), 200,
+                             kv_offsets=jnp.asarray([0, 20, 50], jnp.int32), kv_max_seq_len=30, scale=0.5,
+                             causal=True, layout=layout, backend="triton")
+    assert o.shape == q_shape
+    (call,) = hopper_gpu.calls
+    call = dict(call)
+    assert call.pop("kernel") is kernels.hopper_attention_fwd_kernel
+    assert call.pop("grid") == (8,)
+    args = call.pop("args")
+    views = ((40, 512), (50, 256)) if layout == "THD" else ((160, 128), (100, 128))
+    blocks = ((64, 128), (128, 128), (128, 128))
+    for desc, view, block in zip(args[:3], (views[0], views[1], views[1]), blocks):
+        assert isinstance(desc, hopper_gpu.TensorDescriptor)
+        assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
+        assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 3), i32), (q_shape, bf16),
+                                                       ((1, 4, 40), f32)]
+    # batch, q and kv tokens, q token/head strides, kv token/head strides (in units of 16 elements),
+    # offsets row strides, then the query blocks per (sequence, head).
+    strides = (32, 8, 16, 8) if layout == "THD" else (8, 320, 8, 400)
+    assert hopper_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, 1)
+    assert tuple(call.pop("out_type")) == (_sds(q_shape, bf16), _sds((1, 4, 40), f32))
+    assert call.pop("input_output_aliases") == {5: 0, 6: 1}
+    options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
+    assert options == (4, 1, {"maxnreg": 168})
+    assert call == dict(NUM_HEADS=4, KV_GROUP=2, D=128, Q_MAX_LEN=200, KV_MAX_LEN=30, CAUSAL=True,
+                        QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, OUT_SCALE=1.0, BLOCK_M=128, BLOCK_N=128,
+                        STAGES=2, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
+                        PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS)
+
+
+def test_the_hopper_launch_prefills_its_outputs():
+    """The plan's Hopper launch, run eagerly by a recording launcher: o is 0 and the log-sum-exp +inf
+    before the kernel writes each sequence's first n_q rows; with no program at all (no sequence), the
+    launch is skipped and those are the results."""
+    calls = []
+
+    def run(call, arrays):
+        calls.append((call, arrays))
+        return arrays[5], arrays[6]
+
+    q = jnp.ones((40, 4, 256), jnp.float16)
+    base = dict(layout="THD", num_heads=4, num_kv_heads=4, head_dim=256, num_segments=1, q_tokens=40,
+                kv_tokens=40, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=300, kv_max_seq_len=300,
+                causal=False, scale=0.1, out_scale=0.5, input_precision="tf32",
+                block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper")
+    offsets = jnp.asarray([[0, 40]], jnp.int32)
+    o, lse = plan.forward(run, plan.Problem(batch=1, **base), q, q, q, offsets, offsets)
+    (call, arrays), = calls
+    assert call.grid == (4,) and dict(call.descriptors) == {0: (64, 256), 1: (64, 256), 2: (64, 256)}
+    assert call.constants["OUT_SCALE"] == 0.5 and call.constants["BLOCK_N"] == 64
+    assert np.all(np.asarray(o, np.float32) == 0) and np.all(np.asarray(lse) == np.inf)
+    assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (1, 4, 40), jnp.float32)
+    calls.clear()
+    o, lse = plan.forward(run, plan.Problem(batch=0, **base), q, q, q, offsets[:, :1], offsets[:, :1])
+    assert calls == [] and not np.any(np.asarray(o, np.float32)) and np.all(np.asarray(lse) == np.inf)
+
+
+# ---------------------------------------------------------------------------------------------------
+# jax-triton 0.4 shims: its import under triton 3.6, its launch of warp-specialized kernels, the
+# metadata of TMA descriptors under triton 3.6
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -655,6 +830,67 @@ def test_the_gpu_launcher_applies_the_warps_shim(fake_jax_triton):
     assert gpu.jax_triton_module() is fake_jax_triton
     fake_jax_triton.triton_lib.triton_kernel_call_lib.TritonKernel("k", 4, 1, 0, _ptx(".maxntid 256, 1, 1"))
     assert lib.kernels == [("k", 8, 1, 0, _ptx(".maxntid 256, 1, 1"))]
+
+
+def _fake_compilation_result():
+    """jax-triton 0.4.1's CompilationResult and TensorDescMeta, as far as the tensordesc_meta check."""
+    from typing import TypedDict
+
+    class TensorDescMeta(TypedDict):
+        block_size: list
+        is_im2col: bool
+
+    @dataclasses.dataclass
+    class CompilationResult:
+        tensordesc_meta: list = ()
+
+        def __post_init__(self):
+            for meta in self.tensordesc_meta or ():
+                if missing := TensorDescMeta.__required_keys__ - meta.keys():
+                    raise ValueError(f"Invalid tensordesc_meta entry. Missing keys: {sorted(missing)}")
+
+    return CompilationResult, TensorDescMeta
+
+
+@pytest.mark.parametrize("triton_version,patched", [("3.6.0", True), ("3.7.0", False), ("3.9.0", False)])
+def test_jax_triton_0_4_1_gets_is_im2col_under_triton_3_6(monkeypatch, triton_version, patched):
+    result, meta = _fake_compilation_result()
+    triton_lib = types.SimpleNamespace(CompilationResult=result, TensorDescMeta=meta)
+    module = types.SimpleNamespace(__version__="0.4.1", triton_lib=triton_lib)
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    _compat.patch_tensordesc_meta(module)
+    _compat.patch_tensordesc_meta(module)  # once only
+    entries = [{"block_size": [64, 128]}, {"block_size": [128, 128], "is_im2col": True}]
+    if patched:
+        assert result(entries).tensordesc_meta == [{"block_size": [64, 128], "is_im2col": False}, entries[1]]
+        assert result(None).tensordesc_meta is None
+    else:
+        with pytest.raises(ValueError, match="Missing keys: \\['is_im2col'\\]"):
+            result(entries)
+
+
+def test_a_jax_triton_without_is_im2col_is_left_alone(monkeypatch):
+    result, _ = _fake_compilation_result()
+    original = result.__post_init__
+
+    class TensorDescMeta(dict):
+        __annotations__ = {"block_size": list}
+
+    module = types.SimpleNamespace(triton_lib=types.SimpleNamespace(CompilationResult=result,
+                                                                    TensorDescMeta=TensorDescMeta))
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    _compat.patch_tensordesc_meta(module)
+    assert result.__post_init__ is original
+    _compat.patch_tensordesc_meta(types.SimpleNamespace())  # no triton_lib (no GPU support): nothing
+
+
+def test_the_gpu_launcher_applies_the_is_im2col_shim(fake_jax_triton, monkeypatch):
+    result, meta = _fake_compilation_result()
+    fake_jax_triton.triton_lib = types.SimpleNamespace(CompilationResult=result, TensorDescMeta=meta)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert gpu.jax_triton_module() is fake_jax_triton
+    entry = {"block_size": [64, 128]}
+    assert result([entry]).tensordesc_meta == [dict(entry, is_im2col=False)]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,289 @@
+"""The Hopper forward (kernels/hopper.py): compiled here for sm_90a with the launcher's constants (no
+GPU needed), and on a Hopper GPU against the float64 reference, both layouts, causal, GQA, cross,
+empty and truncated sequences, FBGEMM's op, 16-bit inputs, D = 128 and 256, with the gradients that
+the portable backward takes from its log-sum-exp; inf and nan in unattended tokens, large logits, the
+log-sum-exp returned, and a jitted training step run twice. Which problems take it, and its launch's
+exact arguments: test_launchers.py."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TOLERANCES, Batch, assert_matches, attended_mask, reference, relative_error, run_vjp
+
+import jagged_flash_jax as jfa
+from jagged_flash_jax import configs
+from jagged_flash_jax.launch import hopper as hopper_launch
+from jagged_flash_jax.launch import plan
+
+# ---------------------------------------------------------------------------------------------------
+# Compiled for sm_90a, without a GPU
+# ---------------------------------------------------------------------------------------------------
+
+
+def hopper_call(dim: int, causal: bool, layout: str, dtype):
+    """The Hopper forward's KernelCall and arrays, as plan.forward makes them (GQA, cross-attention)."""
+    shape = lambda tokens, heads: (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)  # noqa: E731
+    q, kv = jnp.zeros(shape(64, 4), dtype), jnp.zeros(shape(48, 2), dtype)
+    p = plan.Problem(layout=layout, num_heads=4, num_kv_heads=2, head_dim=dim, batch=2, num_segments=1,
+                     q_tokens=64, kv_tokens=48, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=40,
+                     kv_max_seq_len=50, causal=causal, scale=0.1, out_scale=1.0, input_precision="tf32",
+                     block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper")
+    calls = []
+
+    def run(call, arrays):
+        calls.append((call, arrays))
+        return arrays[5], arrays[6]
+
+    offsets = jnp.asarray([[0, 10, 64]], jnp.int32)
+    plan.forward(run, p, q, kv, kv, offsets, offsets)
+    (call,) = calls
+    return call
+
+
+def compile_for_sm90(call, arrays):
+    """triton.compile of the call's Gluon kernel for sm_90a, with the signature jax-triton 0.4.1 builds
+    (descriptors as `tensordesc<dtype[block],layout>`, 16-divisible pointers)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = {jnp.dtype(jnp.bfloat16): ("bf16", gl.bfloat16), jnp.dtype(jnp.float16): ("fp16", gl.float16),
+             jnp.dtype(jnp.float32): ("fp32", None), jnp.dtype(jnp.int32): ("i32", None)}
+    blocks = dict(call.descriptors)
+    params = [name for name in call.kernel.arg_names if name not in call.constants]
+    signature = {}
+    for index, (name, array) in enumerate(zip(params, arrays, strict=True)):
+        type_name, gl_dtype = names[jnp.dtype(array.dtype)]
+        if index in blocks:
+            block = list(blocks[index])
+            layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+            signature[name] = f"tensordesc<{type_name}[{','.join(map(str, block))}],{layout!r}>"
+        else:
+            signature[name] = f"*{type_name}"
+    signature.update(dict.fromkeys(call.constants, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name.endswith("_ptr")}
+    source = GluonASTSource(call.kernel, signature, dict(call.constants), attrs)
+    options = dict(num_warps=call.num_warps, num_stages=call.num_stages, maxnreg=call.max_registers)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
+
+
+COMPILE_CASES = [(128, False, "THD", jnp.bfloat16), (128, True, "HTD", jnp.float16),
+                 (256, False, "HTD", jnp.bfloat16), (256, True, "THD", jnp.bfloat16)]
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
+@pytest.mark.parametrize("dim,causal,layout,dtype", COMPILE_CASES, ids=str)
+def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype):
+    """With the constants the launcher passes: 384 threads (two consumer warpgroups and the producer's,
+    which jax-triton 0.4.1 launches through _compat's PTX shim), the register split of setmaxnreg,
+    wgmma and TMA loads, and shared memory within the H100/H200's 227 KB."""
+    if not hopper_launch.gluon_available():
+        pytest.skip("this Triton has no triton.experimental.gluon (the Hopper forward is unavailable)")
+    from jagged_flash_jax import _compat
+
+    start = time.perf_counter()
+    compiled = compile_for_sm90(*hopper_call(dim, causal, layout, dtype))
+    ptx = compiled.asm["ptx"]
+    assert _compat.ptx_warps(ptx) == 12
+    registers = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))
+    assert {str(configs.HOPPER_CONSUMER_REGS), str(configs.HOPPER_PRODUCER_REGS)} <= registers
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert compiled.metadata.shared <= 232448
+    assert time.perf_counter() - start < 60
+
+
+# ---------------------------------------------------------------------------------------------------
+# On a Hopper GPU
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def forward_kernels(monkeypatch):
+    """The forward kernel chosen for each call (launch/hopper.py's answer, recorded), on a Hopper GPU;
+    the environment's override removed."""
+    if hopper_launch.device_capability() is None or hopper_launch.device_capability()[0] != 9:
+        pytest.skip(f"needs a Hopper GPU (compute capability 9.x), not {hopper_launch.device_capability()}")
+    monkeypatch.delenv(configs.FORWARD_KERNEL_ENV, raising=False)
+    chosen = []
+    choose = hopper_launch.forward_kernel
+
+    def record(p, dtype):
+        chosen.append(choose(p, dtype))
+        return chosen[-1]
+
+    monkeypatch.setattr(hopper_launch, "forward_kernel", record)
+    return chosen
+
+
+CASES = {
+    # One sequence past max_seq_len (several 128-query blocks and 128-key tiles), one empty, one of 1.
+    "self-causal": dict(lengths=[5, 0, 300, 1, 130], heads=4, dim=128, max_seq_len=256, causal=True),
+    # Fewer queries than keys, an empty key sequence and an empty query sequence; GQA; keys truncated.
+    "cross-nq<nk-causal-gqa": dict(lengths=[3, 80, 1, 0, 60], kv_lengths=[90, 200, 0, 5, 300], heads=4,
+                                   kv_heads=2, dim=128, max_seq_len=256, kv_max_seq_len=240, causal=True),
+    # More queries than keys under causal: the first n_q - n_k queries see no key (whole 128-query
+    # blocks and parts of one); MQA; keys cut to 4.
+    "cross-nq>nk-causal-mqa": dict(lengths=[200, 9, 130], kv_lengths=[5, 9, 2], heads=3, kv_heads=1,
+                                   dim=128, max_seq_len=256, kv_max_seq_len=4, causal=True),
+    "cross-gqa-truncated": dict(lengths=[70, 0, 250], kv_lengths=[400, 3, 0], heads=4, kv_heads=2, dim=128,
+                                max_seq_len=160, kv_max_seq_len=320),
+    "self-D256-scale": dict(lengths=[17, 200, 90], heads=2, dim=256, max_seq_len=256, scale=0.07),
+    "cross-D256-causal-gqa": dict(lengths=[150, 3, 64], kv_lengths=[100, 70, 200], heads=4, kv_heads=2,
+                                  dim=256, max_seq_len=128, kv_max_seq_len=150, causal=True),
+}
+
+
+def check(case: str, layout: str, precision: str, forward_kernels, want="hopper"):
+    spec = dict(CASES[case])
+    dtype, _, tol = TOLERANCES[precision]
+    batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
+                       kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None),
+                       lead=3, extra=70, seed=len(case), scale=0.6)
+    results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend="triton", **spec)
+    assert forward_kernels == [want]
+    max_len, kv_max = spec["max_seq_len"], spec.get("kv_max_seq_len", spec["max_seq_len"])
+    scale = spec.get("scale", batch.q.shape[-1] ** -0.5)
+    expected = reference(*results[:4], batch.offsets, max_len, kv_offsets=batch.kv_offsets,
+                         kv_max_seq_len=kv_max, scale=scale, causal=spec.get("causal", False))
+    assert_matches(results, expected, tol,
+                   attended_q=attended_mask(batch.offsets, batch.q.shape[0], max_len),
+                   attended_kv=attended_mask(batch.key_offsets, batch.k.shape[0], kv_max))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_float64(case, layout, precision, forward_kernels):
+    check(case, layout, precision, forward_kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["self-causal", "cross-nq>nk-causal-mqa", "self-D256-scale"])
+def test_the_override_runs_the_portable_forward(case, forward_kernels, monkeypatch):
+    """$JAGGED_FLASH_JAX_FORWARD=portable on the same cases: the portable forward, as right."""
+    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "portable")
+    check(case, "THD", "bf16", forward_kernels, want="portable")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["HTD", "THD"])
+def test_fbgemm_op(layout, forward_kernels):
+    """FBGEMM's op: no scale, output divided by max_seq_len; sequences past it and empty ones."""
+    max_len = 200
+    batch = Batch.make([5, 0, 300, 130, 1], 3, 128, lead=2, extra=40, seed=6, scale=0.3)
+    results = run_vjp(jfa.multi_head_jagged_flash_attention, batch, jnp.bfloat16, layout=layout,
+                      max_seq_len=max_len, backend="triton")
+    assert forward_kernels == ["hopper"]
+    expected = reference(*results[:4], batch.offsets, max_len, scale=1.0, out_scale=1.0 / max_len)
+    attended = attended_mask(batch.offsets, batch.q.shape[0], max_len)
+    assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operand", ["q", "k", "v"])
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_inf_and_nan_in_unattended_tokens_stay_out(operand, layout, forward_kernels):
+    """inf and nan in the tokens past max_seq_len and after the last sequence, which the 128-row query
+    and key tiles of the sequences before them read (and the value tile's rows past the keys, zeroed
+    before P V reads them): every output and gradient finite, matching float64, 0 where unattended."""
+    max_len, dim = 150, 128
+    batch = Batch.make([5, 0, 200, 3], 2, dim, kv_heads=1, extra=90, seed=3)
+    attended = attended_mask(batch.offsets, len(batch.q), max_len)
+    poisoned = getattr(batch, operand).copy()
+    poisoned[np.flatnonzero(~attended)[::3]] = np.nan
+    poisoned[np.flatnonzero(~attended)[1::3]] = np.inf
+    setattr(batch, operand, poisoned)
+    results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
+                      causal=operand == "k", backend="triton")
+    assert forward_kernels == ["hopper"]
+    expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5, causal=operand == "k")
+    assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale,exponent,layout", [(None, 10, "THD"), (1 / 3, 30, "HTD"), (0.7, 59, "THD")],
+                         ids=["default-scale-logits~1e6", "scale-1/3-logits~1e12", "scale-0.7-logits~1e21"])
+def test_large_logits_with_any_scale(scale, exponent, layout, forward_kernels):
+    """Exact scores up to 1e21 (q = k * 2**exponent, k small integers: every product exact in float32)
+    whose softmax rows are one-hot (each query's top key is its own token, the others far below): o is
+    v exactly, which needs the row max subtracted from the unscaled score before the scale multiplies;
+    dv, from the portable backward fed this log-sum-exp, matches float64 to bfloat16 rounding."""
+    dim = 128
+    batch = Batch.make([13, 140, 2], 2, dim, extra=3, seed=9)
+    batch.k = np.random.default_rng(5).integers(-8, 9, batch.k.shape).astype(np.float64)
+    batch.q = batch.k * 2.0**exponent
+    kwargs = {} if scale is None else {"scale": scale}
+    results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=256,
+                      backend="triton", **kwargs)
+    assert forward_kernels == ["hopper"]
+    for b in range(3):
+        tokens = slice(batch.offsets[b], batch.offsets[b + 1])
+        scores = np.sort(np.einsum("qhd,khd->hqk", results[0][tokens], results[1][tokens]), axis=-1)
+        assert np.all(scores[..., -1] > scores[..., -2]), "a tie at the top: pick another seed"
+    expected = reference(*results[:4], batch.offsets, 256, scale=dim**-0.5 if scale is None else scale)
+    assert all(np.all(np.isfinite(x)) for x in results[4:])
+    assert relative_error(results[4], expected[0]) < 1e-6
+    assert relative_error(results[7], expected[3]) < TOLERANCES["bf16"][2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_lse_and_its_gradient_match_the_portable_forward(layout, forward_kernels, monkeypatch):
+    """return_lse=True: o, the log-sum-exp (-inf where no key or unattended) and the gradients of a loss
+    of both (the portable backward, fed each forward's log-sum-exp) from the Hopper forward match the
+    portable forward's."""
+    batch = Batch.make([150, 0, 40, 260], 4, 128, kv_lengths=[100, 20, 0, 300], kv_heads=2, lead=1, extra=20,
+                       seed=4, scale=0.6)
+    q, k, v, _ = batch.arrays(jnp.bfloat16, layout)
+    offsets, kv_offsets = (jnp.asarray(x, jnp.int32) for x in (batch.offsets, batch.kv_offsets))
+
+    def loss(q, k, v):
+        o, lse = jfa.jagged_attention(q, k, v, offsets, 256, kv_offsets=kv_offsets, causal=True,
+                                      layout=layout, backend="triton", return_lse=True)
+        finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(finite)), (o, lse)
+
+    results = {}
+    for forward in ("auto", "portable"):
+        monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, forward)
+        (_, (o, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        results[forward] = [np.asarray(x, np.float64) for x in (o, lse, *grads)]
+    assert forward_kernels == ["hopper", "portable"]
+    hopper, portable = results["auto"], results["portable"]
+    np.testing.assert_array_equal(np.isfinite(hopper[1]), np.isfinite(portable[1]))
+    assert np.all(hopper[1][~np.isfinite(hopper[1])] == -np.inf)
+    finite = np.isfinite(hopper[1])
+    np.testing.assert_allclose(hopper[1][finite], portable[1][finite], rtol=1e-3, atol=1e-3)
+    for name, got, want in zip(("o", "dq", "dk", "dv"), [hopper[0], *hopper[2:]],
+                               [portable[0], *portable[2:]]):
+        assert relative_error(got, want) < 1e-2, name
+
+
+@pytest.mark.gpu
+def test_a_jitted_training_step_runs_twice(forward_kernels):
+    """A jitted forward + backward with the Hopper forward, run twice (host-made TMA descriptors: XLA's
+    command buffers, CUDA graphs, must take the launch), with the same results both times."""
+    batch = Batch.make([300, 5, 128], 4, 128, seed=1, scale=0.5)
+    q, k, v, _ = batch.arrays(jnp.bfloat16)
+    offsets = jnp.asarray(batch.offsets, jnp.int32)
+
+    @jax.jit
+    def step(q, k, v):
+        loss = lambda q, k, v: jnp.sum(jfa.jagged_attention(q, k, v, offsets, 256, causal=True).astype(  # noqa: E731
+            jnp.float32) ** 2)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    first = jax.block_until_ready(step(q, k, v))
+    second = jax.block_until_ready(step(q, k, v))
+    assert forward_kernels == ["hopper"]
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        assert np.all(np.isfinite(np.asarray(a, np.float32)))
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -23,6 +23,7 @@ from helpers import to_numpy
 
 import jagged_flash_jax as jfa
 from jagged_flash_jax import transforms
+from jagged_flash_jax.launch import hopper as hopper_launch
 from jagged_flash_jax.launch import interpret, plan
 from jagged_flash_jax.launch.plan import KernelCall
 
@@ -143,6 +144,7 @@ def test_an_output_element_left_unwritten_shows(dtype):
 # ---------------------------------------------------------------------------------------------------
 
 TOKENS, KV_TOKENS, HEADS, DIM = 24, 20, 2, 8
+HOPPER_DIM = 128  # with bfloat16: the Hopper forward's (on a Hopper GPU)
 MAX_SEQ_LEN, KV_MAX_SEQ_LEN = 16, 12
 
 ADVERSARIAL_OFFSETS = [
@@ -173,12 +175,18 @@ def covered(offsets, tokens: int, max_len: int) -> np.ndarray:
     return mask
 
 
-def check_offsets_case(offsets, int64: bool, backend: str = "interpret") -> None:
+def check_offsets_case(offsets, int64: bool, backend: str = "interpret", hopper: bool = False) -> None:
     """In a fresh process: forward and vjp of both ops on `backend` with these offsets (the kv offsets,
-    reversed, for cross-attention): every output finite, zero on tokens nothing attends."""
+    reversed, for cross-attention): every output finite, zero on tokens nothing attends. With `hopper`
+    (a Hopper GPU), bfloat16 at D = 128, so that the forwards without options run the Hopper kernel
+    (checked), whose tiles reach past the arrays' ends here."""
     rng = np.random.default_rng(11)
-    q = jnp.asarray(rng.standard_normal((TOKENS, HEADS, DIM)), jnp.float32)
-    kv = jnp.asarray(rng.standard_normal((KV_TOKENS, HEADS, DIM)), jnp.float32)
+    dtype, dim = (jnp.bfloat16, HOPPER_DIM) if hopper else (jnp.float32, DIM)
+    q = jnp.asarray(rng.standard_normal((TOKENS, HEADS, dim)), dtype)
+    kv = jnp.asarray(rng.standard_normal((KV_TOKENS, HEADS, dim)), dtype)
+    chosen, choose = [], hopper_launch.forward_kernel
+    if hopper:  # recorded for this case, put back at the end
+        hopper_launch.forward_kernel = lambda p, dtype: chosen.append(choose(p, dtype)) or chosen[-1]
     kv_offsets = offsets[::-1]
     with jax.enable_x64(int64):
         dtype = jnp.int64 if int64 else jnp.int32
@@ -209,9 +217,9 @@ def check_offsets_case(offsets, int64: bool, backend: str = "interpret") -> None
         q_mask = covered(offsets, TOKENS, MAX_SEQ_LEN)
         # Every case twice: as chosen, then with key-major operands (which float32 inputs with TF32 and
         # D >= 64 take): their transposes, and key and query windows that start before their sequence.
-        chosen = plan.key_major
+        as_chosen = plan.key_major
         try:
-            for key_major in (chosen, lambda p, dtype, operands: True):
+            for key_major in (as_chosen,) if hopper else (as_chosen, lambda p, dtype, operands: True):
                 plan.key_major = key_major
                 # The plan runs when a problem is first traced: without this, the jitted ops and the
                 # transforms' cached functions would replay the first variant's kernels.
@@ -219,7 +227,7 @@ def check_offsets_case(offsets, int64: bool, backend: str = "interpret") -> None
                 transforms._forward_fn.cache_clear()
                 transforms._backward_fn.cache_clear()
                 for name, (op, args, layout, cross) in cases.items():
-                    name += ", key-major" * (key_major is not chosen)
+                    name += ", key-major" * (key_major is not as_chosen)
                     o, vjp = jax.vjp(op, *args)
                     results = dict(zip(["o", "dq", "dk", "dv"], (o, *vjp(jnp.ones_like(o)))))
                     kv_mask = covered(kv_offsets, KV_TOKENS, KV_MAX_SEQ_LEN) if cross else q_mask
@@ -230,7 +238,10 @@ def check_offsets_case(offsets, int64: bool, backend: str = "interpret") -> None
                         assert not np.any(x[~mask]), (f"{name}: {what} is not zero on tokens "
                                                       f"{np.flatnonzero(~mask)}")
         finally:
-            plan.key_major = chosen
+            plan.key_major = as_chosen
+            hopper_launch.forward_kernel = choose
+    if hopper:  # the three cases without a window, soft cap or ALiBi, on each of their traces
+        assert chosen.count("hopper") >= 3, chosen
     print("ok")
 
 
@@ -303,14 +314,18 @@ def test_malformed_offsets_without_overlap_match_the_xla_backend():
 @pytest.mark.gpu
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="needs compute-sanitizer")
 def test_adversarial_offsets_on_the_gpu_under_compute_sanitizer():
-    """The same cases on the triton backend, in one process under compute-sanitizer's memcheck. XLA's
-    platform allocator gives every buffer its own allocation, so an access just past an array is an
-    error rather than a read of a neighbouring buffer in XLA's pool."""
+    """The same cases on the triton backend, in one process under compute-sanitizer's memcheck, and on a
+    Hopper GPU again in bfloat16 at D = 128 (the Hopper forward, whose TMA tiles reach past the
+    arrays: the copy engine must clip them). XLA's platform allocator gives every buffer its own
+    allocation, so an access just past an array is an error rather than a read of a neighbouring
+    buffer in XLA's pool."""
     env = _child_env(XLA_PYTHON_CLIENT_ALLOCATOR="platform", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    call = (f"import test_memory_safety as t\nfor case in {CASES!r}:\n"
-            "    t.check_offsets_case(*case, backend='triton')\n")
+    capability = hopper_launch.device_capability()
+    hopper = [False, True] if capability is not None and capability[0] == 9 else [False]
+    call = (f"import test_memory_safety as t\nfor case in {CASES!r}:\n    for hopper in {hopper!r}:\n"
+            "        t.check_offsets_case(*case, backend='triton', hopper=hopper)\n")
     result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99",
                              "--print-limit", "20", sys.executable, "-c", call],
-                            env=env, capture_output=True, text=True, timeout=240, cwd=TESTS)
+                            env=env, capture_output=True, text=True, timeout=480, cwd=TESTS)
     report = (result.stdout + result.stderr)[-6000:]
     assert result.returncode == 0 and "ERROR SUMMARY: 0 errors" in report, report

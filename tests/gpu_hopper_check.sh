@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The Hopper forward on a Hopper GPU, in one call (about 2-4 minutes on the H200): the versions and the
+# kernel a bfloat16 D = 128 problem takes; tests/test_hopper.py (compiled for sm_90a, then against the
+# float64 reference, the portable forward, a jitted training step run twice) on 8 workers; then CUPTI
+# device times of a `long`-like batch (16 sequences of 1 to 4096 tokens, 8 heads, D = 128, bfloat16),
+# forward alone and a jitted forward + backward step, with the Hopper and the portable forward.
+#
+#   bash tests/gpu_hopper_check.sh            # from the repository root
+#
+# Memory safety under compute-sanitizer (Hopper forward included), separately (several minutes):
+#   pytest -o addopts="-ra" -m gpu tests/test_memory_safety.py -k compute_sanitizer
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset JAGGED_FLASH_JAX_FORWARD
+status=0
+
+python - <<'PY' || status=1
+import jax
+import jax.numpy as jnp
+import triton
+
+import jagged_flash_jax as jfa
+from jagged_flash_jax import api
+from jagged_flash_jax.launch import gpu, hopper
+
+print(f"jax {jax.__version__}, triton {triton.__version__}, jax-triton "
+      f"{gpu.jax_triton_module().__version__}, {jax.devices()[0].device_kind}, capability "
+      f"{hopper.device_capability()}, gluon {hopper.gluon_available()}")
+q = jnp.zeros((64, 2, 128), jnp.bfloat16)
+offsets = jnp.asarray([0, 64], jnp.int32)
+p = api._problem(q, q, q, offsets, offsets, max_seq_len=64, kv_max_seq_len=64, scale=0.1, out_scale=1.0,
+                 causal=False, layout="THD", allow_tf32=True, backend="triton", block_sizes=None,
+                 self_attention=True, validate=False)
+print(f"bfloat16 D = 128 takes the {p.forward_kernel} forward ({hopper.portable_reason(p, q.dtype)})")
+assert p.hopper_forward, "expected the Hopper forward here"
+PY
+
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python -m pytest -o addopts="-ra" -n 8 -p no:cacheprovider \
+  tests/test_hopper.py || status=1
+
+timeout 120 python - <<'PY' || status=1
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jagged_flash_jax as jfa
+from benchmarks import timing
+from jagged_flash_jax import configs
+
+rng = np.random.default_rng(0)
+B, H, D, L = 16, 8, 128, 4096
+lengths = rng.integers(1, L + 1, B)
+offsets = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+T = int(offsets[-1])
+q, k, v = (jnp.asarray(rng.standard_normal((T, H, D)), jnp.bfloat16) for _ in range(3))
+pairs = float(np.sum(lengths.astype(np.float64) ** 2))
+
+
+def forward(causal):
+    return lambda q, k, v, o: jfa.jagged_attention(q, k, v, o, L, causal=causal)
+
+
+def step(causal):
+    def loss(q, k, v, o):
+        return jnp.sum(jfa.jagged_attention(q, k, v, o, L, causal=causal).astype(jnp.float32) ** 2)
+
+    return lambda q, k, v, o: jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, o)
+
+
+for kernel in ("auto", "portable"):
+    os.environ[configs.FORWARD_KERNEL_ENV] = kernel  # read when the problem is built: at the first call
+    for name, fn, flops in (("forward", forward(False), 4 * H * D * pairs),
+                            ("forward causal", forward(True), 2 * H * D * pairs),
+                            ("fwd+bwd step", step(False), 14 * H * D * pairs)):
+        program = timing.every_set(fn)
+        arg_sets = [(q, k, v, offsets)]
+        for _ in range(2):  # twice: XLA's command buffers (CUDA graphs) replay the second
+            jax.block_until_ready(program(arg_sets))
+        row = timing.device_ms(program, arg_sets, iterations=5)
+        label = "hopper" if kernel == "auto" else kernel
+        if "device_ms" not in row:  # CUPTI could not time this program: say why
+            print(f"{label:8s} {name:15s} {row}", flush=True)
+            continue
+        ms = row["device_ms"]
+        print(f"{label:8s} {name:15s} {ms:8.3f} ms {flops / ms / 1e9:6.1f} TF/s kernels {row['kernels']}",
+              flush=True)
+PY
+
+echo "gpu_hopper_check: $([ $status = 0 ] && echo PASSED || echo FAILED)"
+exit $status

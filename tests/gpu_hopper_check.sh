@@ -15,7 +15,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset JAGGED_FLASH_JAX_FORWARD
 status=0
 
-python - <<'PY' || status=1
+python3 - <<'PY' || status=1
 import jax
 import jax.numpy as jnp
 import triton
@@ -36,10 +36,10 @@ print(f"bfloat16 D = 128 takes the {p.forward_kernel} forward ({hopper.portable_
 assert p.hopper_forward, "expected the Hopper forward here"
 PY
 
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python -m pytest -o addopts="-ra" -n 8 -p no:cacheprovider \
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -o addopts="-ra" -n 8 -p no:cacheprovider \
   tests/test_hopper.py || status=1
 
-timeout 120 python - <<'PY' || status=1
+timeout 120 python3 - <<'PY' || status=1
 import os
 
 import jax

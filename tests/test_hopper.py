@@ -79,7 +79,8 @@ COMPILE_CASES = [(128, False, "THD", jnp.bfloat16), (128, True, "HTD", jnp.float
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
-@pytest.mark.parametrize("dim,causal,layout,dtype", COMPILE_CASES, ids=str)
+@pytest.mark.parametrize("dim,causal,layout,dtype", COMPILE_CASES,
+                         ids=lambda x: jnp.dtype(x).name if isinstance(x, type) else str(x))
 def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype):
     """With the constants the launcher passes: 384 threads (two consumer warpgroups and the producer's,
     which jax-triton 0.4.1 launches through _compat's PTX shim), the register split of setmaxnreg,

@@ -141,13 +141,13 @@ CASES = {
 }
 
 
-def check(case: str, layout: str, precision: str, forward_kernels, want="hopper"):
+def check(case: str, layout: str, precision: str, forward_kernels, want="hopper", **options):
     spec = dict(CASES[case])
     dtype, _, tol = TOLERANCES[precision]
     batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
                        kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None),
                        lead=3, extra=70, seed=len(case), scale=0.6)
-    results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend="triton", **spec)
+    results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend="triton", **spec, **options)
     assert forward_kernels == [want]
     max_len, kv_max = spec["max_seq_len"], spec.get("kv_max_seq_len", spec["max_seq_len"])
     scale = spec.get("scale", batch.q.shape[-1] ** -0.5)
@@ -164,6 +164,13 @@ def check(case: str, layout: str, precision: str, forward_kernels, want="hopper"
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_float64(case, layout, precision, forward_kernels):
     check(case, layout, precision, forward_kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["self-causal", "cross-nq<nk-causal-gqa"])
+def test_int64_offsets(case, forward_kernels):
+    with jax.enable_x64(True):
+        check(case, "HTD", "bf16", forward_kernels, offsets_dtype=np.int64)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""Runs the kernels of the kernels package on the GPU through jax_triton.triton_call.
+"""Runs the kernels of the kernels package on the GPU through jax_triton.triton_call (the Hopper
+forward's q, k, v as host-made TMA descriptors, jax_triton.TensorDescriptor).
 
 jax_triton is imported on first use only: its import fails on a machine without a GPU build of jax, and
 needs triton, which the package does not require.

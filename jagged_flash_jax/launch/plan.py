@@ -3,7 +3,9 @@
 A launcher is a function `run(call, arrays) -> outputs` that executes one `KernelCall`; gpu.py does it
 with jax-triton, interpret.py with Triton's interpreter. A kernel's parameters are the call's arrays
 (the last one the int32 array of its runtime sizes, `params`, built by the slots' names in
-kernels.common), its outputs, then `constants` by keyword.
+kernels.common), its outputs, then `constants` by keyword. The Hopper forward (kernels/hopper.py, on
+the triton backend only, where launch/hopper.py chose it for the Problem) takes q, k, v as TMA
+descriptors and its outputs as pre-filled inputs aliased to them (KernelCall.descriptors, .aliases).
 
 Arrays at this level: q, o, do, dq are [Z*T_q, H, D] ("THD") or [H, Z*T_q, D] ("HTD"), k, v, dk, dv
 the same with H_kv and T_kv: Z segments of T tokens each along the token axis, every segment with its

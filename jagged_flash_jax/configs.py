@@ -19,9 +19,10 @@ import numpy as np
 # Path of a JSON table written by `python -m benchmarks.tune`: its entries replace or add to the built-in.
 TUNED_CONFIGS_ENV = "JAGGED_FLASH_JAX_TUNED_CONFIGS"
 # "portable" forces the portable forward kernel where the Hopper one would run (launch/hopper.py);
-# "auto" or unset: the Hopper forward wherever it applies.
+# "hopper": the Hopper one wherever it can run, sequences shorter than HOPPER_FORWARD_MIN_LENGTH too;
+# "auto" or unset: the Hopper forward where it applies and is the faster.
 FORWARD_KERNEL_ENV = "JAGGED_FLASH_JAX_FORWARD"
-FORWARD_KERNEL_CHOICES = ("auto", "portable")
+FORWARD_KERNEL_CHOICES = ("auto", "portable", "hopper")
 
 MAX_HEAD_DIM = 256
 # The GPU whose table is used for GPUs (and head dimensions) that have no entry of their own.
@@ -84,6 +85,10 @@ HOPPER_FORWARD_TILES = {
     128: KernelConfig(128, 128, num_warps=4, num_stages=2, max_registers=168),
     256: KernelConfig(128, 64, num_warps=4, num_stages=2, max_registers=168),
 }
+# Sequences (the longer of max_seq_len and kv_max_seq_len) up to this many tokens run the portable
+# forward: there its tiles fitted to the lengths, and no pre-filled output, win (H200, D = 128: L256
+# 0.31 against 0.41 ms, rec-long 0.29 against 0.31, L1024 0.61 against 0.63; L2048 1.03 against 0.92).
+HOPPER_FORWARD_MIN_LENGTH = 1025
 HOPPER_CONSUMER_REGS = 240
 HOPPER_PRODUCER_REGS = 24
 

@@ -592,14 +592,15 @@ def test_the_triton_backend_under_triton_interpret_says_so(fake_jax_triton, monk
 
 @pytest.fixture
 def hopper_gpu(fake_jax_triton, monkeypatch):
-    """The fake jax_triton on a device of compute capability 9.0, no override in the environment."""
+    """The fake jax_triton on a device of compute capability 9.0, the Hopper forward asked for wherever
+    it can run (the short sequences below would take the portable one under "auto")."""
     monkeypatch.setattr(hopper_launch, "device_capability", lambda: (9, 0))
-    monkeypatch.delenv(configs.FORWARD_KERNEL_ENV, raising=False)
+    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
     return fake_jax_triton
 
 
 def _forward_kernel(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_heads=4, cross=False,
-                    segments=False, fbgemm=False, **options):
+                    segments=False, fbgemm=False, max_seq_len=32, **options):
     """The attention kernel that the forward of one call launches (float32 may launch transposes
     first), on 40 query tokens of 4 heads."""
     fake.calls.clear()
@@ -609,11 +610,13 @@ def _forward_kernel(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_heads
     kv = jnp.ones(shape(kv_tokens, kv_heads), dtype)
     offsets = jnp.asarray([[0, 5, 20], [0, 10, 20]] if segments else [0, 15, 40], jnp.int32)
     if fbgemm:
-        jfa.multi_head_jagged_flash_attention(q, kv, kv, offsets, 32, layout=layout, backend="triton")
+        jfa.multi_head_jagged_flash_attention(q, kv, kv, offsets, max_seq_len, layout=layout,
+                                              backend="triton")
     else:
         if cross:
-            options.update(kv_offsets=jnp.asarray([0, 20, 50], jnp.int32), kv_max_seq_len=30)
-        jfa.jagged_attention(q, kv, kv, offsets, 32, layout=layout, backend="triton", **options)
+            options.setdefault("kv_max_seq_len", 30)
+            options.update(kv_offsets=jnp.asarray([0, 20, 50], jnp.int32))
+        jfa.jagged_attention(q, kv, kv, offsets, max_seq_len, layout=layout, backend="triton", **options)
     return next(call["kernel"] for call in fake.calls if call["kernel"] is not kernels.key_major_kernel)
 
 
@@ -638,13 +641,20 @@ def test_other_gpus_take_the_portable_forward(hopper_gpu, monkeypatch, capabilit
     assert _forward_kernel(hopper_gpu) is kernels.attention_fwd_kernel
 
 
-def test_the_environment_forces_the_portable_forward(hopper_gpu, monkeypatch):
+def test_the_environment_chooses_the_forward(hopper_gpu, monkeypatch):
+    """"portable" always, "hopper" wherever it can run; "auto" (or unset) the Hopper forward from
+    sequences of HOPPER_FORWARD_MIN_LENGTH tokens (the longer of max_seq_len and kv_max_seq_len) on."""
     portable, hopper = kernels.attention_fwd_kernel, kernels.hopper_attention_fwd_kernel
-    for value, kernel in (("portable", portable), (" Portable ", portable), ("auto", hopper), ("", hopper)):
+    shortest = configs.HOPPER_FORWARD_MIN_LENGTH
+    for value, max_seq_len, kernel in (("portable", 32, portable), (" Portable ", shortest, portable),
+                                       ("hopper", 32, hopper), ("auto", shortest - 1, portable),
+                                       ("auto", shortest, hopper), ("", 32, portable), ("", 4096, hopper)):
         monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, value)
-        assert _forward_kernel(hopper_gpu) is kernel, value
+        assert _forward_kernel(hopper_gpu, max_seq_len=max_seq_len) is kernel, (value, max_seq_len)
+    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "auto")
+    assert _forward_kernel(hopper_gpu, cross=True, kv_max_seq_len=shortest) is hopper
     monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hoper")
-    with pytest.raises(ValueError, match=f"{configs.FORWARD_KERNEL_ENV}='hoper'.*'auto', 'portable'"):
+    with pytest.raises(ValueError, match=f"{configs.FORWARD_KERNEL_ENV}='hoper'.*'portable', 'hopper'"):
         _forward_kernel(hopper_gpu)
 
 

@@ -11,7 +11,12 @@ import os
 import jax
 import numpy as np
 
-from ..configs import FORWARD_KERNEL_CHOICES, FORWARD_KERNEL_ENV, HOPPER_FORWARD_TILES
+from ..configs import (
+    FORWARD_KERNEL_CHOICES,
+    FORWARD_KERNEL_ENV,
+    HOPPER_FORWARD_MIN_LENGTH,
+    HOPPER_FORWARD_TILES,
+)
 from .plan import Problem
 
 # The byte alignment TMA needs of every stride but the innermost.
@@ -40,7 +45,8 @@ def device_capability() -> tuple[int, int] | None:
 
 
 def requested() -> str:
-    """$JAGGED_FLASH_JAX_FORWARD, checked: "auto" (also when unset or empty) or "portable"."""
+    """$JAGGED_FLASH_JAX_FORWARD, checked: "auto" (also when unset or empty), "portable" (always the
+    portable forward) or "hopper" (the Hopper forward wherever it can run, short sequences included)."""
     value = os.environ.get(FORWARD_KERNEL_ENV, "").strip().lower() or "auto"
     if value not in FORWARD_KERNEL_CHOICES:
         raise ValueError(f"{FORWARD_KERNEL_ENV}={value!r}: expected one of {FORWARD_KERNEL_CHOICES}")
@@ -59,6 +65,8 @@ def portable_reason(p: Problem, dtype) -> str | None:
         return f"{np.dtype(dtype).name} inputs (16-bit only)"
     if p.head_dim not in HOPPER_FORWARD_TILES:
         return f"head dimension {p.head_dim} (only {sorted(HOPPER_FORWARD_TILES)})"
+    if requested() == "auto" and max(p.max_seq_len, p.kv_max_seq_len) < HOPPER_FORWARD_MIN_LENGTH:
+        return f"sequences of at most {HOPPER_FORWARD_MIN_LENGTH - 1} tokens (the portable forward is faster)"
     if p.num_segments != 1:
         return f"{p.num_segments} offsets segments (only one)"
     if p.window != (None, None) or p.softcap is not None or p.alibi:

@@ -227,10 +227,10 @@ def fit_to_lengths(tiles: BlockSizes, max_seq_len: int, kv_max_seq_len: int) -> 
 
 
 def band_width(window: tuple[int | None, int | None], causal: bool) -> int | None:
-    """The most keys one query sees under a window (left, right), right being 0 under causal; None where a
-    side is unbounded."""
+    """A window's width, left + right (right 0 under causal; a query sees one key more, its own
+    position's), which keys the tile table as a sequence length would; None where a side is unbounded."""
     left, right = window[0], 0 if causal else window[1]
-    return None if left is None or right is None else left + right + 1
+    return None if left is None or right is None else left + right
 
 
 def default_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None,

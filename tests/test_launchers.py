@@ -1022,11 +1022,12 @@ def test_the_gpu_launcher_takes_its_tiles_from_the_table(fake_jax_triton, tmp_pa
 
 
 def test_a_window_keys_the_table_by_its_width(fake_jax_triton, monkeypatch):
-    """A sliding window of w keys takes the tiles of sequences of w tokens (its key blocks are shaped
-    like theirs), whatever the sequences' length; a window open on one side keys by the lengths."""
+    """A sliding window (left, right) takes the tiles of sequences of left + right tokens (its key blocks
+    are shaped like theirs), whatever the sequences' length; a window open on one side keys by the
+    lengths."""
     monkeypatch.delenv(configs.TUNED_CONFIGS_ENV, raising=False)
-    assert configs.band_width((255, None), causal=True) == 256
-    assert configs.band_width((100, 27), causal=False) == 128
+    assert configs.band_width((256, None), causal=True) == 256
+    assert configs.band_width((100, 28), causal=False) == 128
     assert configs.band_width((100, None), causal=False) is None
     assert configs.band_width((None, 0), causal=False) is None
     short = configs.BUILTIN_TABLE[(H200, 16, 128, 256)]
@@ -1035,8 +1036,8 @@ def test_a_window_keys_the_table_by_its_width(fake_jax_triton, monkeypatch):
         (H200, 16, 128, 1024)]
     assert configs.default_block_sizes(128, jnp.bfloat16, 200, band=5000) == short
     q = jnp.ones((600, 1, 128), jnp.bfloat16)
-    for window, causal, want in (((255, 0), False, short.fwd), ((255, None), True, short.fwd),
-                                 ((255, None), False, configs.BUILTIN_TABLE[(H200, 16, 128, None)].fwd)):
+    for window, causal, want in (((256, 0), False, short.fwd), ((256, None), True, short.fwd),
+                                 ((256, None), False, configs.BUILTIN_TABLE[(H200, 16, 128, None)].fwd)):
         fake_jax_triton.calls.clear()
         jfa.jagged_attention(q, q, q, [0, 600], 2048, window=window, causal=causal, backend="triton")
         (forward,) = fake_jax_triton.calls

@@ -6,8 +6,8 @@ issues the TMA loads (its two query tiles of 64 rows once, then the keys and val
 ring), and two consumer warpgroups (the default partition and a worker, 64 query rows each, setmaxnreg
 CONSUMER_REGS / PRODUCER_REGS) each run S_j = Q K_j^T asynchronously while P_{j-1} V_{j-1} is in flight,
 the softmax of S_j under it. No barrier across the consumers in the loop: each releases a ring slot
-with one mbarrier arrival (the empty barriers count 2). benchmarks/probes/gluon_forward.py is the
-probe this came from (its `coop` variant), with the measurements in docs/performance.md.
+with one mbarrier arrival (the empty barriers count 2). It is the `coop` variant of a probe kept in
+benchmarks/results/profile/2026-12-01b_gluon_forward_probe.md; measurements in docs/performance.md.
 
 Semantics as the portable forward's (kernels/portable.py, common.py): offsets clamped as
 `common._extent`, n_q = min(len_q, Q_MAX_LEN) queries against n_k = min(len_kv, KV_MAX_LEN) keys, causal

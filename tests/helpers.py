@@ -154,14 +154,25 @@ def to_numpy(x, layout="THD") -> np.ndarray:
 
 def run_vjp(op, batch: Batch, dtype, *, layout="THD", offsets_dtype=np.int32, **kwargs):
     """(q, k, v, do rounded to dtype, then o, dq, dk, dv), all float64 token-major, of one forward and
-    vjp of `op(q, k, v, offsets, ..., layout=layout, **kwargs)`."""
+    vjp of `op(q, k, v, offsets, ..., layout=layout, **kwargs)`.
+
+    Forward and vjp run as one jitted program (one XLA compilation; called eagerly, the xla backend
+    compiles its forward and backward apart, which took most of these tests' time). The offsets are
+    constants of that program, concrete when the op checks them, as in an eager call; each call traces
+    anew (a new function), so a test that patches the launch plan gets its own kernels. Eager calls are
+    tested elsewhere (test_lse.py, test_api.py, test_transforms.py, the README and the notebooks)."""
     q, k, v, do = batch.arrays(dtype, layout)
     offsets = jnp.asarray(batch.offsets.astype(offsets_dtype))
     if batch.kv_offsets is not None:
         kwargs["kv_offsets"] = jnp.asarray(batch.kv_offsets.astype(offsets_dtype))
-    o, vjp = jax.vjp(lambda q, k, v: op(q, k, v, offsets, layout=layout, **kwargs), q, k, v)
+
+    def forward_and_vjp(q, k, v, do):
+        o, vjp = jax.vjp(lambda q, k, v: op(q, k, v, offsets, layout=layout, **kwargs), q, k, v)
+        return o, *vjp(do)
+
+    o, *grads = jax.jit(forward_and_vjp)(q, k, v, do)
     assert o.shape == q.shape and o.dtype == q.dtype
-    return [to_numpy(x, layout) for x in (q, k, v, do, o, *vjp(do))]
+    return [to_numpy(x, layout) for x in (q, k, v, do, o, *grads)]
 
 
 def assert_matches(results, expected, tol, *, attended_q=None, attended_kv=None):

@@ -28,6 +28,26 @@ def backend_params(backends=None):
             for b in (backends or BACKENDS)]
 
 
+def case_backend_params(cases, xla=lambda *case: True):
+    """pytest params (*case, backend) of each case (a value or a tuple of values) on every backend, the
+    xla backend only for the cases where `xla(*case)`; ids as stacked parametrize gives them
+    ("case-layout-backend"), the triton ones marked `gpu`.
+
+    The kernels (interpret, triton) take every case: their masks, tiles and addressing differ with the
+    shapes. The xla backend is one pure-JAX function of the whole batch (blocks of 64 rows, the options
+    applied to every score the same way, HTD read by one transpose): the cases that add nothing to it
+    are left out there."""
+    params = []
+    for case in cases:
+        case = case if isinstance(case, tuple) else (case,)
+        for backend in BACKENDS:
+            if backend == "xla" and not xla(*case):
+                continue
+            params.append(pytest.param(*case, backend, marks=[pytest.mark.gpu] if backend == "triton" else [],
+                                       id="-".join(map(str, (*case, backend)))))
+    return params
+
+
 # (dtype, allow_tf32, tolerance of `relative_error`) by precision.
 TOLERANCES = {"fp32": (jnp.float32, False, 1e-5), "tf32": (jnp.float32, True, 2e-3),
               "bf16": (jnp.bfloat16, True, 1e-2), "fp16": (jnp.float16, True, 1e-2)}

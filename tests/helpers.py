@@ -28,6 +28,26 @@ def backend_params(backends=None):
             for b in (backends or BACKENDS)]
 
 
+def case_backend_params(cases, xla=lambda *case: True):
+    """pytest params (*case, backend) of each case (a value or a tuple of values) on every backend, the
+    xla backend only for the cases where `xla(*case)`; ids as stacked parametrize gives them
+    ("case-layout-backend"), the triton ones marked `gpu`.
+
+    The kernels (interpret, triton) take every case: their masks, tiles and addressing differ with the
+    shapes. The xla backend is one pure-JAX function of the whole batch (blocks of 64 rows, the options
+    applied to every score the same way, HTD read by one transpose): the cases that add nothing to it
+    are left out there."""
+    params = []
+    for case in cases:
+        case = case if isinstance(case, tuple) else (case,)
+        for backend in BACKENDS:
+            if backend == "xla" and not xla(*case):
+                continue
+            params.append(pytest.param(*case, backend, marks=[pytest.mark.gpu] if backend == "triton" else [],
+                                       id="-".join(map(str, (*case, backend)))))
+    return params
+
+
 # (dtype, allow_tf32, tolerance of `relative_error`) by precision.
 TOLERANCES = {"fp32": (jnp.float32, False, 1e-5), "tf32": (jnp.float32, True, 2e-3),
               "bf16": (jnp.bfloat16, True, 1e-2), "fp16": (jnp.float16, True, 1e-2)}
@@ -154,14 +174,25 @@ def to_numpy(x, layout="THD") -> np.ndarray:
 
 def run_vjp(op, batch: Batch, dtype, *, layout="THD", offsets_dtype=np.int32, **kwargs):
     """(q, k, v, do rounded to dtype, then o, dq, dk, dv), all float64 token-major, of one forward and
-    vjp of `op(q, k, v, offsets, ..., layout=layout, **kwargs)`."""
+    vjp of `op(q, k, v, offsets, ..., layout=layout, **kwargs)`.
+
+    Forward and vjp run as one jitted program (one XLA compilation; called eagerly, the xla backend
+    compiles its forward and backward apart, which took most of these tests' time). The offsets are
+    constants of that program, concrete when the op checks them, as in an eager call; each call traces
+    anew (a new function), so a test that patches the launch plan gets its own kernels. Eager calls are
+    tested elsewhere (test_lse.py, test_api.py, test_transforms.py, the README and the notebooks)."""
     q, k, v, do = batch.arrays(dtype, layout)
     offsets = jnp.asarray(batch.offsets.astype(offsets_dtype))
     if batch.kv_offsets is not None:
         kwargs["kv_offsets"] = jnp.asarray(batch.kv_offsets.astype(offsets_dtype))
-    o, vjp = jax.vjp(lambda q, k, v: op(q, k, v, offsets, layout=layout, **kwargs), q, k, v)
+
+    def forward_and_vjp(q, k, v, do):
+        o, vjp = jax.vjp(lambda q, k, v: op(q, k, v, offsets, layout=layout, **kwargs), q, k, v)
+        return o, *vjp(do)
+
+    o, *grads = jax.jit(forward_and_vjp)(q, k, v, do)
     assert o.shape == q.shape and o.dtype == q.dtype
-    return [to_numpy(x, layout) for x in (q, k, v, do, o, *vjp(do))]
+    return [to_numpy(x, layout) for x in (q, k, v, do, o, *grads)]
 
 
 def assert_matches(results, expected, tol, *, attended_q=None, attended_kv=None):

@@ -217,8 +217,10 @@ def test_merge_attention_edge_cases():
 @pytest.mark.parametrize(("layout", "backend"), [("HTD", "interpret"), ("THD", "xla")])
 def test_vmap_and_jit(layout, backend):
     """vmap (shared and batched offsets: folded into heads and into segments) and jit of return_lse,
-    values and the vjp with an lse cotangent, equal a loop of single calls (eager on the interpreter)."""
-    batch, spec = _batch("cross-nq<nk-causal-gqa")
+    values and the vjp with an lse cotangent, equal a loop of single calls (eager on the interpreter).
+    Cross-attention with MQA and queries without a key (lse -inf): 2 sequences of 3 heads, fewer
+    interpreted programs than the GQA case's 4 sequences of 4 heads."""
+    batch, spec = _batch("cross-nq>nk-causal-mqa")
     rng = np.random.default_rng(4)
     q, k, v, do = (jnp.stack([x, 0.5 * x + 0.3]) for x in batch.arrays(jnp.float32, layout))
     dlse = jnp.asarray(rng.standard_normal((2, *batch.q.shape[:2])), jnp.float32)

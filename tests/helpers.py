@@ -28,20 +28,19 @@ def backend_params(backends=None):
             for b in (backends or BACKENDS)]
 
 
-def case_backend_params(cases, xla=lambda *case: True):
-    """pytest params (*case, backend) of each case (a value or a tuple of values) on every backend, the
-    xla backend only for the cases where `xla(*case)`; ids as stacked parametrize gives them
-    ("case-layout-backend"), the triton ones marked `gpu`.
+def case_backend_params(cases, xla=lambda *case: True, interpret=lambda *case: True):
+    """pytest params (*case, backend) of each case (a value or a tuple of values) on every backend: on
+    xla only the cases where `xla(*case)`, on the interpreter those where `interpret(*case)`, on the
+    GPU (triton, marked `gpu`) all; ids as stacked parametrize gives them ("case-layout-backend").
 
-    The kernels (interpret, triton) take every case: their masks, tiles and addressing differ with the
-    shapes. The xla backend is one pure-JAX function of the whole batch (blocks of 64 rows, the options
-    applied to every score the same way, HTD read by one transpose): the cases that add nothing to it
-    are left out there."""
+    The xla backend is one pure-JAX function of the whole batch (blocks of 64 rows, the options applied
+    to every score alike, HTD read by one transpose): the cases that add nothing to it are left out
+    there. The interpreter leaves out only what it cannot tell from another case (see the callers)."""
     params = []
     for case in cases:
         case = case if isinstance(case, tuple) else (case,)
         for backend in BACKENDS:
-            if backend == "xla" and not xla(*case):
+            if not {"xla": xla, "interpret": interpret}.get(backend, lambda *case: True)(*case):
                 continue
             params.append(pytest.param(*case, backend, marks=[pytest.mark.gpu] if backend == "triton" else [],
                                        id="-".join(map(str, (*case, backend)))))

@@ -117,10 +117,13 @@ def _assert_close(name, got, want):
     assert err <= TOL, f"{name}: relative error {err:.2e}"
 
 
-# The xla backend reads HTD (and writes lse [H, T]) by one transpose of the whole batch: one case.
+# HTD for one case on the interpreter and xla: the lse's layout ([H, T] for HTD) is the api's transpose
+# of the kernels' statistics, the same on every backend, and the kernels' reading of HTD is tested on
+# every case in test_jagged_attention.py (the xla backend reads HTD by one transpose of the batch).
 @pytest.mark.parametrize("case,layout,backend", case_backend_params(
     [(case, layout) for case in CASES for layout in ("THD", "HTD")],
-    xla=lambda case, layout: layout == "THD" or case == "cross-nq<nk-causal-gqa"))
+    xla=lambda case, layout: layout == "THD" or case == "cross-nq<nk-causal-gqa",
+    interpret=lambda case, layout: layout == "THD" or case == "cross-nq<nk-causal-gqa"))
 def test_lse_and_its_gradient_match_float64(case, layout, backend):
     batch, spec = _batch(case)
     # The lse cotangent is random everywhere, also where lse is -inf: there it must count for nothing.
@@ -254,11 +257,14 @@ def test_sharded_offsets_lay_lse_out_like_q(backend):
     one, two = Batch.make([3, 5], 2, 8, extra=1, seed=5), Batch.make([0, 6], 2, 8, extra=3, seed=6)
     arrays = [np.concatenate([a, b]) for a, b in zip((one.q, one.k, one.v), (two.q, two.k, two.v))]
     offsets = np.stack([one.offsets, two.offsets])
-    call = functools.partial(jfa.jagged_attention, max_seq_len=8, backend=backend, return_lse=True)
-    _, lse = call(*(jnp.asarray(x, jnp.float32) for x in arrays), jnp.asarray(offsets, jnp.int32))
+    def call(q, k, v, offsets):  # jitted, the offsets concrete (as in an eager call)
+        op = functools.partial(jfa.jagged_attention, max_seq_len=8, backend=backend, return_lse=True)
+        return jax.jit(lambda q, k, v: op(q, k, v, jnp.asarray(offsets, jnp.int32)))(
+            *(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+
+    _, lse = call(*arrays, offsets)
     for i, part in enumerate((one, two)):
-        _, want = call(*(jnp.asarray(x, jnp.float32) for x in (part.q, part.k, part.v)),
-                       jnp.asarray(part.offsets, jnp.int32))
+        _, want = call(part.q, part.k, part.v, part.offsets)
         np.testing.assert_array_equal(lse[i * 9:(i + 1) * 9], want)
 
 
@@ -283,7 +289,7 @@ def test_without_lse_the_backward_is_unchanged(backend, monkeypatch):
             out = jfa.jagged_attention(q, k, v, offsets, backend=backend, return_lse=return_lse, **spec)
             return jnp.sum((out[0] if return_lse else out) * do)
 
-        results.append(jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v))
+        results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v))
     assert seen == [True, True]
     for g, w in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0])):
         np.testing.assert_array_equal(g, w)
@@ -292,7 +298,7 @@ def test_without_lse_the_backward_is_unchanged(backend, monkeypatch):
         o, lse = jfa.jagged_attention(q, k, v, offsets, backend=backend, return_lse=True, **spec)
         return jnp.sum(o * do) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
-    jax.grad(with_lse)(q)
+    jax.jit(jax.grad(with_lse))(q)
     assert seen[-1] is False
 
 

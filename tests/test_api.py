@@ -3,6 +3,8 @@ and grad composition without retracing, and the helpers (offsets, padding, data-
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -128,16 +130,25 @@ def test_fbgemm_layout_mix_up_raises():
 def test_validate_checks_traced_offsets_with_checkify(offsets, ok):
     """validate=True: jit-traced offsets are checked by checkify.check, which the caller functionalizes;
     without validate, malformed traced offsets pass (finite values, as documented)."""
-    from jax.experimental import checkify
-
     q, k, v = arrays(seed=6)
-    op = jax.jit(lambda q, o: jagged_attention(q, k, v, o, 8, backend="xla", validate=True))
-    err, out = checkify.checkify(op)(q, jnp.asarray(offsets, jnp.int32))
+    checked, unchecked = _validated_and_unchecked()
+    err, out = checked(q, jnp.asarray(offsets, jnp.int32))
     assert (err.get() is None) == ok, err.get()
     if ok:
         np.testing.assert_array_equal(out, jagged_attention(q, k, v, OFFSETS, 8, backend="xla"))
-    unchecked = jax.jit(lambda q, o: jagged_attention(q, k, v, o, 8, backend="xla"))(q, jnp.asarray(offsets))
-    assert bool(jnp.all(jnp.isfinite(unchecked)))
+    assert bool(jnp.all(jnp.isfinite(unchecked(q, jnp.asarray(offsets, jnp.int32)))))
+
+
+@functools.cache
+def _validated_and_unchecked():
+    """The jitted op with validate=True under checkify, and without validate, over the k and v of the
+    test above: compiled once for its four offsets (traced, of one shape)."""
+    from jax.experimental import checkify
+
+    _, k, v = arrays(seed=6)
+    checked = checkify.checkify(jax.jit(lambda q, o: jagged_attention(q, k, v, o, 8, backend="xla",
+                                                                      validate=True)))
+    return checked, jax.jit(lambda q, o: jagged_attention(q, k, v, o, 8, backend="xla"))
 
 
 def test_max_seq_len_beyond_the_tokens_is_accepted():

@@ -266,12 +266,12 @@ def test_lse_and_its_gradient_match_the_portable_forward(layout, forward_kernels
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(finite)), (o, lse)
 
     results = {}
-    for forward in ("auto", "portable"):
+    for forward in ("hopper", "portable"):  # "auto" keeps sequences this short on the portable one
         monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, forward)
         (_, (o, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
         results[forward] = [np.asarray(x, np.float64) for x in (o, lse, *grads)]
     assert forward_kernels == ["hopper", "portable"]
-    hopper, portable = results["auto"], results["portable"]
+    hopper, portable = results["hopper"], results["portable"]
     np.testing.assert_array_equal(np.isfinite(hopper[1]), np.isfinite(portable[1]))
     assert np.all(hopper[1][~np.isfinite(hopper[1])] == -np.inf)
     finite = np.isfinite(hopper[1])

@@ -247,6 +247,23 @@ def _key_ranges(query_start, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _span(SPAN: tl.constexpr, start, clean_start, clean_end, end, CLIP_FIRST: tl.constexpr):
+    """[lo, hi) of span SPAN of the ranges `_key_ranges` / `_query_ranges` give: 0 the masked blocks
+    before the clean ones (clipped at `end` when CLIP_FIRST: only a window's first span may pass it),
+    1 the clean blocks, 2 the masked blocks after them. A loop walks SPAN over tl.static_range(3), with
+    MASKED=SPAN != 1: one call site, three specialized loops."""
+    if SPAN == 0:
+        if CLIP_FIRST:
+            return start, tl.minimum(clean_start, end)
+        else:
+            return start, clean_start
+    elif SPAN == 1:
+        return clean_start, clean_end
+    else:
+        return clean_end, end
+
+
+@triton.jit
 def _query_ranges(key_start, n_q, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
     """For keys [key_start, +BLOCK_N): (start, clean_start, clean_end, end), the queries [start, end)

@@ -32,6 +32,7 @@ from .common import (
     _query_shift,
     _rows,
     _scores,
+    _span,
     _stats,
     _store,
     _zero_tail,
@@ -176,31 +177,17 @@ def attention_fwd_kernel(
     if V_KEY_MAJOR:  # a first block with keys before the sequence is masked
         clean_start = tl.maximum(clean_start, (lead > 0).to(tl.int32) * BLOCK_N)
         clean_end = tl.maximum(clean_end, clean_start)
-    if V_KEY_MAJOR or WINDOW_LEFT >= 0:
-        for key_start in range(start, tl.minimum(clean_start, end), BLOCK_N):
-            acc, row_sum, row_max = _fwd_block(
-                acc, row_sum, row_max, q, k_base, v_base, key_start=key_start,
-                query_rows=query_rows, cols=cols, lead=lead, n_k=n_window, shift=shift, slope=slope,
-                kv_token_stride=kv_token_stride, v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D,
-                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
-                CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
-                ALIBI=ALIBI, V_KEY_MAJOR=V_KEY_MAJOR)
-    for key_start in range(clean_start, clean_end, BLOCK_N):
-        acc, row_sum, row_max = _fwd_block(
-            acc, row_sum, row_max, q, k_base, v_base, key_start=key_start,
-            query_rows=query_rows, cols=cols, lead=lead, n_k=n_window, shift=shift, slope=slope,
-            kv_token_stride=kv_token_stride, v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=False,
-            CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
-            ALIBI=ALIBI, V_KEY_MAJOR=V_KEY_MAJOR)
-    for key_start in range(clean_end, end, BLOCK_N):
-        acc, row_sum, row_max = _fwd_block(
-            acc, row_sum, row_max, q, k_base, v_base, key_start=key_start,
-            query_rows=query_rows, cols=cols, lead=lead, n_k=n_window, shift=shift, slope=slope,
-            kv_token_stride=kv_token_stride, v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
-            CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
-            ALIBI=ALIBI, V_KEY_MAJOR=V_KEY_MAJOR)
+    for SPAN in tl.static_range(3):  # without a window or key-major v, no masked blocks come first
+        if SPAN != 0 or V_KEY_MAJOR or WINDOW_LEFT >= 0:
+            lo, hi = _span(SPAN, start, clean_start, clean_end, end, CLIP_FIRST=True)
+            for key_start in range(lo, hi, BLOCK_N):
+                acc, row_sum, row_max = _fwd_block(
+                    acc, row_sum, row_max, q, k_base, v_base, key_start=key_start,
+                    query_rows=query_rows, cols=cols, lead=lead, n_k=n_window, shift=shift, slope=slope,
+                    kv_token_stride=kv_token_stride, v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D,
+                    BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=SPAN != 1,
+                    CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+                    ALIBI=ALIBI, V_KEY_MAJOR=V_KEY_MAJOR)
 
     attended = row_sum > 0  # false only for queries with no key (empty key sequence, or band)
     acc = acc * (OUT_SCALE / tl.where(attended, row_sum, 1.0))[:, None]
@@ -348,38 +335,18 @@ def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_
         else:
             slope = 0.0
         # Without a window, clean_start <= end already (the first form of _query_ranges).
-        for query_start in range(start, tl.minimum(clean_start, end) if WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0
-                                 else clean_start,
-                                 BLOCK_M):
-            dk, dv = _dkdv_block(
-                dk, dv, k, v, q_base=q_base, do_base=do_base, q_km_base=q_km_base, do_km_base=do_km_base,
-                lse_base=lse_base, delta_base=delta_base, query_start=query_start, key_rows=key_rows,
-                cols=cols, lead=lead, n_q=n_window, shift=shift, slope=slope, q_token_stride=q_token_stride,
-                km_d_stride=km_d_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-                INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
-                CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
-                ALIBI=ALIBI,
-                QDO_KEY_MAJOR=QDO_KEY_MAJOR)
-        for query_start in range(clean_start, clean_end, BLOCK_M):
-            dk, dv = _dkdv_block(
-                dk, dv, k, v, q_base=q_base, do_base=do_base, q_km_base=q_km_base, do_km_base=do_km_base,
-                lse_base=lse_base, delta_base=delta_base, query_start=query_start, key_rows=key_rows,
-                cols=cols, lead=lead, n_q=n_window, shift=shift, slope=slope, q_token_stride=q_token_stride,
-                km_d_stride=km_d_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-                INPUT_PRECISION=INPUT_PRECISION, MASKED=False,
-                CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
-                ALIBI=ALIBI,
-                QDO_KEY_MAJOR=QDO_KEY_MAJOR)
-        for query_start in range(clean_end, end, BLOCK_M):
-            dk, dv = _dkdv_block(
-                dk, dv, k, v, q_base=q_base, do_base=do_base, q_km_base=q_km_base, do_km_base=do_km_base,
-                lse_base=lse_base, delta_base=delta_base, query_start=query_start, key_rows=key_rows,
-                cols=cols, lead=lead, n_q=n_window, shift=shift, slope=slope, q_token_stride=q_token_stride,
-                km_d_stride=km_d_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D,
-                INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
-                CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
-                ALIBI=ALIBI,
-                QDO_KEY_MAJOR=QDO_KEY_MAJOR)
+        for SPAN in tl.static_range(3):
+            lo, hi = _span(SPAN, start, clean_start, clean_end, end,
+                           CLIP_FIRST=WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0)
+            for query_start in range(lo, hi, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk, dv, k, v, q_base=q_base, do_base=do_base, q_km_base=q_km_base, do_km_base=do_km_base,
+                    lse_base=lse_base, delta_base=delta_base, query_start=query_start, key_rows=key_rows,
+                    cols=cols, lead=lead, n_q=n_window, shift=shift, slope=slope,
+                    q_token_stride=q_token_stride, km_d_stride=km_d_stride, QK_SCALE=QK_SCALE, D=D,
+                    BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=SPAN != 1,
+                    CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+                    ALIBI=ALIBI, QDO_KEY_MAJOR=QDO_KEY_MAJOR)
     dk_base = _rows(dk_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
     dv_base = _rows(dv_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
     _store(dk_base, key_rows, cols, n_k, dk * DS_SCALE, kv_token_stride, D, BLOCK_D)
@@ -447,28 +414,16 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offse
     start, clean_start, clean_end, end = _key_ranges(
         query_start, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
         WINDOW_RIGHT=WINDOW_RIGHT)
-    if WINDOW_LEFT >= 0:
-        for key_start in range(start, tl.minimum(clean_start, end), BLOCK_N):
-            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start=key_start, query_rows=query_rows,
-                           cols=cols, n_k=n_k, shift=shift, slope=slope, kv_token_stride=kv_token_stride,
-                           QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-                           INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
-                           CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT,
-                           SOFTCAP=SOFTCAP, ALIBI=ALIBI)
-    for key_start in range(clean_start, clean_end, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start=key_start, query_rows=query_rows,
-                       cols=cols, n_k=n_k, shift=shift, slope=slope, kv_token_stride=kv_token_stride,
-                       QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-                       INPUT_PRECISION=INPUT_PRECISION, MASKED=False,
-                       CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
-                       ALIBI=ALIBI)
-    for key_start in range(clean_end, end, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start=key_start, query_rows=query_rows,
-                       cols=cols, n_k=n_k, shift=shift, slope=slope, kv_token_stride=kv_token_stride,
-                       QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-                       INPUT_PRECISION=INPUT_PRECISION, MASKED=True,
-                       CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
-                       ALIBI=ALIBI)
+    for SPAN in tl.static_range(3):  # without a left window, no masked blocks come first
+        if SPAN != 0 or WINDOW_LEFT >= 0:
+            lo, hi = _span(SPAN, start, clean_start, clean_end, end, CLIP_FIRST=True)
+            for key_start in range(lo, hi, BLOCK_N):
+                dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start=key_start,
+                               query_rows=query_rows, cols=cols, n_k=n_k, shift=shift, slope=slope,
+                               kv_token_stride=kv_token_stride, QK_SCALE=QK_SCALE, D=D, BLOCK_N=BLOCK_N,
+                               BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=SPAN != 1,
+                               CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT,
+                               SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     dq_base = _rows(dq_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
     _store(dq_base, query_rows, cols, n_q, dq * DS_SCALE, q_token_stride, D, BLOCK_D)
 

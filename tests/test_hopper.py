@@ -14,7 +14,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TOLERANCES, Batch, assert_matches, attended_mask, reference, relative_error, run_vjp
+from helpers import (
+    TOLERANCES,
+    Batch,
+    assert_matches,
+    attended_mask,
+    reference,
+    relative_error,
+    run_vjp,
+    to_numpy,
+)
 
 import jagged_flash_jax as jfa
 from jagged_flash_jax import configs
@@ -38,7 +47,7 @@ def hopper_call(dim: int, causal: bool, layout: str, dtype):
 
     def run(call, arrays):
         calls.append((call, arrays))
-        return arrays[5], arrays[6]
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
 
     offsets = jnp.asarray([[0, 10, 64]], jnp.int32)
     plan.forward(run, p, q, kv, kv, offsets, offsets)
@@ -59,6 +68,7 @@ def compile_for_sm90(call, arrays):
     blocks = dict(call.descriptors)
     params = [name for name in call.kernel.arg_names if name not in call.constants]
     signature = {}
+    arrays = (*arrays, *call.out_shapes)
     for index, (name, array) in enumerate(zip(params, arrays, strict=True)):
         type_name, gl_dtype = names[jnp.dtype(array.dtype)]
         if index in blocks:
@@ -301,3 +311,59 @@ def test_a_jitted_training_step_runs_twice(forward_kernels):
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         assert np.all(np.isfinite(np.asarray(a, np.float32)))
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# Offsets into 300 tokens, max_seq_len 200 (two 128-query blocks): sorted with tokens before the first
+# sequence, after the last and past max_seq_len; decreasing (clamped to empty sequences) without
+# overlap, which the fill programs check token by token; past the end, negative, and one past 2**31.
+FILL_OFFSETS = {"sorted-gaps": [7, 50, 50, 290], "unsorted": [250, 10, 240, -3, 5],
+                "past-the-end": [-(2**31), 280, 2**31 - 1, 120]}
+
+
+def covered(offsets, tokens: int, max_len: int) -> np.ndarray:
+    """Boolean [tokens]: whether some sequence attends the token, offsets clamped as the kernels do."""
+    mask = np.zeros(tokens, bool)
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        start = min(max(int(start), 0), tokens)
+        end = min(max(int(end), start), tokens)
+        mask[start:start + min(end - start, max_len)] = True
+    return mask
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,causal", [("THD", True), ("HTD", False)])
+def test_rows_no_block_computes_are_zero_and_inf(layout, causal, forward_kernels):
+    """The kernel's own zero fill (no pre-filled output): plan.forward on the Hopper kernel, each time
+    into memory just freed full of NaN, with offsets of every kind (FILL_OFFSETS): o exactly 0 and the
+    kernel's log-sum-exp exactly +inf on every row that no query block writes, and the rows it does
+    write equal to the portable forward's (o to rounding, the log-sum-exp finite)."""
+    from jagged_flash_jax import api
+    from jagged_flash_jax.launch import gpu
+
+    tokens, heads, dim, max_len = 300, 4, 128, 200
+    rng = np.random.default_rng(2)
+    shape = (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)
+    kv_shape = shape[:1] + (2,) + shape[2:] if layout == "THD" else (2, tokens, dim)
+    q = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal(kv_shape), jnp.bfloat16) for _ in range(2))
+    for name, values in FILL_OFFSETS.items():
+        offsets = jnp.asarray(values, jnp.int32)
+        p = api._problem(q, k, v, offsets, offsets, max_seq_len=max_len, kv_max_seq_len=max_len,
+                         scale=dim**-0.5, out_scale=1.0, causal=causal, layout=layout, allow_tf32=True,
+                         backend="triton", block_sizes=None, self_attention=True, validate=False)
+        assert p.forward_kernel == "hopper", name
+        results = {}
+        for kernel in ("hopper", "portable"):
+            for poison in (jnp.full(shape, jnp.nan, jnp.bfloat16), jnp.full(p.stats_shape, jnp.nan)):
+                poison.block_until_ready().delete()  # its memory, free, for the outputs to reuse
+            o, lse = plan.forward(gpu.run, p.with_(forward_kernel=kernel), q, k, v, offsets[None],
+                                  offsets[None])
+            results[kernel] = (to_numpy(o, layout), np.asarray(lse)[0].T)  # [tokens, H, D], [tokens, H]
+        mask = covered(values, tokens, max_len)
+        (o, lse), (o_portable, lse_portable) = results["hopper"], results["portable"]
+        assert np.all(o[~mask] == 0), (name, np.flatnonzero(~mask & np.any(o != 0, axis=(1, 2))))
+        assert np.all(lse[~mask] == np.inf), (name, np.flatnonzero(~mask & np.any(lse != np.inf, axis=1)))
+        assert np.all(np.isfinite(o)) and np.all(np.isfinite(lse[mask])), name
+        assert relative_error(o, o_portable) < 1e-2, name
+        np.testing.assert_allclose(lse[mask], lse_portable[mask], rtol=1e-3, atol=1e-3, err_msg=name)
+    assert forward_kernels == ["hopper"] * len(FILL_OFFSETS)

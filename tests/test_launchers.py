@@ -29,6 +29,7 @@ from helpers import Batch, reference
 import jagged_flash_jax as jfa
 from jagged_flash_jax import _compat, api, configs, kernels
 from jagged_flash_jax.configs import BlockSizes, KernelConfig
+from jagged_flash_jax.kernels import params as param
 from jagged_flash_jax.launch import gpu, plan
 from jagged_flash_jax.launch import hopper as hopper_launch
 
@@ -690,10 +691,10 @@ def test_vmap_keeps_the_hopper_forward_only_with_one_segment(hopper_gpu):
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
 def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 200, kv_max_seq_len 30,
-    causal: one launch of 2 x 4 x 1 programs (sequences x heads x 128-query blocks), q, k, v as TMA
-    descriptors over 2-D views one token stride wide, o and the log-sum-exp as inputs aliased to the
-    outputs (pre-filled: see test_the_hopper_launch_prefills_its_outputs), 4 warps asked (the launch
-    takes the compiled 12 from the PTX) and a register cap of 168."""
+    causal: one launch of 3 x 4 x 2 programs ((sequences and the zero fill) x heads x (128-query blocks
+    and the tail-zeroing slot)), q, k, v as TMA descriptors over 2-D views one token stride wide, o and
+    the log-sum-exp as outputs (no pre-filled input: the kernel zeroes what it does not compute), 4
+    warps asked (the launch takes the compiled 12 from the PTX) and a register cap of 168."""
     from triton.experimental.gluon import language as gl
 
     bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
@@ -706,7 +707,7 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     (call,) = hopper_gpu.calls
     call = dict(call)
     assert call.pop("kernel") is kernels.hopper_attention_fwd_kernel
-    assert call.pop("grid") == (8,)
+    assert call.pop("grid") == (24,)
     args = call.pop("args")
     views = ((40, 512), (50, 256)) if layout == "THD" else ((160, 128), (100, 128))
     blocks = ((64, 128), (128, 128), (128, 128))
@@ -714,47 +715,49 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
         assert isinstance(desc, hopper_gpu.TensorDescriptor)
         assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
         assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 3), i32), (q_shape, bf16),
-                                                       ((1, 4, 40), f32)]
+    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 3), i32)]
     # batch, q and kv tokens, q token/head strides, kv token/head strides (in units of 16 elements),
-    # offsets row strides, then the query blocks per (sequence, head).
+    # offsets row strides, then the query blocks per (sequence, head) and the tokens per zero-fill
+    # program (40 tokens over 2 slots).
     strides = (32, 8, 16, 8) if layout == "THD" else (8, 320, 8, 400)
-    assert hopper_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, 1)
+    assert hopper_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, 1, 20)
     assert tuple(call.pop("out_type")) == (_sds(q_shape, bf16), _sds((1, 4, 40), f32))
-    assert call.pop("input_output_aliases") == {5: 0, 6: 1}
     options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
     assert options == (4, 1, {"maxnreg": 168})
     assert call == dict(NUM_HEADS=4, KV_GROUP=2, D=128, Q_MAX_LEN=200, KV_MAX_LEN=30, CAUSAL=True,
-                        QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, OUT_SCALE=1.0, BLOCK_M=128, BLOCK_N=128,
-                        STAGES=2, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
+                        QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, FILL_BLOCK=plan.FILL_BLOCK, OUT_SCALE=1.0,
+                        BLOCK_M=128, BLOCK_N=128, STAGES=2, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
                         PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS)
 
 
-def test_the_hopper_launch_prefills_its_outputs():
-    """The plan's Hopper launch, run eagerly by a recording launcher: o is 0 and the log-sum-exp +inf
-    before the kernel writes each sequence's first n_q rows; with no program at all (no sequence), the
-    launch is skipped and those are the results."""
+def test_the_hopper_launch_zeroes_its_own_outputs():
+    """The plan's Hopper launch, recorded: o and the log-sum-exp are the kernel's outputs, no input
+    (the kernel writes 0 and +inf where it computes nothing); its grid has the portable forward's
+    slots, the zero-fill "sequence" included, so that a batch of no sequence still launches the
+    programs that zero every token."""
     calls = []
 
     def run(call, arrays):
         calls.append((call, arrays))
-        return arrays[5], arrays[6]
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
 
-    q = jnp.ones((40, 4, 256), jnp.float16)
-    base = dict(layout="THD", num_heads=4, num_kv_heads=4, head_dim=256, num_segments=1, q_tokens=40,
-                kv_tokens=40, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=300, kv_max_seq_len=300,
+    q = jnp.ones((300, 4, 256), jnp.float16)
+    base = dict(layout="THD", num_heads=4, num_kv_heads=4, head_dim=256, num_segments=1, q_tokens=300,
+                kv_tokens=300, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=260, kv_max_seq_len=300,
                 causal=False, scale=0.1, out_scale=0.5, input_precision="tf32",
                 block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper")
-    offsets = jnp.asarray([[0, 40]], jnp.int32)
-    o, lse = plan.forward(run, plan.Problem(batch=1, **base), q, q, q, offsets, offsets)
-    (call, arrays), = calls
-    assert call.grid == (4,) and dict(call.descriptors) == {0: (64, 256), 1: (64, 256), 2: (64, 256)}
-    assert call.constants["OUT_SCALE"] == 0.5 and call.constants["BLOCK_N"] == 64
-    assert np.all(np.asarray(o, np.float32) == 0) and np.all(np.asarray(lse) == np.inf)
-    assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (1, 4, 40), jnp.float32)
-    calls.clear()
-    o, lse = plan.forward(run, plan.Problem(batch=0, **base), q, q, q, offsets[:, :1], offsets[:, :1])
-    assert calls == [] and not np.any(np.asarray(o, np.float32)) and np.all(np.asarray(lse) == np.inf)
+    offsets = jnp.asarray([[0, 40, 300]], jnp.int32)
+    for batch, grid in ((2, 3 * 4 * 4), (0, 1 * 4 * 4)):  # 3 query blocks of 128 and the tail slot
+        calls.clear()
+        p = plan.Problem(batch=batch, **base)
+        o, lse = plan.forward(run, p, q, q, q, offsets[:, :batch + 1], offsets[:, :batch + 1])
+        (call, arrays), = calls
+        assert call.grid == (grid,)
+        assert dict(call.descriptors) == {0: (64, 256), 1: (64, 256), 2: (64, 256)}
+        assert call.constants["OUT_SCALE"] == 0.5 and call.constants["BLOCK_N"] == 64
+        assert call.params[param.HOPPER_FWD_BLOCKS] == 3 and call.params[param.HOPPER_FWD_FILL_CHUNK] == 75
+        assert [a.shape for a in arrays[3:]] == [(1, batch + 1), (1, batch + 1), (len(call.params),)]
+        assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (1, 4, 300), jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------------

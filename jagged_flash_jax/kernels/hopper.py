@@ -13,8 +13,11 @@ Semantics as the portable forward's (kernels/portable.py, common.py): offsets cl
 `common._extent`, n_q = min(len_q, Q_MAX_LEN) queries against n_k = min(len_kv, KV_MAX_LEN) keys, causal
 bottom-right aligned (key j <= query i + n_k - n_q), GQA (kv head = head // KV_GROUP), o scaled by
 OUT_SCALE, the online softmax subtracting the running max (of the unscaled scores) before it scales,
-and the base-2 log-sum-exp in units of the unscaled scores, +inf for a query with no key. Only the rows
-< n_q of each sequence are written: the launcher passes o and the log-sum-exp filled with 0 and +inf.
+and the base-2 log-sum-exp in units of the unscaled scores, +inf for a query with no key. Every other
+row is written too, o = 0 and log-sum-exp +inf, by programs of the same grid that run no attention
+code (the portable forward's slots: a tail-zeroing program per (sequence, head), and a zero-fill
+"sequence" for the tokens no sequence covers, any offsets content; see `attention_fwd_kernel`), so
+that the outputs need no memset.
 
 Addressing. q, k, v come as TMA descriptors over 2-D views [elements / token_stride, token_stride] of
 their arrays (one row per token in "THD", one per (head, token) in "HTD"): token t of head h is at
@@ -52,18 +55,109 @@ PARAM_Q_TOKEN_STRIDE: gl.constexpr = gl.constexpr(params.Q_TOKEN_STRIDE)
 PARAM_Q_HEAD_STRIDE: gl.constexpr = gl.constexpr(params.Q_HEAD_STRIDE)
 PARAM_KV_TOKEN_STRIDE: gl.constexpr = gl.constexpr(params.KV_TOKEN_STRIDE)
 PARAM_KV_HEAD_STRIDE: gl.constexpr = gl.constexpr(params.KV_HEAD_STRIDE)
+PARAM_BATCH: gl.constexpr = gl.constexpr(params.BATCH)
 PARAM_HOPPER_FWD_BLOCKS: gl.constexpr = gl.constexpr(params.HOPPER_FWD_BLOCKS)
+PARAM_HOPPER_FWD_FILL_CHUNK: gl.constexpr = gl.constexpr(params.HOPPER_FWD_FILL_CHUNK)
+
+
+@gluon.jit
+def _extent(offsets_ptr, sequence, num_tokens):
+    """First and end token (int64) of a sequence: common._extent (offsets clamped into [0, num_tokens],
+    each end to at least its start)."""
+    start = gl.load(offsets_ptr + sequence).to(gl.int64)
+    end = gl.load(offsets_ptr + sequence + 1).to(gl.int64)
+    start = gl.minimum(gl.maximum(start, 0), num_tokens)
+    return start, gl.minimum(gl.maximum(end, start), num_tokens)
 
 
 @gluon.jit
 def _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN: gl.constexpr):
-    """First token (int64) and attended length (int32) of a sequence: common._bounds (offsets clamped
-    into [0, num_tokens], each end to at least its start)."""
-    start = gl.load(offsets_ptr + sequence).to(gl.int64)
-    end = gl.load(offsets_ptr + sequence + 1).to(gl.int64)
-    start = gl.minimum(gl.maximum(start, 0), num_tokens)
-    end = gl.minimum(gl.maximum(end, start), num_tokens)
+    """First token (int64) and attended length (int32) of a sequence: common._bounds."""
+    start, end = _extent(offsets_ptr, sequence, num_tokens)
     return start, gl.minimum(end - start, MAX_LEN).to(gl.int32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Zero fill: common._zero_tail and common._zero_uncovered (o = 0, log-sum-exp +inf), on plain stores
+# ---------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _fill_rows(o_base, lse_base, tokens, keep, token_stride, D: gl.constexpr, BLOCK: gl.constexpr,
+               layout: gl.constexpr):
+    """o = 0 and log-sum-exp = +inf on the tokens `tokens` (a [FILL_BLOCK] row slice of `layout`) where
+    `keep`, of one head: o_base points at token 0 of the head, lse_base at its log-sum-exp of token 0."""
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    ptrs = o_base + gl.expand_dims(tokens * token_stride, 1) + gl.expand_dims(cols, 0)
+    mask = gl.expand_dims(keep, 1) & gl.expand_dims(cols < D, 0)
+    zeros = gl.zeros([BLOCK, D], gl.float32, layout=layout)
+    gl.store(ptrs, zeros.to(o_base.dtype.element_ty), mask=mask)
+    infs = gl.full([BLOCK], INF, gl.float32, layout=gl.SliceLayout(1, layout))
+    gl.store(lse_base + tokens, infs, mask=keep)
+
+
+@gluon.jit
+def _fill_range(o_base, lse_base, first, last, token_stride, D: gl.constexpr, BLOCK: gl.constexpr):
+    """`_fill_rows` on tokens [first, last) (int64)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    for block_start in range(first, last, BLOCK):
+        tokens = block_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout)).to(gl.int64)
+        _fill_rows(o_base, lse_base, tokens, tokens < last, token_stride, D, BLOCK, layout)
+
+
+@gluon.jit
+def _offsets_sorted(offsets_ptr, batch, num_tokens, BLOCK: gl.constexpr):
+    """common._offsets_sorted: whether the clamped offsets are non-decreasing."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    unsorted = gl.zeros([BLOCK], gl.int32, layout=layout)
+    for first in range(0, batch, BLOCK):
+        index = first + gl.arange(0, BLOCK, layout=layout)
+        valid = index < batch
+        lo = gl.load(offsets_ptr + index, mask=valid, other=0).to(gl.int64)
+        hi = gl.load(offsets_ptr + index + 1, mask=valid, other=0).to(gl.int64)
+        lo = gl.minimum(gl.maximum(lo, 0), num_tokens)
+        hi = gl.minimum(gl.maximum(hi, 0), num_tokens)
+        unsorted += (valid & (hi < lo)).to(gl.int32)
+    return gl.sum(unsorted, axis=0) == 0
+
+
+@gluon.jit
+def _zero_tail(o_ptr, lse_ptr, offsets_ptr, sequence, head, num_tokens, token_stride, head_stride,
+               MAX_LEN: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr):
+    """common._zero_tail: the tokens of a sequence past its first MAX_LEN."""
+    start, end = _extent(offsets_ptr, sequence, num_tokens)
+    if end - start > MAX_LEN:
+        o_base = o_ptr + head.to(gl.int64) * head_stride
+        lse_base = lse_ptr + head.to(gl.int64) * num_tokens
+        _fill_range(o_base, lse_base, start + MAX_LEN, end, token_stride, D, BLOCK)
+
+
+@gluon.jit
+def _zero_uncovered(o_ptr, lse_ptr, offsets_ptr, batch, head, chunk, fill_chunk, num_tokens, token_stride,
+                    head_stride, MAX_LEN: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr):
+    """common._zero_uncovered: the tokens of [chunk * fill_chunk, +fill_chunk) that no sequence covers
+    (with sorted offsets those before the first sequence and after the last; else every token checked
+    against every sequence's first n_q)."""
+    first = chunk.to(gl.int64) * fill_chunk
+    last = gl.minimum(first + fill_chunk, num_tokens)
+    o_base = o_ptr + head.to(gl.int64) * head_stride
+    lse_base = lse_ptr + head.to(gl.int64) * num_tokens
+    if _offsets_sorted(offsets_ptr, batch, num_tokens, 128):
+        covered_start = gl.minimum(gl.maximum(gl.load(offsets_ptr).to(gl.int64), 0), num_tokens)
+        covered_end = gl.minimum(gl.maximum(gl.load(offsets_ptr + batch).to(gl.int64), covered_start),
+                                 num_tokens)
+        _fill_range(o_base, lse_base, first, gl.minimum(last, covered_start), token_stride, D, BLOCK)
+        _fill_range(o_base, lse_base, gl.maximum(first, covered_end), last, token_stride, D, BLOCK)
+    else:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        for block_start in range(first, last, BLOCK):
+            tokens = block_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout)).to(gl.int64)
+            attended = tokens < 0
+            for sequence in range(0, batch):
+                start, length = _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
+                attended = attended | ((tokens >= start) & (tokens < start + length))
+            _fill_rows(o_base, lse_base, tokens, (tokens < last) & ~attended, token_stride, D, BLOCK,
+                       layout)
 
 
 @gluon.jit
@@ -206,7 +300,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
                 mbarrier.wait(tail_bar, 0)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(vs), acc)
 
-    # Epilogue: rows < n_q only (the launcher's buffers hold 0 and +inf elsewhere).
+    # Epilogue: rows < n_q only (the fill programs write the others).
     attended = l_i > 0  # false only for queries with no key
     o_factor = gl.where(attended, OUT_SCALE / gl.where(attended, l_i, 1.0), 0.0)
     o = acc * gl.expand_dims(gl.convert_layout(o_factor, gl.SliceLayout(1, o_layout)), 1)
@@ -224,29 +318,58 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
 
 @gluon.jit
 def attention_fwd_kernel(
-    q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, o_ptr, lse_ptr, params_ptr,
+    q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+    o_ptr, lse_ptr,
     NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
     KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """o and the base-2 log-sum-exp of one block of BLOCK_M (= 128, two warpgroups') queries of one
-    (sequence, head), on a one-axis grid: each (sequence, head)'s PARAM_HOPPER_FWD_BLOCKS blocks
-    adjacent, the last first. o_ptr and lse_ptr are inputs, the launcher's pre-filled buffers (aliased
-    to the outputs, so no output follows params_ptr): o [tokens, H, D] or [H, tokens, D] with q's
-    strides, lse [1, H, q_tokens]."""
+    (sequence, head), or a zero fill, on a one-axis grid of (sequence or fill, head, slot), slots
+    adjacent and counting down. A sequence's slots are its PARAM_HOPPER_FWD_BLOCKS query blocks, the
+    last first, then (slot 0) the program that zeroes its tokens past Q_MAX_LEN; the extra "sequence"
+    `batch` has one program per slot, each zeroing the tokens of its PARAM_HOPPER_FWD_FILL_CHUNK that no
+    sequence covers (kernels/portable.py's grid, one axis). So every row of o [tokens, H, D] or
+    [H, tokens, D] (q's strides) and of the log-sum-exp [1, H, q_tokens] is written: no memset."""
+    batch = gl.load(params_ptr + PARAM_BATCH)
     q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
     kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
-    blocks = gl.load(params_ptr + PARAM_HOPPER_FWD_BLOCKS)
+    slots = gl.load(params_ptr + PARAM_HOPPER_FWD_BLOCKS) + 1
+    q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
+    q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
     pid = gl.program_id(0)
-    block = blocks - 1 - pid % blocks
-    head = (pid // blocks) % NUM_HEADS
-    sequence = pid // blocks // NUM_HEADS
+    slot = slots - 1 - pid % slots
+    head = (pid // slots) % NUM_HEADS
+    sequence = pid // slots // NUM_HEADS
+    # The fills are plain stores of the default partition's 4 warps (the worker partitions' warps wait
+    # for the kernel's end), in branches of their own that never reach the attention code (the portable
+    # kernels' rule: see kernels/__init__.py on ptxas 12.8).
+    if sequence == batch:
+        _zero_uncovered(o_ptr, lse_ptr, q_offsets_ptr, batch, head, slot,
+                        gl.load(params_ptr + PARAM_HOPPER_FWD_FILL_CHUNK), q_tokens, q_token_stride,
+                        q_head_stride, Q_MAX_LEN, D, FILL_BLOCK)
+    elif slot == 0:
+        _zero_tail(o_ptr, lse_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride, q_head_stride,
+                   Q_MAX_LEN, D, FILL_BLOCK)
+    else:
+        _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, params_ptr, o_ptr, lse_ptr,
+                   sequence, head, slot - 1, q_tokens, kv_tokens, q_token_stride, q_head_stride, KV_GROUP, D,
+                   Q_MAX_LEN, KV_MAX_LEN, CAUSAL, QK_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES,
+                   STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS)
+
+
+@gluon.jit
+def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, params_ptr, o_ptr, lse_ptr, sequence,
+               head, block, q_tokens, kv_tokens, q_token_stride, q_head_stride, KV_GROUP: gl.constexpr,
+               D: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr,
+               QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
+               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Query block `block` of (sequence, head): the warp-specialized attention (rows < n_q only)."""
     q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
     start_m = block * BLOCK_M
     if start_m < n_q:
-        q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
-        q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
         kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
         kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
         kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)

@@ -35,14 +35,16 @@ from jagged_flash_jax.launch import plan
 # ---------------------------------------------------------------------------------------------------
 
 
-def hopper_call(dim: int, causal: bool, layout: str, dtype):
-    """The Hopper forward's KernelCall and arrays, as plan.forward makes them (GQA, cross-attention)."""
+def hopper_call(dim: int, causal: bool, layout: str, dtype, window=(None, None), softcap=None, alibi=False):
+    """The Hopper forward's KernelCall and arrays, as plan.forward makes them (GQA, cross-attention;
+    the options of Problem: a window (left, right), a soft cap, ALiBi)."""
     shape = lambda tokens, heads: (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)  # noqa: E731
     q, kv = jnp.zeros(shape(64, 4), dtype), jnp.zeros(shape(48, 2), dtype)
     p = plan.Problem(layout=layout, num_heads=4, num_kv_heads=2, head_dim=dim, batch=2, num_segments=1,
                      q_tokens=64, kv_tokens=48, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=40,
                      kv_max_seq_len=50, causal=causal, scale=0.1, out_scale=1.0, input_precision="tf32",
-                     block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper")
+                     block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper",
+                     window=window, softcap=softcap, alibi=alibi)
     calls = []
 
     def run(call, arrays):
@@ -50,7 +52,7 @@ def hopper_call(dim: int, causal: bool, layout: str, dtype):
         return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
 
     offsets = jnp.asarray([[0, 10, 64]], jnp.int32)
-    plan.forward(run, p, q, kv, kv, offsets, offsets)
+    plan.forward(run, p, q, kv, kv, offsets, offsets, jnp.ones(4, jnp.float32) if alibi else None)
     (call,) = calls
     return call
 
@@ -84,14 +86,25 @@ def compile_for_sm90(call, arrays):
     return triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
 
 
-COMPILE_CASES = [(128, False, "THD", jnp.bfloat16), (128, True, "HTD", jnp.float16),
-                 (256, False, "HTD", jnp.bfloat16), (256, True, "THD", jnp.bfloat16)]
+# (dim, causal, layout, dtype, options): each constexpr of the kernel both ways, every option at both
+# head dimensions (a window's two bounds, a soft cap, ALiBi, and all of them with causal).
+COMPILE_CASES = [(128, False, "THD", jnp.bfloat16, {}), (128, True, "HTD", jnp.float16, {}),
+                 (256, False, "HTD", jnp.bfloat16, {}), (256, True, "THD", jnp.bfloat16, {}),
+                 (128, False, "THD", jnp.bfloat16, dict(window=(24, 8), softcap=30.0)),
+                 (128, True, "HTD", jnp.bfloat16, dict(window=(16, None), softcap=5.0, alibi=True)),
+                 (256, False, "THD", jnp.float16, dict(window=(None, 4), alibi=True)),
+                 (256, True, "HTD", jnp.bfloat16, dict(window=(40, None), softcap=50.0, alibi=True))]
+
+
+def _compile_id(x):
+    if isinstance(x, dict):
+        return "-".join(f"{k}={v}" for k, v in x.items()) or "plain"
+    return jnp.dtype(x).name if isinstance(x, type) else str(x)
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
-@pytest.mark.parametrize("dim,causal,layout,dtype", COMPILE_CASES,
-                         ids=lambda x: jnp.dtype(x).name if isinstance(x, type) else str(x))
-def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype):
+@pytest.mark.parametrize("dim,causal,layout,dtype,options", COMPILE_CASES, ids=_compile_id)
+def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype, options):
     """With the constants the launcher passes: 384 threads (two consumer warpgroups and the producer's,
     which jax-triton 0.4.1 launches through _compat's PTX shim), the register split of setmaxnreg,
     wgmma and TMA loads, and shared memory within the H100/H200's 227 KB."""
@@ -100,7 +113,7 @@ def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype):
     from jagged_flash_jax import _compat
 
     start = time.perf_counter()
-    compiled = compile_for_sm90(*hopper_call(dim, causal, layout, dtype))
+    compiled = compile_for_sm90(*hopper_call(dim, causal, layout, dtype, **options))
     ptx = compiled.asm["ptx"]
     assert _compat.ptx_warps(ptx) == 12
     registers = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))
@@ -149,7 +162,28 @@ CASES = {
     "self-D256-scale": dict(lengths=[17, 200, 90], heads=2, dim=256, max_seq_len=256, scale=0.07),
     "cross-D256-causal-gqa": dict(lengths=[150, 3, 64], kv_lengths=[100, 70, 200], heads=4, kv_heads=2,
                                   dim=256, max_seq_len=128, kv_max_seq_len=150, causal=True),
+    # The options (kernels/hopper.py visits only the key blocks of each 128-query block's band, masks
+    # its edge blocks): a left window under causal (diagonal and left-edge blocks, the first key block
+    # past 0), GQA, a sequence past max_seq_len and an empty one.
+    "window-left-causal-gqa": dict(lengths=[300, 0, 7, 200], heads=4, kv_heads=2, dim=128, max_seq_len=256,
+                                   causal=True, window=(100, None)),
+    # A right window alone (not causal), a soft cap; cross, MQA, keys truncated, empty sequences.
+    "cross-window-right-softcap-mqa": dict(lengths=[150, 3, 0, 260], kv_lengths=[90, 200, 5, 300], heads=4,
+                                           kv_heads=1, dim=128, max_seq_len=256, kv_max_seq_len=280,
+                                           window=(None, 40), softcap=20.0),
+    # Both bounds and ALiBi at D = 256 (64-key tiles), more queries than keys: queries past the band.
+    "cross-window-both-alibi-D256": dict(lengths=[17, 200, 90, 140], kv_lengths=[30, 120, 90, 0], heads=2,
+                                         dim=256, max_seq_len=192, window=(30, 70), alibi=True),
+    # Everything at once, causal with n_q > n_k (whole query blocks see no key), GQA.
+    "cross-causal-all-options-gqa": dict(lengths=[200, 9, 130], kv_lengths=[60, 9, 300], heads=4, kv_heads=2,
+                                         dim=128, max_seq_len=256, kv_max_seq_len=100, causal=True,
+                                         window=(50, None), softcap=10.0, alibi=True),
 }
+
+
+def slopes_for(heads: int) -> np.ndarray:
+    """ALiBi slopes of every magnitude: the last far steeper than the others."""
+    return np.asarray([0.5**h for h in range(1, heads)] + [2.0], np.float32)
 
 
 def check(case: str, layout: str, precision: str, forward_kernels, want="hopper", **options):
@@ -158,12 +192,17 @@ def check(case: str, layout: str, precision: str, forward_kernels, want="hopper"
     batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
                        kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None),
                        lead=3, extra=70, seed=len(case), scale=0.6)
+    slopes = slopes_for(batch.q.shape[1]) if spec.pop("alibi", False) else None
+    if slopes is not None:
+        options["alibi_slopes"] = jnp.asarray(slopes)
     results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend="triton", **spec, **options)
     assert forward_kernels == [want]
     max_len, kv_max = spec["max_seq_len"], spec.get("kv_max_seq_len", spec["max_seq_len"])
     scale = spec.get("scale", batch.q.shape[-1] ** -0.5)
     expected = reference(*results[:4], batch.offsets, max_len, kv_offsets=batch.kv_offsets,
-                         kv_max_seq_len=kv_max, scale=scale, causal=spec.get("causal", False))
+                         kv_max_seq_len=kv_max, scale=scale, causal=spec.get("causal", False),
+                         window=spec.get("window", (None, None)), softcap=spec.get("softcap"),
+                         alibi_slopes=slopes)
     assert_matches(results, expected, tol,
                    attended_q=attended_mask(batch.offsets, batch.q.shape[0], max_len),
                    attended_kv=attended_mask(batch.key_offsets, batch.k.shape[0], kv_max))
@@ -230,6 +269,47 @@ def test_inf_and_nan_in_unattended_tokens_stay_out(operand, layout, forward_kern
     assert forward_kernels == ["hopper"]
     expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5, causal=operand == "k")
     assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operand,layout", [("k", "THD"), ("v", "HTD")])
+def test_inf_and_nan_in_unattended_tokens_with_the_options(operand, layout, forward_kernels):
+    """The same with a window of both bounds, a soft cap and ALiBi (GQA): the band's edge blocks mask
+    the tokens past each sequence, and the last value tile of each block's band is zeroed past the
+    band's end (there the sequence's next tokens, or the poisoned ones past it)."""
+    max_len, dim, heads = 150, 128, 4
+    batch = Batch.make([5, 0, 200, 140, 3], heads, dim, kv_heads=2, extra=90, seed=7)
+    attended = attended_mask(batch.offsets, len(batch.q), max_len)
+    poisoned = getattr(batch, operand).copy()
+    poisoned[np.flatnonzero(~attended)[::3]] = np.nan
+    poisoned[np.flatnonzero(~attended)[1::3]] = -np.inf
+    setattr(batch, operand, poisoned)
+    options = dict(window=(70, 20), softcap=8.0)
+    slopes = slopes_for(heads)
+    results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
+                      backend="triton", alibi_slopes=jnp.asarray(slopes), **options)
+    assert forward_kernels == ["hopper"]
+    expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5, alibi_slopes=slopes,
+                         **options)
+    assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
+
+
+@pytest.mark.gpu
+def test_a_soft_cap_on_large_logits(forward_kernels):
+    """Logits to 1e12 through a soft cap (q = k * 2**30, scale 1/3): tanh saturates to exactly +-1 on
+    most scores, so rows tie at the cap: o matches float64 (the top keys' mean of v), and the gradients
+    from the log-sum-exp the backward reads stay finite (their float64 values hinge on the rare exact
+    zero dot products where the cap's derivative is 1)."""
+    dim = 128
+    batch = Batch.make([13, 140, 2, 300], 2, dim, extra=3, seed=9)
+    batch.k = np.random.default_rng(5).integers(-8, 9, batch.k.shape).astype(np.float64)
+    batch.q = batch.k * 2.0**30
+    results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout="THD", max_seq_len=256,
+                      backend="triton", scale=1 / 3, softcap=40.0, causal=True)
+    assert forward_kernels == ["hopper"]
+    expected = reference(*results[:4], batch.offsets, 256, scale=1 / 3, softcap=40.0, causal=True)
+    assert all(np.all(np.isfinite(x)) for x in results[4:])
+    assert relative_error(results[4], expected[0]) < TOLERANCES["bf16"][2]
 
 
 @pytest.mark.gpu

@@ -624,14 +624,16 @@ def _forward_kernel(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_heads
 @pytest.mark.parametrize("case", [
     dict(), dict(layout="HTD"), dict(causal=True), dict(kv_heads=2), dict(kv_heads=1, layout="HTD"),
     dict(cross=True, causal=True, kv_heads=2), dict(dtype=jnp.float16, dim=256), dict(fbgemm=True),
-    dict(fbgemm=True, layout="THD"), dict(return_lse=True)], ids=str)
+    dict(fbgemm=True, layout="THD"), dict(return_lse=True), dict(window=(8, None)), dict(window=(None, 4)),
+    dict(window=(8, None), causal=True), dict(softcap=5.0), dict(alibi_slopes=jnp.ones(4)),
+    dict(cross=True, window=(3, 2), softcap=5.0, alibi_slopes=jnp.ones(4), kv_heads=2)], ids=str)
 def test_hopper_gpus_take_the_hopper_forward(hopper_gpu, case):
     assert _forward_kernel(hopper_gpu, **case) is kernels.hopper_attention_fwd_kernel
 
 
 @pytest.mark.parametrize("case", [
-    dict(dim=64), dict(dim=96), dict(dtype=jnp.float32), dict(window=(8, None)), dict(window=(None, 4)),
-    dict(softcap=5.0), dict(alibi_slopes=jnp.ones(4)), dict(segments=True)], ids=str)
+    dict(dim=64), dict(dim=96), dict(dtype=jnp.float32), dict(segments=True),
+    dict(dim=64, window=(8, None), softcap=5.0)], ids=str)
 def test_the_portable_forward_keeps_what_the_hopper_one_lacks(hopper_gpu, case):
     assert _forward_kernel(hopper_gpu, **case) is kernels.attention_fwd_kernel
 
@@ -715,7 +717,8 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
         assert isinstance(desc, hopper_gpu.TensorDescriptor)
         assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
         assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 3), i32)]
+    # The offsets, and the slopes' one-element placeholder (no ALiBi).
+    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 3), i32), ((1,), f32)]
     # batch, q and kv tokens, q token/head strides, kv token/head strides (in units of 16 elements),
     # offsets row strides, then the query blocks per (sequence, head) and the tokens per zero-fill
     # program (40 tokens over 2 slots).
@@ -725,9 +728,24 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
     assert options == (4, 1, {"maxnreg": 168})
     assert call == dict(NUM_HEADS=4, KV_GROUP=2, D=128, Q_MAX_LEN=200, KV_MAX_LEN=30, CAUSAL=True,
+                        WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
                         QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, FILL_BLOCK=plan.FILL_BLOCK, OUT_SCALE=1.0,
                         BLOCK_M=128, BLOCK_N=128, STAGES=2, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
                         PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS)
+
+
+def test_the_hopper_launch_passes_the_options(hopper_gpu):
+    """A window, a soft cap and ALiBi reach the Hopper forward as the portable one gets them: the
+    window's bounds, the cap in units of the unscaled scores, and the slopes [1, H] (divided by the
+    scale: plan._slopes), float32, before the params."""
+    q = jnp.ones((40, 4, 128), jnp.bfloat16)
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 1.0], jnp.float32)
+    jfa.jagged_attention(q, q, q, jnp.asarray([0, 15, 40], jnp.int32), 32, scale=0.5, window=(8, 2),
+                         softcap=5.0, alibi_slopes=slopes, backend="triton")
+    (call,) = hopper_gpu.calls
+    assert call["kernel"] is kernels.hopper_attention_fwd_kernel
+    assert (call["WINDOW_LEFT"], call["WINDOW_RIGHT"], call["SOFTCAP"], call["ALIBI"]) == (8, 2, 10.0, True)
+    assert (call["args"][5].shape, call["args"][5].dtype) == ((1, 4), jnp.float32)  # traced here
 
 
 def test_the_hopper_launch_zeroes_its_own_outputs():
@@ -756,7 +774,7 @@ def test_the_hopper_launch_zeroes_its_own_outputs():
         assert dict(call.descriptors) == {0: (64, 256), 1: (64, 256), 2: (64, 256)}
         assert call.constants["OUT_SCALE"] == 0.5 and call.constants["BLOCK_N"] == 64
         assert call.params[param.HOPPER_FWD_BLOCKS] == 3 and call.params[param.HOPPER_FWD_FILL_CHUNK] == 75
-        assert [a.shape for a in arrays[3:]] == [(1, batch + 1), (1, batch + 1), (len(call.params),)]
+        assert [a.shape for a in arrays[3:]] == [(1, batch + 1), (1, batch + 1), (1,), (len(call.params),)]
         assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (1, 4, 300), jnp.float32)
 
 

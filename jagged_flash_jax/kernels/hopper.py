@@ -170,30 +170,78 @@ def _tile_origin(first_token, head, token_stride, head_stride):
 
 
 @gluon.jit
-def _needs_mask(j, n_k, row0, shift, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Whether key block j has keys past n_k, or (causal) keys that some query of rows [row0, +64) does
-    not see."""
-    end = (j + 1) * BLOCK_N
-    if CAUSAL:
-        return (end > n_k) | (end - 1 > row0 + shift)
-    else:
-        return end > n_k
+def _ceil_to(x, BLOCK: gl.constexpr):
+    return (x + BLOCK - 1) // BLOCK * BLOCK
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, masked, QK_SCALE: gl.constexpr,
-                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """common._online_softmax on one score tile (unscaled q.k): (p, m, l, alpha). The max is subtracted
-    before the scale, so the top score of a row gets exactly 2**0 at any magnitude."""
-    if masked:  # runtime, uniform: the last key block, and the diagonal ones when causal
+def _key_ranges(query_start, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):
+    """common._key_ranges: for queries [query_start, +BLOCK_M), (start, clean_start, clean_end, end),
+    the keys [start, end) some query sees (start a multiple of BLOCK_N), of which the key blocks in
+    [clean_start, clean_end) (multiples of BLOCK_N, clean_end <= n_k) need no mask."""
+    shift = n_k - n_q
+    last = query_start + BLOCK_M - 1
+    start = n_k * 0
+    clean_start = n_k * 0
+    end = n_k
+    clean_end = n_k
+    if WINDOW_LEFT >= 0:
+        start = gl.maximum(query_start + shift - WINDOW_LEFT, 0)
+        clean_start = gl.maximum(last + shift - WINDOW_LEFT, 0)
+    if CAUSAL:
+        end = gl.minimum(end, last + shift + 1)
+        clean_end = gl.minimum(clean_end, query_start + shift + 1)
+    if WINDOW_RIGHT >= 0:
+        end = gl.minimum(end, last + shift + WINDOW_RIGHT + 1)
+        clean_end = gl.minimum(clean_end, query_start + shift + WINDOW_RIGHT + 1)
+    start = start // BLOCK_N * BLOCK_N
+    clean_start = _ceil_to(clean_start, BLOCK_N)
+    clean_end = gl.maximum(gl.maximum(clean_end, 0) // BLOCK_N * BLOCK_N, clean_start)
+    return start, clean_start, clean_end, gl.maximum(end, 0)
+
+
+@gluon.jit
+def _tanh(y):
+    """common._tanh: tanh on exp2, +-1 exactly once |y| passes 9, never NaN for a finite or infinite y."""
+    e = gl.exp2(gl.abs(y) * -2.8853900817779268)  # exp(-2|y|), in [0, 1]
+    t = (1.0 - e) / (1.0 + e)
+    return gl.where(y < 0, -t, t)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, slope, masked, QK_SCALE: gl.constexpr,
+                  CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+                  s_layout: gl.constexpr):
+    """common._scores then common._online_softmax on one tile of unscaled q.k: (p, m, l, alpha). The
+    scores stay in units of the unscaled q.k (SOFTCAP and the slope divided by the scale); the max is
+    subtracted before the scale, so the top score of a row gets exactly 2**0 at any magnitude."""
+    BANDED: gl.constexpr = CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0
+    if SOFTCAP > 0:
+        s = _tanh(s * (1.0 / SOFTCAP)) * SOFTCAP
+    if ALIBI:
+        # slope * |i + shift - j| as common._scores, in float32: the key offsets within the tile are
+        # constants of each thread, the distances exact integers (below 2**24).
+        key_floats = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)).to(gl.float32)
+        query_floats = (row0 + (shift - key_start)
+                        + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, s_layout))).to(gl.float32)
+        s = s - slope * gl.abs(gl.expand_dims(query_floats, 1) - gl.expand_dims(key_floats, 0))
+    if masked:  # runtime, uniform: the blocks at the band's edges and the last one (common._band)
         cols = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = gl.expand_dims(cols < n_k, 0)
-        if CAUSAL:
+        if BANDED:
             rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, s_layout))
-            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + shift, 1))
+            distance = gl.expand_dims(rows + shift, 1) - gl.expand_dims(cols, 0)  # i + shift - j
+            if CAUSAL:
+                keep = keep & (distance >= 0)
+            if WINDOW_RIGHT >= 0:
+                keep = keep & (distance >= -WINDOW_RIGHT)
+            if WINDOW_LEFT >= 0:
+                keep = keep & (distance <= WINDOW_LEFT)
         s = gl.where(keep, s, -INF)
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    if CAUSAL:  # a row may have seen no key yet (max -inf): subtract 0 there, not -inf
+    if BANDED:  # a row may have seen no key yet (max -inf): subtract 0 there, not -inf
         m_safe = gl.where(m_new == -INF, 0.0, m_new)
     else:
         m_safe = m_new
@@ -225,7 +273,8 @@ def _issue_kv(desc, bar, buf, row, col):
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
               q_row, q_col, kv_row, kv_col, num_key_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The 1-warp load partition: both query tiles once, then K_j and V_j into the ring as slots free."""
+    """The 1-warp load partition: both query tiles once, then K_j and V_j (j < num_key_blocks, from
+    kv_row: the first key block of the band) into the ring as slots free."""
     for w in gl.static_range(2):
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row + w * CONSUMER_ROWS, q_col], q_bars.index(w), q_smem.index(w))
@@ -241,11 +290,14 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr, lse_ptr,
-              q_start, n_q, n_k, key_end, shift, start_m, head, q_tokens, q_token_stride, q_head_stride,
-              D: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, CAUSAL: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
-    """One consumer warpgroup: queries [start_m + 64 WG, +64) against keys [0, key_end), then their o
-    and log-sum-exp."""
+              q_start, n_q, n_k, key_first, key_end, shift, slope, start_m, head, q_tokens, q_token_stride,
+              q_head_stride, D: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+              SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              WG: gl.constexpr):
+    """One consumer warpgroup: queries [start_m + 64 WG, +64) against the key blocks from key_first (a
+    multiple of BLOCK_N) to key_end (the block's band, as the producer loads them), then their o and
+    log-sum-exp. A block is masked unless every query of this warpgroup sees every key of it."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -255,7 +307,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
     dtype: gl.constexpr = k_smem.dtype
     row0 = start_m + WG * CONSUMER_ROWS
     q = q_smem.index(WG)
-    num_key_blocks = gl.cdiv(key_end, BLOCK_N)
+    num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
+    # This warpgroup's clean key blocks (common._key_ranges over its 64 rows).
+    _, clean_start, clean_end, _ = _key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                                               WINDOW_RIGHT)
 
     m_i = gl.full([CONSUMER_ROWS], -INF, gl.float32, layout=row_layout)
     l_i = gl.full([CONSUMER_ROWS], 0.0, gl.float32, layout=row_layout)
@@ -268,12 +323,14 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
         s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(0), count=1)
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, n_k, row0, shift,
-                                           _needs_mask(0, n_k, row0, shift, BLOCK_N, CAUSAL), QK_SCALE,
-                                           CAUSAL, BLOCK_N, s_layout)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, key_first, n_k, row0, shift, slope,
+                                           (key_first < clean_start) | (key_first >= clean_end), QK_SCALE,
+                                           CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N,
+                                           s_layout)
         for j in range(1, num_key_blocks):
             ks = j % STAGES
             vs = (j - 1) % STAGES
+            key_start = key_first + j * BLOCK_N
             mbarrier.wait(k_ready.index(ks), (j // STAGES) & 1)
             mbarrier.wait(v_ready.index(vs), ((j - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -281,16 +338,18 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
             acc_tok = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))
             mbarrier.arrive(k_empty.index(ks), count=1)
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, j * BLOCK_N, n_k, row0, shift,
-                                               _needs_mask(j, n_k, row0, shift, BLOCK_N, CAUSAL), QK_SCALE,
-                                               CAUSAL, BLOCK_N, s_layout)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, slope,
+                                               (key_start < clean_start) | (key_start >= clean_end), QK_SCALE,
+                                               CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N,
+                                               s_layout)
             acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
             mbarrier.arrive(v_empty.index(vs), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        # Warpgroup 0 zeroes the rows of the last value tile past the keys and signals the other.
+        # Warpgroup 0 zeroes the rows of the last value tile past the band's keys (past the sequence's
+        # maybe: other tokens, NaN) and signals the other.
         last = num_key_blocks - 1
         vs = last % STAGES
-        tail = key_end - last * BLOCK_N
+        tail = key_end - (key_first + last * BLOCK_N)
         mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
         if tail < BLOCK_N:
             if WG == 0:
@@ -318,10 +377,11 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
 
 @gluon.jit
 def attention_fwd_kernel(
-    q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+    q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr,
     o_ptr, lse_ptr,
     NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
-    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
     FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
@@ -353,17 +413,20 @@ def attention_fwd_kernel(
         _zero_tail(o_ptr, lse_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride, q_head_stride,
                    Q_MAX_LEN, D, FILL_BLOCK)
     else:
-        _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, params_ptr, o_ptr, lse_ptr,
-                   sequence, head, slot - 1, q_tokens, kv_tokens, q_token_stride, q_head_stride, KV_GROUP, D,
-                   Q_MAX_LEN, KV_MAX_LEN, CAUSAL, QK_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES,
-                   STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS)
+        _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr,
+                   lse_ptr, sequence, head, slot - 1, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                   NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                   ALIBI, QK_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS,
+                   PRODUCER_REGS)
 
 
 @gluon.jit
-def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, params_ptr, o_ptr, lse_ptr, sequence,
-               head, block, q_tokens, kv_tokens, q_token_stride, q_head_stride, KV_GROUP: gl.constexpr,
-               D: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr,
-               QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
+def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr, lse_ptr,
+               sequence, head, block, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+               NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+               KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+               WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr,
+               OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Query block `block` of (sequence, head): the warp-specialized attention (rows < n_q only)."""
@@ -375,13 +438,16 @@ def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, params_ptr
         kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
         q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
         kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
-        # The keys the block's last query sees (common._key_ranges' end), bottom-right aligned.
+        # The key blocks some query of the block sees (common._key_ranges, bottom-right aligned): the
+        # producer loads and both consumers visit exactly [key_first, key_end) in blocks of BLOCK_N.
         shift = n_k - n_q
-        if CAUSAL:
-            key_end = gl.maximum(gl.minimum(n_k, start_m + BLOCK_M + shift), 0)
+        key_first, _, _, key_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                                               WINDOW_RIGHT)
+        num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
+        if ALIBI:  # slopes [1, NUM_HEADS] in units of the unscaled scores (one offsets segment)
+            slope = gl.load(slopes_ptr + head)
         else:
-            key_end = n_k
-        num_key_blocks = gl.cdiv(key_end, BLOCK_N)
+            slope = 0.0
 
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
@@ -406,11 +472,13 @@ def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, params_ptr
         # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
-                         lse_ptr, q_start, n_q, n_k, key_end, shift, start_m, head, q_tokens, q_token_stride,
-                         q_head_stride, D, QK_SCALE, OUT_SCALE, CAUSAL, BLOCK_N, STAGES, 0)),
+                         lse_ptr, q_start, n_q, n_k, key_first, key_end, shift, slope, start_m, head,
+                         q_tokens, q_token_stride, q_head_stride, D, QK_SCALE, OUT_SCALE, CAUSAL, WINDOW_LEFT,
+                         WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, STAGES, 0)),
             (_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
-                         lse_ptr, q_start, n_q, n_k, key_end, shift, start_m, head, q_tokens, q_token_stride,
-                         q_head_stride, D, QK_SCALE, OUT_SCALE, CAUSAL, BLOCK_N, STAGES, 1)),
+                         lse_ptr, q_start, n_q, n_k, key_first, key_end, shift, slope, start_m, head,
+                         q_tokens, q_token_stride, q_head_stride, D, QK_SCALE, OUT_SCALE, CAUSAL, WINDOW_LEFT,
+                         WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, STAGES, 1)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
-                         v_empty, q_row, q_col, kv_row, kv_col, num_key_blocks, BLOCK_N, STAGES)),
+                         v_empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

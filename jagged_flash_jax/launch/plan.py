@@ -283,7 +283,7 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None
     if p.empty:
         return jnp.zeros(p.q_shape, q.dtype), jnp.full(p.stats_shape, jnp.inf, jnp.float32)
     if p.hopper_forward:
-        return _hopper_forward(run, p, q, k, v, q_offsets, kv_offsets)
+        return _hopper_forward(run, p, q, k, v, q_offsets, kv_offsets, slopes)
     cfg = p.block_sizes.fwd
     params, constants = _common(p)
     slots = p.forward_slots
@@ -305,7 +305,7 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None
     return o, lse
 
 
-def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
+def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None):
     """The Hopper forward (kernels/hopper.py): q, k, v as TMA descriptors over 2-D views whose rows are
     one token stride long; per (sequence or zero fill, head) the query blocks and a tail-zeroing program,
     as the portable forward's slots (Problem.forward_slots), on one axis."""
@@ -323,8 +323,8 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
         params=_pack({**params, param.HOPPER_FWD_BLOCKS: blocks,
                       param.HOPPER_FWD_FILL_CHUNK: _fill_chunk(p.q_tokens, slots)}),
         constants={**{name: constants[name] for name in (
-            "NUM_HEADS", "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "QK_SCALE", "STRIDE_ALIGN",
-            "FILL_BLOCK")},
+            "NUM_HEADS", "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "WINDOW_LEFT", "WINDOW_RIGHT",
+            "SOFTCAP", "ALIBI", "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")},
             "OUT_SCALE": p.out_scale, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
             "STAGES": tiles.num_stages, "CONSUMER_REGS": HOPPER_CONSUMER_REGS,
             "PRODUCER_REGS": HOPPER_PRODUCER_REGS},
@@ -333,7 +333,7 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
         # The query tile is one consumer warpgroup's 64 rows.
         descriptors=((0, (tiles.block_m // 2, p.head_dim)), (1, (tiles.block_n, p.head_dim)),
                      (2, (tiles.block_n, p.head_dim))))
-    o, lse = run(call, (*views, q_offsets, kv_offsets, _params(call)))
+    o, lse = run(call, (*views, q_offsets, kv_offsets, _slopes(p, slopes), _params(call)))
     return o, lse
 
 

@@ -1,9 +1,11 @@
 """The Hopper forward (kernels/hopper.py): compiled here for sm_90a with the launcher's constants (no
-GPU needed), and on a Hopper GPU against the float64 reference, both layouts, causal, GQA, cross,
-empty and truncated sequences, FBGEMM's op, 16-bit inputs, D = 128 and 256, with the gradients that
-the portable backward takes from its log-sum-exp; inf and nan in unattended tokens, large logits, the
-log-sum-exp returned, and a jitted training step run twice. Which problems take it, and its launch's
-exact arguments: test_launchers.py."""
+GPU needed; the window, soft cap and ALiBi constexprs included), and on a Hopper GPU against the float64
+reference, both layouts, causal, windows (left, right, both), a soft cap, ALiBi, GQA, cross, empty and
+truncated sequences, FBGEMM's op, 16-bit inputs, D = 128 and 256, with the gradients that the portable
+backward takes from its log-sum-exp; inf and nan in unattended tokens, large logits (soft-capped too),
+the log-sum-exp returned, a jitted training step run twice, and the kernel's own zero fill (o = 0,
+log-sum-exp +inf) under adversarial offsets. Which problems take it, and its launch's exact arguments:
+test_launchers.py."""
 
 from __future__ import annotations
 

@@ -10,10 +10,16 @@ with one mbarrier arrival (the empty barriers count 2). It is the `coop` variant
 benchmarks/results/profile/2026-12-01b_gluon_forward_probe.md; measurements in docs/performance.md.
 
 Semantics as the portable forward's (kernels/portable.py, common.py): offsets clamped as
-`common._extent`, n_q = min(len_q, Q_MAX_LEN) queries against n_k = min(len_kv, KV_MAX_LEN) keys, causal
-bottom-right aligned (key j <= query i + n_k - n_q), GQA (kv head = head // KV_GROUP), o scaled by
+`common._extent`, n_q = min(len_q, Q_MAX_LEN) queries against n_k = min(len_kv, KV_MAX_LEN) keys, the
+band bottom-right aligned (`common._band`: query i at key position i + n_k - n_q; causal, and a window
+of WINDOW_LEFT / WINDOW_RIGHT keys, -1 for none), the soft cap SOFTCAP * tanh(q.k / SOFTCAP) and the
+ALiBi bias -slope * |i + n_k - n_q - j| (`common._scores`, both in units of the unscaled scores; slopes
+[1, NUM_HEADS] from slopes_ptr, read only with ALIBI), GQA (kv head = head // KV_GROUP), o scaled by
 OUT_SCALE, the online softmax subtracting the running max (of the unscaled scores) before it scales,
-and the base-2 log-sum-exp in units of the unscaled scores, +inf for a query with no key. Every other
+and the base-2 log-sum-exp in units of the unscaled scores, +inf for a query with no key. The producer
+loads, and both consumers visit, exactly the key blocks of the 128-query block's band
+(`common._key_ranges`: blocks outside it are skipped at both ends); a consumer masks a block only when
+some of its 64 queries do not see all of it (the band's edges, the sequence's last block). Every other
 row is written too, o = 0 and log-sum-exp +inf, by programs of the same grid that run no attention
 code (the portable forward's slots: a tail-zeroing program per (sequence, head), and a zero-fill
 "sequence" for the tokens no sequence covers, any offsets content; see `attention_fwd_kernel`), so
@@ -24,8 +30,8 @@ their arrays (one row per token in "THD", one per (head, token) in "HTD"): token
 element t * token_stride + h * head_stride, so at row t + (h * head_stride) // token_stride and column
 (h * head_stride) % token_stride. A tile that runs past a sequence reads other tokens (or heads; the
 copy engine reads zeros past the array, never outside it): keys past the sequence are removed with a
-`where` on the scores, and the rows of the last value tile past them zeroed in shared memory before
-P V reads them (P is 0 there, but 0 * NaN is NaN). o is stored from registers with masked stores.
+`where` on the scores, and the rows of the last value tile past the band's end zeroed in shared memory
+before P V reads them (P is 0 there, but 0 * NaN is NaN). o is stored from registers with masked stores.
 """
 
 from triton.experimental import gluon

@@ -1,9 +1,11 @@
 """The Hopper forward (kernels/hopper.py): compiled here for sm_90a with the launcher's constants (no
-GPU needed), and on a Hopper GPU against the float64 reference, both layouts, causal, GQA, cross,
-empty and truncated sequences, FBGEMM's op, 16-bit inputs, D = 128 and 256, with the gradients that
-the portable backward takes from its log-sum-exp; inf and nan in unattended tokens, large logits, the
-log-sum-exp returned, and a jitted training step run twice. Which problems take it, and its launch's
-exact arguments: test_launchers.py."""
+GPU needed; the window, soft cap and ALiBi constexprs included), and on a Hopper GPU against the float64
+reference, both layouts, causal, windows (left, right, both), a soft cap, ALiBi, GQA, cross, empty and
+truncated sequences, FBGEMM's op, 16-bit inputs, D = 128 and 256, with the gradients that the portable
+backward takes from its log-sum-exp; inf and nan in unattended tokens, large logits (soft-capped too),
+the log-sum-exp returned, a jitted training step run twice, and the kernel's own zero fill (o = 0,
+log-sum-exp +inf) under adversarial offsets. Which problems take it, and its launch's exact arguments:
+test_launchers.py."""
 
 from __future__ import annotations
 
@@ -14,7 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TOLERANCES, Batch, assert_matches, attended_mask, reference, relative_error, run_vjp
+from helpers import (
+    TOLERANCES,
+    Batch,
+    assert_matches,
+    attended_mask,
+    reference,
+    relative_error,
+    run_vjp,
+    to_numpy,
+)
 
 import jagged_flash_jax as jfa
 from jagged_flash_jax import configs
@@ -26,22 +37,24 @@ from jagged_flash_jax.launch import plan
 # ---------------------------------------------------------------------------------------------------
 
 
-def hopper_call(dim: int, causal: bool, layout: str, dtype):
-    """The Hopper forward's KernelCall and arrays, as plan.forward makes them (GQA, cross-attention)."""
+def hopper_call(dim: int, causal: bool, layout: str, dtype, window=(None, None), softcap=None, alibi=False):
+    """The Hopper forward's KernelCall and arrays, as plan.forward makes them (GQA, cross-attention;
+    the options of Problem: a window (left, right), a soft cap, ALiBi)."""
     shape = lambda tokens, heads: (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)  # noqa: E731
     q, kv = jnp.zeros(shape(64, 4), dtype), jnp.zeros(shape(48, 2), dtype)
     p = plan.Problem(layout=layout, num_heads=4, num_kv_heads=2, head_dim=dim, batch=2, num_segments=1,
                      q_tokens=64, kv_tokens=48, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=40,
                      kv_max_seq_len=50, causal=causal, scale=0.1, out_scale=1.0, input_precision="tf32",
-                     block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper")
+                     block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper",
+                     window=window, softcap=softcap, alibi=alibi)
     calls = []
 
     def run(call, arrays):
         calls.append((call, arrays))
-        return arrays[5], arrays[6]
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
 
     offsets = jnp.asarray([[0, 10, 64]], jnp.int32)
-    plan.forward(run, p, q, kv, kv, offsets, offsets)
+    plan.forward(run, p, q, kv, kv, offsets, offsets, jnp.ones(4, jnp.float32) if alibi else None)
     (call,) = calls
     return call
 
@@ -59,6 +72,7 @@ def compile_for_sm90(call, arrays):
     blocks = dict(call.descriptors)
     params = [name for name in call.kernel.arg_names if name not in call.constants]
     signature = {}
+    arrays = (*arrays, *call.out_shapes)
     for index, (name, array) in enumerate(zip(params, arrays, strict=True)):
         type_name, gl_dtype = names[jnp.dtype(array.dtype)]
         if index in blocks:
@@ -74,14 +88,25 @@ def compile_for_sm90(call, arrays):
     return triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
 
 
-COMPILE_CASES = [(128, False, "THD", jnp.bfloat16), (128, True, "HTD", jnp.float16),
-                 (256, False, "HTD", jnp.bfloat16), (256, True, "THD", jnp.bfloat16)]
+# (dim, causal, layout, dtype, options): each constexpr of the kernel both ways, every option at both
+# head dimensions (a window's two bounds, a soft cap, ALiBi, and all of them with causal).
+COMPILE_CASES = [(128, False, "THD", jnp.bfloat16, {}), (128, True, "HTD", jnp.float16, {}),
+                 (256, False, "HTD", jnp.bfloat16, {}), (256, True, "THD", jnp.bfloat16, {}),
+                 (128, False, "THD", jnp.bfloat16, dict(window=(24, 8), softcap=30.0)),
+                 (128, True, "HTD", jnp.bfloat16, dict(window=(16, None), softcap=5.0, alibi=True)),
+                 (256, False, "THD", jnp.float16, dict(window=(None, 4), alibi=True)),
+                 (256, True, "HTD", jnp.bfloat16, dict(window=(40, None), softcap=50.0, alibi=True))]
+
+
+def _compile_id(x):
+    if isinstance(x, dict):
+        return "-".join(f"{k}={v}" for k, v in x.items()) or "plain"
+    return jnp.dtype(x).name if isinstance(x, type) else str(x)
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
-@pytest.mark.parametrize("dim,causal,layout,dtype", COMPILE_CASES,
-                         ids=lambda x: jnp.dtype(x).name if isinstance(x, type) else str(x))
-def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype):
+@pytest.mark.parametrize("dim,causal,layout,dtype,options", COMPILE_CASES, ids=_compile_id)
+def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype, options):
     """With the constants the launcher passes: 384 threads (two consumer warpgroups and the producer's,
     which jax-triton 0.4.1 launches through _compat's PTX shim), the register split of setmaxnreg,
     wgmma and TMA loads, and shared memory within the H100/H200's 227 KB."""
@@ -90,7 +115,7 @@ def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype):
     from jagged_flash_jax import _compat
 
     start = time.perf_counter()
-    compiled = compile_for_sm90(*hopper_call(dim, causal, layout, dtype))
+    compiled = compile_for_sm90(*hopper_call(dim, causal, layout, dtype, **options))
     ptx = compiled.asm["ptx"]
     assert _compat.ptx_warps(ptx) == 12
     registers = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))
@@ -139,7 +164,28 @@ CASES = {
     "self-D256-scale": dict(lengths=[17, 200, 90], heads=2, dim=256, max_seq_len=256, scale=0.07),
     "cross-D256-causal-gqa": dict(lengths=[150, 3, 64], kv_lengths=[100, 70, 200], heads=4, kv_heads=2,
                                   dim=256, max_seq_len=128, kv_max_seq_len=150, causal=True),
+    # The options (kernels/hopper.py visits only the key blocks of each 128-query block's band, masks
+    # its edge blocks): a left window under causal (diagonal and left-edge blocks, the first key block
+    # past 0), GQA, a sequence past max_seq_len and an empty one.
+    "window-left-causal-gqa": dict(lengths=[300, 0, 7, 200], heads=4, kv_heads=2, dim=128, max_seq_len=256,
+                                   causal=True, window=(100, None)),
+    # A right window alone (not causal), a soft cap; cross, MQA, keys truncated, empty sequences.
+    "cross-window-right-softcap-mqa": dict(lengths=[150, 3, 0, 260], kv_lengths=[90, 200, 5, 300], heads=4,
+                                           kv_heads=1, dim=128, max_seq_len=256, kv_max_seq_len=280,
+                                           window=(None, 40), softcap=20.0),
+    # Both bounds and ALiBi at D = 256 (64-key tiles), more queries than keys: queries past the band.
+    "cross-window-both-alibi-D256": dict(lengths=[17, 200, 90, 140], kv_lengths=[30, 120, 90, 0], heads=2,
+                                         dim=256, max_seq_len=192, window=(30, 70), alibi=True),
+    # Everything at once, causal with n_q > n_k (whole query blocks see no key), GQA.
+    "cross-causal-all-options-gqa": dict(lengths=[200, 9, 130], kv_lengths=[60, 9, 300], heads=4, kv_heads=2,
+                                         dim=128, max_seq_len=256, kv_max_seq_len=100, causal=True,
+                                         window=(50, None), softcap=10.0, alibi=True),
 }
+
+
+def slopes_for(heads: int) -> np.ndarray:
+    """ALiBi slopes of every magnitude: the last far steeper than the others."""
+    return np.asarray([0.5**h for h in range(1, heads)] + [2.0], np.float32)
 
 
 def check(case: str, layout: str, precision: str, forward_kernels, want="hopper", **options):
@@ -148,12 +194,17 @@ def check(case: str, layout: str, precision: str, forward_kernels, want="hopper"
     batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
                        kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None),
                        lead=3, extra=70, seed=len(case), scale=0.6)
+    slopes = slopes_for(batch.q.shape[1]) if spec.pop("alibi", False) else None
+    if slopes is not None:
+        options["alibi_slopes"] = jnp.asarray(slopes)
     results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend="triton", **spec, **options)
     assert forward_kernels == [want]
     max_len, kv_max = spec["max_seq_len"], spec.get("kv_max_seq_len", spec["max_seq_len"])
     scale = spec.get("scale", batch.q.shape[-1] ** -0.5)
     expected = reference(*results[:4], batch.offsets, max_len, kv_offsets=batch.kv_offsets,
-                         kv_max_seq_len=kv_max, scale=scale, causal=spec.get("causal", False))
+                         kv_max_seq_len=kv_max, scale=scale, causal=spec.get("causal", False),
+                         window=spec.get("window", (None, None)), softcap=spec.get("softcap"),
+                         alibi_slopes=slopes)
     assert_matches(results, expected, tol,
                    attended_q=attended_mask(batch.offsets, batch.q.shape[0], max_len),
                    attended_kv=attended_mask(batch.key_offsets, batch.k.shape[0], kv_max))
@@ -220,6 +271,47 @@ def test_inf_and_nan_in_unattended_tokens_stay_out(operand, layout, forward_kern
     assert forward_kernels == ["hopper"]
     expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5, causal=operand == "k")
     assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operand,layout", [("k", "THD"), ("v", "HTD")])
+def test_inf_and_nan_in_unattended_tokens_with_the_options(operand, layout, forward_kernels):
+    """The same with a window of both bounds, a soft cap and ALiBi (GQA): the band's edge blocks mask
+    the tokens past each sequence, and the last value tile of each block's band is zeroed past the
+    band's end (there the sequence's next tokens, or the poisoned ones past it)."""
+    max_len, dim, heads = 150, 128, 4
+    batch = Batch.make([5, 0, 200, 140, 3], heads, dim, kv_heads=2, extra=90, seed=7)
+    attended = attended_mask(batch.offsets, len(batch.q), max_len)
+    poisoned = getattr(batch, operand).copy()
+    poisoned[np.flatnonzero(~attended)[::3]] = np.nan
+    poisoned[np.flatnonzero(~attended)[1::3]] = -np.inf
+    setattr(batch, operand, poisoned)
+    options = dict(window=(70, 20), softcap=8.0)
+    slopes = slopes_for(heads)
+    results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
+                      backend="triton", alibi_slopes=jnp.asarray(slopes), **options)
+    assert forward_kernels == ["hopper"]
+    expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5, alibi_slopes=slopes,
+                         **options)
+    assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
+
+
+@pytest.mark.gpu
+def test_a_soft_cap_on_large_logits(forward_kernels):
+    """Logits to 1e12 through a soft cap (q = k * 2**30, scale 1/3): tanh saturates to exactly +-1 on
+    most scores, so rows tie at the cap: o matches float64 (the top keys' mean of v), and the gradients
+    from the log-sum-exp the backward reads stay finite (their float64 values hinge on the rare exact
+    zero dot products where the cap's derivative is 1)."""
+    dim = 128
+    batch = Batch.make([13, 140, 2, 300], 2, dim, extra=3, seed=9)
+    batch.k = np.random.default_rng(5).integers(-8, 9, batch.k.shape).astype(np.float64)
+    batch.q = batch.k * 2.0**30
+    results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout="THD", max_seq_len=256,
+                      backend="triton", scale=1 / 3, softcap=40.0, causal=True)
+    assert forward_kernels == ["hopper"]
+    expected = reference(*results[:4], batch.offsets, 256, scale=1 / 3, softcap=40.0, causal=True)
+    assert all(np.all(np.isfinite(x)) for x in results[4:])
+    assert relative_error(results[4], expected[0]) < TOLERANCES["bf16"][2]
 
 
 @pytest.mark.gpu
@@ -301,3 +393,60 @@ def test_a_jitted_training_step_runs_twice(forward_kernels):
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         assert np.all(np.isfinite(np.asarray(a, np.float32)))
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# Offsets into 300 tokens, max_seq_len 200 (two 128-query blocks): sorted with tokens before the first
+# sequence, after the last and past max_seq_len; decreasing (clamped to empty sequences) without
+# overlap, which the fill programs check token by token; past the end, negative, and one past 2**31.
+FILL_OFFSETS = {"sorted-gaps": [7, 50, 50, 290], "unsorted": [250, 10, 240, -3, 5],
+                "past-the-end": [-(2**31), 280, 2**31 - 1, 120]}
+
+
+def covered(offsets, tokens: int, max_len: int) -> np.ndarray:
+    """Boolean [tokens]: whether some sequence attends the token, offsets clamped as the kernels do."""
+    mask = np.zeros(tokens, bool)
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        start = min(max(int(start), 0), tokens)
+        end = min(max(int(end), start), tokens)
+        mask[start:start + min(end - start, max_len)] = True
+    return mask
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,causal", [("THD", True), ("HTD", False)])
+def test_rows_no_block_computes_are_zero_and_inf(layout, causal, forward_kernels):
+    """The kernel's own zero fill (no pre-filled output): plan.forward on the Hopper kernel, each time
+    into memory just freed full of NaN, with offsets of every kind (FILL_OFFSETS): o exactly 0 and the
+    kernel's log-sum-exp exactly +inf on every row that no query block writes, and the rows it does
+    write equal to the portable forward's (o to rounding, the log-sum-exp finite)."""
+    from jagged_flash_jax import api
+    from jagged_flash_jax.launch import gpu
+
+    tokens, heads, dim, max_len = 300, 4, 128, 200
+    rng = np.random.default_rng(2)
+    shape = (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)
+    kv_shape = shape[:1] + (2,) + shape[2:] if layout == "THD" else (2, tokens, dim)
+    q = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal(kv_shape), jnp.bfloat16) for _ in range(2))
+    for name, values in FILL_OFFSETS.items():
+        offsets = jnp.asarray(values, jnp.int32)
+        shape_only = jnp.zeros_like(offsets)  # the Problem needs the batch only (these would be refused)
+        p = api._problem(q, k, v, shape_only, shape_only, max_seq_len=max_len, kv_max_seq_len=max_len,
+                         scale=dim**-0.5, out_scale=1.0, causal=causal, layout=layout, allow_tf32=True,
+                         backend="triton", block_sizes=None, self_attention=True, validate=False)
+        assert p.forward_kernel == "hopper", name
+        results = {}
+        for kernel in ("hopper", "portable"):
+            for poison in (jnp.full(shape, jnp.nan, jnp.bfloat16), jnp.full(p.stats_shape, jnp.nan)):
+                poison.block_until_ready().delete()  # its memory, free, for the outputs to reuse
+            o, lse = plan.forward(gpu.run, p.with_(forward_kernel=kernel), q, k, v, offsets[None],
+                                  offsets[None])
+            results[kernel] = (to_numpy(o, layout), np.asarray(lse)[0].T)  # [tokens, H, D], [tokens, H]
+        mask = covered(values, tokens, max_len)
+        (o, lse), (o_portable, lse_portable) = results["hopper"], results["portable"]
+        assert np.all(o[~mask] == 0), (name, np.flatnonzero(~mask & np.any(o != 0, axis=(1, 2))))
+        assert np.all(lse[~mask] == np.inf), (name, np.flatnonzero(~mask & np.any(lse != np.inf, axis=1)))
+        assert np.all(np.isfinite(o)) and np.all(np.isfinite(lse[mask])), name
+        assert relative_error(o, o_portable) < 1e-2, name
+        np.testing.assert_allclose(lse[mask], lse_portable[mask], rtol=1e-3, atol=1e-3, err_msg=name)
+    assert forward_kernels == ["hopper"] * len(FILL_OFFSETS)

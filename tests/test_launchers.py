@@ -29,6 +29,7 @@ from helpers import Batch, reference
 import jagged_flash_jax as jfa
 from jagged_flash_jax import _compat, api, configs, kernels
 from jagged_flash_jax.configs import BlockSizes, KernelConfig
+from jagged_flash_jax.kernels import params as param
 from jagged_flash_jax.launch import gpu, plan
 from jagged_flash_jax.launch import hopper as hopper_launch
 
@@ -623,14 +624,16 @@ def _forward_kernel(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_heads
 @pytest.mark.parametrize("case", [
     dict(), dict(layout="HTD"), dict(causal=True), dict(kv_heads=2), dict(kv_heads=1, layout="HTD"),
     dict(cross=True, causal=True, kv_heads=2), dict(dtype=jnp.float16, dim=256), dict(fbgemm=True),
-    dict(fbgemm=True, layout="THD"), dict(return_lse=True)], ids=str)
+    dict(fbgemm=True, layout="THD"), dict(return_lse=True), dict(window=(8, None)), dict(window=(None, 4)),
+    dict(window=(8, None), causal=True), dict(softcap=5.0), dict(alibi_slopes=jnp.ones(4)),
+    dict(cross=True, window=(3, 2), softcap=5.0, alibi_slopes=jnp.ones(4), kv_heads=2)], ids=str)
 def test_hopper_gpus_take_the_hopper_forward(hopper_gpu, case):
     assert _forward_kernel(hopper_gpu, **case) is kernels.hopper_attention_fwd_kernel
 
 
 @pytest.mark.parametrize("case", [
-    dict(dim=64), dict(dim=96), dict(dtype=jnp.float32), dict(window=(8, None)), dict(window=(None, 4)),
-    dict(softcap=5.0), dict(alibi_slopes=jnp.ones(4)), dict(segments=True)], ids=str)
+    dict(dim=64), dict(dim=96), dict(dtype=jnp.float32), dict(segments=True),
+    dict(dim=64, window=(8, None), softcap=5.0)], ids=str)
 def test_the_portable_forward_keeps_what_the_hopper_one_lacks(hopper_gpu, case):
     assert _forward_kernel(hopper_gpu, **case) is kernels.attention_fwd_kernel
 
@@ -690,10 +693,10 @@ def test_vmap_keeps_the_hopper_forward_only_with_one_segment(hopper_gpu):
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
 def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 200, kv_max_seq_len 30,
-    causal: one launch of 2 x 4 x 1 programs (sequences x heads x 128-query blocks), q, k, v as TMA
-    descriptors over 2-D views one token stride wide, o and the log-sum-exp as inputs aliased to the
-    outputs (pre-filled: see test_the_hopper_launch_prefills_its_outputs), 4 warps asked (the launch
-    takes the compiled 12 from the PTX) and a register cap of 168."""
+    causal: one launch of 3 x 4 x 2 programs ((sequences and the zero fill) x heads x (128-query blocks
+    and the tail-zeroing slot)), q, k, v as TMA descriptors over 2-D views one token stride wide, o and
+    the log-sum-exp as outputs (no pre-filled input: the kernel zeroes what it does not compute), 4
+    warps asked (the launch takes the compiled 12 from the PTX) and a register cap of 168."""
     from triton.experimental.gluon import language as gl
 
     bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
@@ -706,7 +709,7 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     (call,) = hopper_gpu.calls
     call = dict(call)
     assert call.pop("kernel") is kernels.hopper_attention_fwd_kernel
-    assert call.pop("grid") == (8,)
+    assert call.pop("grid") == (24,)
     args = call.pop("args")
     views = ((40, 512), (50, 256)) if layout == "THD" else ((160, 128), (100, 128))
     blocks = ((64, 128), (128, 128), (128, 128))
@@ -714,47 +717,65 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
         assert isinstance(desc, hopper_gpu.TensorDescriptor)
         assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
         assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 3), i32), (q_shape, bf16),
-                                                       ((1, 4, 40), f32)]
+    # The offsets, and the slopes' one-element placeholder (no ALiBi).
+    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 3), i32), ((1,), f32)]
     # batch, q and kv tokens, q token/head strides, kv token/head strides (in units of 16 elements),
-    # offsets row strides, then the query blocks per (sequence, head).
+    # offsets row strides, then the query blocks per (sequence, head) and the tokens per zero-fill
+    # program (40 tokens over 2 slots).
     strides = (32, 8, 16, 8) if layout == "THD" else (8, 320, 8, 400)
-    assert hopper_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, 1)
+    assert hopper_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, 1, 20)
     assert tuple(call.pop("out_type")) == (_sds(q_shape, bf16), _sds((1, 4, 40), f32))
-    assert call.pop("input_output_aliases") == {5: 0, 6: 1}
     options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
     assert options == (4, 1, {"maxnreg": 168})
     assert call == dict(NUM_HEADS=4, KV_GROUP=2, D=128, Q_MAX_LEN=200, KV_MAX_LEN=30, CAUSAL=True,
-                        QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, OUT_SCALE=1.0, BLOCK_M=128, BLOCK_N=128,
-                        STAGES=2, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
+                        WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
+                        QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, FILL_BLOCK=plan.FILL_BLOCK, OUT_SCALE=1.0,
+                        BLOCK_M=128, BLOCK_N=128, STAGES=2, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
                         PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS)
 
 
-def test_the_hopper_launch_prefills_its_outputs():
-    """The plan's Hopper launch, run eagerly by a recording launcher: o is 0 and the log-sum-exp +inf
-    before the kernel writes each sequence's first n_q rows; with no program at all (no sequence), the
-    launch is skipped and those are the results."""
+def test_the_hopper_launch_passes_the_options(hopper_gpu):
+    """A window, a soft cap and ALiBi reach the Hopper forward as the portable one gets them: the
+    window's bounds, the cap in units of the unscaled scores, and the slopes [1, H] (divided by the
+    scale: plan._slopes), float32, before the params."""
+    q = jnp.ones((40, 4, 128), jnp.bfloat16)
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 1.0], jnp.float32)
+    jfa.jagged_attention(q, q, q, jnp.asarray([0, 15, 40], jnp.int32), 32, scale=0.5, window=(8, 2),
+                         softcap=5.0, alibi_slopes=slopes, backend="triton")
+    (call,) = hopper_gpu.calls
+    assert call["kernel"] is kernels.hopper_attention_fwd_kernel
+    assert (call["WINDOW_LEFT"], call["WINDOW_RIGHT"], call["SOFTCAP"], call["ALIBI"]) == (8, 2, 10.0, True)
+    assert (call["args"][5].shape, call["args"][5].dtype) == ((1, 4), jnp.float32)  # traced here
+
+
+def test_the_hopper_launch_zeroes_its_own_outputs():
+    """The plan's Hopper launch, recorded: o and the log-sum-exp are the kernel's outputs, no input
+    (the kernel writes 0 and +inf where it computes nothing); its grid has the portable forward's
+    slots, the zero-fill "sequence" included, so that a batch of no sequence still launches the
+    programs that zero every token."""
     calls = []
 
     def run(call, arrays):
         calls.append((call, arrays))
-        return arrays[5], arrays[6]
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
 
-    q = jnp.ones((40, 4, 256), jnp.float16)
-    base = dict(layout="THD", num_heads=4, num_kv_heads=4, head_dim=256, num_segments=1, q_tokens=40,
-                kv_tokens=40, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=300, kv_max_seq_len=300,
+    q = jnp.ones((300, 4, 256), jnp.float16)
+    base = dict(layout="THD", num_heads=4, num_kv_heads=4, head_dim=256, num_segments=1, q_tokens=300,
+                kv_tokens=300, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=260, kv_max_seq_len=300,
                 causal=False, scale=0.1, out_scale=0.5, input_precision="tf32",
                 block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper")
-    offsets = jnp.asarray([[0, 40]], jnp.int32)
-    o, lse = plan.forward(run, plan.Problem(batch=1, **base), q, q, q, offsets, offsets)
-    (call, arrays), = calls
-    assert call.grid == (4,) and dict(call.descriptors) == {0: (64, 256), 1: (64, 256), 2: (64, 256)}
-    assert call.constants["OUT_SCALE"] == 0.5 and call.constants["BLOCK_N"] == 64
-    assert np.all(np.asarray(o, np.float32) == 0) and np.all(np.asarray(lse) == np.inf)
-    assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (1, 4, 40), jnp.float32)
-    calls.clear()
-    o, lse = plan.forward(run, plan.Problem(batch=0, **base), q, q, q, offsets[:, :1], offsets[:, :1])
-    assert calls == [] and not np.any(np.asarray(o, np.float32)) and np.all(np.asarray(lse) == np.inf)
+    offsets = jnp.asarray([[0, 40, 300]], jnp.int32)
+    for batch, grid in ((2, 3 * 4 * 4), (0, 1 * 4 * 4)):  # 3 query blocks of 128 and the tail slot
+        calls.clear()
+        p = plan.Problem(batch=batch, **base)
+        o, lse = plan.forward(run, p, q, q, q, offsets[:, :batch + 1], offsets[:, :batch + 1])
+        (call, arrays), = calls
+        assert call.grid == (grid,)
+        assert dict(call.descriptors) == {0: (64, 256), 1: (64, 256), 2: (64, 256)}
+        assert call.constants["OUT_SCALE"] == 0.5 and call.constants["BLOCK_N"] == 64
+        assert call.params[param.HOPPER_FWD_BLOCKS] == 3 and call.params[param.HOPPER_FWD_FILL_CHUNK] == 75
+        assert [a.shape for a in arrays[3:]] == [(1, batch + 1), (1, batch + 1), (1,), (len(call.params),)]
+        assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (1, 4, 300), jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,19 +10,28 @@ with one mbarrier arrival (the empty barriers count 2). It is the `coop` variant
 benchmarks/results/profile/2026-12-01b_gluon_forward_probe.md; measurements in docs/performance.md.
 
 Semantics as the portable forward's (kernels/portable.py, common.py): offsets clamped as
-`common._extent`, n_q = min(len_q, Q_MAX_LEN) queries against n_k = min(len_kv, KV_MAX_LEN) keys, causal
-bottom-right aligned (key j <= query i + n_k - n_q), GQA (kv head = head // KV_GROUP), o scaled by
+`common._extent`, n_q = min(len_q, Q_MAX_LEN) queries against n_k = min(len_kv, KV_MAX_LEN) keys, the
+band bottom-right aligned (`common._band`: query i at key position i + n_k - n_q; causal, and a window
+of WINDOW_LEFT / WINDOW_RIGHT keys, -1 for none), the soft cap SOFTCAP * tanh(q.k / SOFTCAP) and the
+ALiBi bias -slope * |i + n_k - n_q - j| (`common._scores`, both in units of the unscaled scores; slopes
+[1, NUM_HEADS] from slopes_ptr, read only with ALIBI), GQA (kv head = head // KV_GROUP), o scaled by
 OUT_SCALE, the online softmax subtracting the running max (of the unscaled scores) before it scales,
-and the base-2 log-sum-exp in units of the unscaled scores, +inf for a query with no key. Only the rows
-< n_q of each sequence are written: the launcher passes o and the log-sum-exp filled with 0 and +inf.
+and the base-2 log-sum-exp in units of the unscaled scores, +inf for a query with no key. The producer
+loads, and both consumers visit, exactly the key blocks of the 128-query block's band
+(`common._key_ranges`: blocks outside it are skipped at both ends); a consumer masks a block only when
+some of its 64 queries do not see all of it (the band's edges, the sequence's last block). Every other
+row is written too, o = 0 and log-sum-exp +inf, by programs of the same grid that run no attention
+code (the portable forward's slots: a tail-zeroing program per (sequence, head), and a zero-fill
+"sequence" for the tokens no sequence covers, any offsets content; see `attention_fwd_kernel`), so
+that the outputs need no memset.
 
 Addressing. q, k, v come as TMA descriptors over 2-D views [elements / token_stride, token_stride] of
 their arrays (one row per token in "THD", one per (head, token) in "HTD"): token t of head h is at
 element t * token_stride + h * head_stride, so at row t + (h * head_stride) // token_stride and column
 (h * head_stride) % token_stride. A tile that runs past a sequence reads other tokens (or heads; the
 copy engine reads zeros past the array, never outside it): keys past the sequence are removed with a
-`where` on the scores, and the rows of the last value tile past them zeroed in shared memory before
-P V reads them (P is 0 there, but 0 * NaN is NaN). o is stored from registers with masked stores.
+`where` on the scores, and the rows of the last value tile past the band's end zeroed in shared memory
+before P V reads them (P is 0 there, but 0 * NaN is NaN). o is stored from registers with masked stores.
 """
 
 from triton.experimental import gluon
@@ -52,18 +61,109 @@ PARAM_Q_TOKEN_STRIDE: gl.constexpr = gl.constexpr(params.Q_TOKEN_STRIDE)
 PARAM_Q_HEAD_STRIDE: gl.constexpr = gl.constexpr(params.Q_HEAD_STRIDE)
 PARAM_KV_TOKEN_STRIDE: gl.constexpr = gl.constexpr(params.KV_TOKEN_STRIDE)
 PARAM_KV_HEAD_STRIDE: gl.constexpr = gl.constexpr(params.KV_HEAD_STRIDE)
+PARAM_BATCH: gl.constexpr = gl.constexpr(params.BATCH)
 PARAM_HOPPER_FWD_BLOCKS: gl.constexpr = gl.constexpr(params.HOPPER_FWD_BLOCKS)
+PARAM_HOPPER_FWD_FILL_CHUNK: gl.constexpr = gl.constexpr(params.HOPPER_FWD_FILL_CHUNK)
+
+
+@gluon.jit
+def _extent(offsets_ptr, sequence, num_tokens):
+    """First and end token (int64) of a sequence: common._extent (offsets clamped into [0, num_tokens],
+    each end to at least its start)."""
+    start = gl.load(offsets_ptr + sequence).to(gl.int64)
+    end = gl.load(offsets_ptr + sequence + 1).to(gl.int64)
+    start = gl.minimum(gl.maximum(start, 0), num_tokens)
+    return start, gl.minimum(gl.maximum(end, start), num_tokens)
 
 
 @gluon.jit
 def _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN: gl.constexpr):
-    """First token (int64) and attended length (int32) of a sequence: common._bounds (offsets clamped
-    into [0, num_tokens], each end to at least its start)."""
-    start = gl.load(offsets_ptr + sequence).to(gl.int64)
-    end = gl.load(offsets_ptr + sequence + 1).to(gl.int64)
-    start = gl.minimum(gl.maximum(start, 0), num_tokens)
-    end = gl.minimum(gl.maximum(end, start), num_tokens)
+    """First token (int64) and attended length (int32) of a sequence: common._bounds."""
+    start, end = _extent(offsets_ptr, sequence, num_tokens)
     return start, gl.minimum(end - start, MAX_LEN).to(gl.int32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Zero fill: common._zero_tail and common._zero_uncovered (o = 0, log-sum-exp +inf), on plain stores
+# ---------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _fill_rows(o_base, lse_base, tokens, keep, token_stride, D: gl.constexpr, BLOCK: gl.constexpr,
+               layout: gl.constexpr):
+    """o = 0 and log-sum-exp = +inf on the tokens `tokens` (a [FILL_BLOCK] row slice of `layout`) where
+    `keep`, of one head: o_base points at token 0 of the head, lse_base at its log-sum-exp of token 0."""
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    ptrs = o_base + gl.expand_dims(tokens * token_stride, 1) + gl.expand_dims(cols, 0)
+    mask = gl.expand_dims(keep, 1) & gl.expand_dims(cols < D, 0)
+    zeros = gl.zeros([BLOCK, D], gl.float32, layout=layout)
+    gl.store(ptrs, zeros.to(o_base.dtype.element_ty), mask=mask)
+    infs = gl.full([BLOCK], INF, gl.float32, layout=gl.SliceLayout(1, layout))
+    gl.store(lse_base + tokens, infs, mask=keep)
+
+
+@gluon.jit
+def _fill_range(o_base, lse_base, first, last, token_stride, D: gl.constexpr, BLOCK: gl.constexpr):
+    """`_fill_rows` on tokens [first, last) (int64)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    for block_start in range(first, last, BLOCK):
+        tokens = block_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout)).to(gl.int64)
+        _fill_rows(o_base, lse_base, tokens, tokens < last, token_stride, D, BLOCK, layout)
+
+
+@gluon.jit
+def _offsets_sorted(offsets_ptr, batch, num_tokens, BLOCK: gl.constexpr):
+    """common._offsets_sorted: whether the clamped offsets are non-decreasing."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    unsorted = gl.zeros([BLOCK], gl.int32, layout=layout)
+    for first in range(0, batch, BLOCK):
+        index = first + gl.arange(0, BLOCK, layout=layout)
+        valid = index < batch
+        lo = gl.load(offsets_ptr + index, mask=valid, other=0).to(gl.int64)
+        hi = gl.load(offsets_ptr + index + 1, mask=valid, other=0).to(gl.int64)
+        lo = gl.minimum(gl.maximum(lo, 0), num_tokens)
+        hi = gl.minimum(gl.maximum(hi, 0), num_tokens)
+        unsorted += (valid & (hi < lo)).to(gl.int32)
+    return gl.sum(unsorted, axis=0) == 0
+
+
+@gluon.jit
+def _zero_tail(o_ptr, lse_ptr, offsets_ptr, sequence, head, num_tokens, token_stride, head_stride,
+               MAX_LEN: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr):
+    """common._zero_tail: the tokens of a sequence past its first MAX_LEN."""
+    start, end = _extent(offsets_ptr, sequence, num_tokens)
+    if end - start > MAX_LEN:
+        o_base = o_ptr + head.to(gl.int64) * head_stride
+        lse_base = lse_ptr + head.to(gl.int64) * num_tokens
+        _fill_range(o_base, lse_base, start + MAX_LEN, end, token_stride, D, BLOCK)
+
+
+@gluon.jit
+def _zero_uncovered(o_ptr, lse_ptr, offsets_ptr, batch, head, chunk, fill_chunk, num_tokens, token_stride,
+                    head_stride, MAX_LEN: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr):
+    """common._zero_uncovered: the tokens of [chunk * fill_chunk, +fill_chunk) that no sequence covers
+    (with sorted offsets those before the first sequence and after the last; else every token checked
+    against every sequence's first n_q)."""
+    first = chunk.to(gl.int64) * fill_chunk
+    last = gl.minimum(first + fill_chunk, num_tokens)
+    o_base = o_ptr + head.to(gl.int64) * head_stride
+    lse_base = lse_ptr + head.to(gl.int64) * num_tokens
+    if _offsets_sorted(offsets_ptr, batch, num_tokens, 128):
+        covered_start = gl.minimum(gl.maximum(gl.load(offsets_ptr).to(gl.int64), 0), num_tokens)
+        covered_end = gl.minimum(gl.maximum(gl.load(offsets_ptr + batch).to(gl.int64), covered_start),
+                                 num_tokens)
+        _fill_range(o_base, lse_base, first, gl.minimum(last, covered_start), token_stride, D, BLOCK)
+        _fill_range(o_base, lse_base, gl.maximum(first, covered_end), last, token_stride, D, BLOCK)
+    else:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        for block_start in range(first, last, BLOCK):
+            tokens = block_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout)).to(gl.int64)
+            attended = tokens < 0
+            for sequence in range(0, batch):
+                start, length = _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
+                attended = attended | ((tokens >= start) & (tokens < start + length))
+            _fill_rows(o_base, lse_base, tokens, (tokens < last) & ~attended, token_stride, D, BLOCK,
+                       layout)
 
 
 @gluon.jit
@@ -76,30 +176,78 @@ def _tile_origin(first_token, head, token_stride, head_stride):
 
 
 @gluon.jit
-def _needs_mask(j, n_k, row0, shift, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Whether key block j has keys past n_k, or (causal) keys that some query of rows [row0, +64) does
-    not see."""
-    end = (j + 1) * BLOCK_N
-    if CAUSAL:
-        return (end > n_k) | (end - 1 > row0 + shift)
-    else:
-        return end > n_k
+def _ceil_to(x, BLOCK: gl.constexpr):
+    return (x + BLOCK - 1) // BLOCK * BLOCK
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, masked, QK_SCALE: gl.constexpr,
-                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """common._online_softmax on one score tile (unscaled q.k): (p, m, l, alpha). The max is subtracted
-    before the scale, so the top score of a row gets exactly 2**0 at any magnitude."""
-    if masked:  # runtime, uniform: the last key block, and the diagonal ones when causal
+def _key_ranges(query_start, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):
+    """common._key_ranges: for queries [query_start, +BLOCK_M), (start, clean_start, clean_end, end),
+    the keys [start, end) some query sees (start a multiple of BLOCK_N), of which the key blocks in
+    [clean_start, clean_end) (multiples of BLOCK_N, clean_end <= n_k) need no mask."""
+    shift = n_k - n_q
+    last = query_start + BLOCK_M - 1
+    start = n_k * 0
+    clean_start = n_k * 0
+    end = n_k
+    clean_end = n_k
+    if WINDOW_LEFT >= 0:
+        start = gl.maximum(query_start + shift - WINDOW_LEFT, 0)
+        clean_start = gl.maximum(last + shift - WINDOW_LEFT, 0)
+    if CAUSAL:
+        end = gl.minimum(end, last + shift + 1)
+        clean_end = gl.minimum(clean_end, query_start + shift + 1)
+    if WINDOW_RIGHT >= 0:
+        end = gl.minimum(end, last + shift + WINDOW_RIGHT + 1)
+        clean_end = gl.minimum(clean_end, query_start + shift + WINDOW_RIGHT + 1)
+    start = start // BLOCK_N * BLOCK_N
+    clean_start = _ceil_to(clean_start, BLOCK_N)
+    clean_end = gl.maximum(gl.maximum(clean_end, 0) // BLOCK_N * BLOCK_N, clean_start)
+    return start, clean_start, clean_end, gl.maximum(end, 0)
+
+
+@gluon.jit
+def _tanh(y):
+    """common._tanh: tanh on exp2, +-1 exactly once |y| passes 9, never NaN for a finite or infinite y."""
+    e = gl.exp2(gl.abs(y) * -2.8853900817779268)  # exp(-2|y|), in [0, 1]
+    t = (1.0 - e) / (1.0 + e)
+    return gl.where(y < 0, -t, t)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, slope, masked, QK_SCALE: gl.constexpr,
+                  CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+                  s_layout: gl.constexpr):
+    """common._scores then common._online_softmax on one tile of unscaled q.k: (p, m, l, alpha). The
+    scores stay in units of the unscaled q.k (SOFTCAP and the slope divided by the scale); the max is
+    subtracted before the scale, so the top score of a row gets exactly 2**0 at any magnitude."""
+    BANDED: gl.constexpr = CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0
+    if SOFTCAP > 0:
+        s = _tanh(s * (1.0 / SOFTCAP)) * SOFTCAP
+    if ALIBI:
+        # slope * |i + shift - j| as common._scores, in float32: the key offsets within the tile are
+        # constants of each thread, the distances exact integers (below 2**24).
+        key_floats = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)).to(gl.float32)
+        query_floats = (row0 + (shift - key_start)
+                        + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, s_layout))).to(gl.float32)
+        s = s - slope * gl.abs(gl.expand_dims(query_floats, 1) - gl.expand_dims(key_floats, 0))
+    if masked:  # runtime, uniform: the blocks at the band's edges and the last one (common._band)
         cols = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = gl.expand_dims(cols < n_k, 0)
-        if CAUSAL:
+        if BANDED:
             rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, s_layout))
-            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + shift, 1))
+            distance = gl.expand_dims(rows + shift, 1) - gl.expand_dims(cols, 0)  # i + shift - j
+            if CAUSAL:
+                keep = keep & (distance >= 0)
+            if WINDOW_RIGHT >= 0:
+                keep = keep & (distance >= -WINDOW_RIGHT)
+            if WINDOW_LEFT >= 0:
+                keep = keep & (distance <= WINDOW_LEFT)
         s = gl.where(keep, s, -INF)
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    if CAUSAL:  # a row may have seen no key yet (max -inf): subtract 0 there, not -inf
+    if BANDED:  # a row may have seen no key yet (max -inf): subtract 0 there, not -inf
         m_safe = gl.where(m_new == -INF, 0.0, m_new)
     else:
         m_safe = m_new
@@ -131,7 +279,8 @@ def _issue_kv(desc, bar, buf, row, col):
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
               q_row, q_col, kv_row, kv_col, num_key_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The 1-warp load partition: both query tiles once, then K_j and V_j into the ring as slots free."""
+    """The 1-warp load partition: both query tiles once, then K_j and V_j (j < num_key_blocks, from
+    kv_row: the first key block of the band) into the ring as slots free."""
     for w in gl.static_range(2):
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row + w * CONSUMER_ROWS, q_col], q_bars.index(w), q_smem.index(w))
@@ -147,11 +296,14 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr, lse_ptr,
-              q_start, n_q, n_k, key_end, shift, start_m, head, q_tokens, q_token_stride, q_head_stride,
-              D: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, CAUSAL: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
-    """One consumer warpgroup: queries [start_m + 64 WG, +64) against keys [0, key_end), then their o
-    and log-sum-exp."""
+              q_start, n_q, n_k, key_first, key_end, shift, slope, start_m, head, q_tokens, q_token_stride,
+              q_head_stride, D: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+              SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              WG: gl.constexpr):
+    """One consumer warpgroup: queries [start_m + 64 WG, +64) against the key blocks from key_first (a
+    multiple of BLOCK_N) to key_end (the block's band, as the producer loads them), then their o and
+    log-sum-exp. A block is masked unless every query of this warpgroup sees every key of it."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -161,7 +313,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
     dtype: gl.constexpr = k_smem.dtype
     row0 = start_m + WG * CONSUMER_ROWS
     q = q_smem.index(WG)
-    num_key_blocks = gl.cdiv(key_end, BLOCK_N)
+    num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
+    # This warpgroup's clean key blocks (common._key_ranges over its 64 rows).
+    _, clean_start, clean_end, _ = _key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                                               WINDOW_RIGHT)
 
     m_i = gl.full([CONSUMER_ROWS], -INF, gl.float32, layout=row_layout)
     l_i = gl.full([CONSUMER_ROWS], 0.0, gl.float32, layout=row_layout)
@@ -174,12 +329,14 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
         s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(0), count=1)
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, n_k, row0, shift,
-                                           _needs_mask(0, n_k, row0, shift, BLOCK_N, CAUSAL), QK_SCALE,
-                                           CAUSAL, BLOCK_N, s_layout)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, key_first, n_k, row0, shift, slope,
+                                           (key_first < clean_start) | (key_first >= clean_end), QK_SCALE,
+                                           CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N,
+                                           s_layout)
         for j in range(1, num_key_blocks):
             ks = j % STAGES
             vs = (j - 1) % STAGES
+            key_start = key_first + j * BLOCK_N
             mbarrier.wait(k_ready.index(ks), (j // STAGES) & 1)
             mbarrier.wait(v_ready.index(vs), ((j - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -187,16 +344,18 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
             acc_tok = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))
             mbarrier.arrive(k_empty.index(ks), count=1)
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, j * BLOCK_N, n_k, row0, shift,
-                                               _needs_mask(j, n_k, row0, shift, BLOCK_N, CAUSAL), QK_SCALE,
-                                               CAUSAL, BLOCK_N, s_layout)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, slope,
+                                               (key_start < clean_start) | (key_start >= clean_end), QK_SCALE,
+                                               CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N,
+                                               s_layout)
             acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
             mbarrier.arrive(v_empty.index(vs), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        # Warpgroup 0 zeroes the rows of the last value tile past the keys and signals the other.
+        # Warpgroup 0 zeroes the rows of the last value tile past the band's keys (past the sequence's
+        # maybe: other tokens, NaN) and signals the other.
         last = num_key_blocks - 1
         vs = last % STAGES
-        tail = key_end - last * BLOCK_N
+        tail = key_end - (key_first + last * BLOCK_N)
         mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
         if tail < BLOCK_N:
             if WG == 0:
@@ -206,7 +365,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
                 mbarrier.wait(tail_bar, 0)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(vs), acc)
 
-    # Epilogue: rows < n_q only (the launcher's buffers hold 0 and +inf elsewhere).
+    # Epilogue: rows < n_q only (the fill programs write the others).
     attended = l_i > 0  # false only for queries with no key
     o_factor = gl.where(attended, OUT_SCALE / gl.where(attended, l_i, 1.0), 0.0)
     o = acc * gl.expand_dims(gl.convert_layout(o_factor, gl.SliceLayout(1, o_layout)), 1)
@@ -224,41 +383,77 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
 
 @gluon.jit
 def attention_fwd_kernel(
-    q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, o_ptr, lse_ptr, params_ptr,
+    q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr,
+    o_ptr, lse_ptr,
     NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
-    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """o and the base-2 log-sum-exp of one block of BLOCK_M (= 128, two warpgroups') queries of one
-    (sequence, head), on a one-axis grid: each (sequence, head)'s PARAM_HOPPER_FWD_BLOCKS blocks
-    adjacent, the last first. o_ptr and lse_ptr are inputs, the launcher's pre-filled buffers (aliased
-    to the outputs, so no output follows params_ptr): o [tokens, H, D] or [H, tokens, D] with q's
-    strides, lse [1, H, q_tokens]."""
+    (sequence, head), or a zero fill, on a one-axis grid of (sequence or fill, head, slot), slots
+    adjacent and counting down. A sequence's slots are its PARAM_HOPPER_FWD_BLOCKS query blocks, the
+    last first, then (slot 0) the program that zeroes its tokens past Q_MAX_LEN; the extra "sequence"
+    `batch` has one program per slot, each zeroing the tokens of its PARAM_HOPPER_FWD_FILL_CHUNK that no
+    sequence covers (kernels/portable.py's grid, one axis). So every row of o [tokens, H, D] or
+    [H, tokens, D] (q's strides) and of the log-sum-exp [1, H, q_tokens] is written: no memset."""
+    batch = gl.load(params_ptr + PARAM_BATCH)
     q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
     kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
-    blocks = gl.load(params_ptr + PARAM_HOPPER_FWD_BLOCKS)
+    slots = gl.load(params_ptr + PARAM_HOPPER_FWD_BLOCKS) + 1
+    q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
+    q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
     pid = gl.program_id(0)
-    block = blocks - 1 - pid % blocks
-    head = (pid // blocks) % NUM_HEADS
-    sequence = pid // blocks // NUM_HEADS
+    slot = slots - 1 - pid % slots
+    head = (pid // slots) % NUM_HEADS
+    sequence = pid // slots // NUM_HEADS
+    # The fills are plain stores of the default partition's 4 warps (the worker partitions' warps wait
+    # for the kernel's end), in branches of their own that never reach the attention code (the portable
+    # kernels' rule: see kernels/__init__.py on ptxas 12.8).
+    if sequence == batch:
+        _zero_uncovered(o_ptr, lse_ptr, q_offsets_ptr, batch, head, slot,
+                        gl.load(params_ptr + PARAM_HOPPER_FWD_FILL_CHUNK), q_tokens, q_token_stride,
+                        q_head_stride, Q_MAX_LEN, D, FILL_BLOCK)
+    elif slot == 0:
+        _zero_tail(o_ptr, lse_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride, q_head_stride,
+                   Q_MAX_LEN, D, FILL_BLOCK)
+    else:
+        _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr,
+                   lse_ptr, sequence, head, slot - 1, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                   NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                   ALIBI, QK_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS,
+                   PRODUCER_REGS)
+
+
+@gluon.jit
+def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr, lse_ptr,
+               sequence, head, block, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+               NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+               KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+               WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr,
+               OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
+               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Query block `block` of (sequence, head): the warp-specialized attention (rows < n_q only)."""
     q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
     start_m = block * BLOCK_M
     if start_m < n_q:
-        q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
-        q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
         kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
         kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
         kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
         q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
         kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
-        # The keys the block's last query sees (common._key_ranges' end), bottom-right aligned.
+        # The key blocks some query of the block sees (common._key_ranges, bottom-right aligned): the
+        # producer loads and both consumers visit exactly [key_first, key_end) in blocks of BLOCK_N.
         shift = n_k - n_q
-        if CAUSAL:
-            key_end = gl.maximum(gl.minimum(n_k, start_m + BLOCK_M + shift), 0)
+        key_first, _, _, key_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                                               WINDOW_RIGHT)
+        num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
+        if ALIBI:  # slopes [1, NUM_HEADS] in units of the unscaled scores (one offsets segment)
+            slope = gl.load(slopes_ptr + head)
         else:
-            key_end = n_k
-        num_key_blocks = gl.cdiv(key_end, BLOCK_N)
+            slope = 0.0
 
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
@@ -283,11 +478,13 @@ def attention_fwd_kernel(
         # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
-                         lse_ptr, q_start, n_q, n_k, key_end, shift, start_m, head, q_tokens, q_token_stride,
-                         q_head_stride, D, QK_SCALE, OUT_SCALE, CAUSAL, BLOCK_N, STAGES, 0)),
+                         lse_ptr, q_start, n_q, n_k, key_first, key_end, shift, slope, start_m, head,
+                         q_tokens, q_token_stride, q_head_stride, D, QK_SCALE, OUT_SCALE, CAUSAL, WINDOW_LEFT,
+                         WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, STAGES, 0)),
             (_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
-                         lse_ptr, q_start, n_q, n_k, key_end, shift, start_m, head, q_tokens, q_token_stride,
-                         q_head_stride, D, QK_SCALE, OUT_SCALE, CAUSAL, BLOCK_N, STAGES, 1)),
+                         lse_ptr, q_start, n_q, n_k, key_first, key_end, shift, slope, start_m, head,
+                         q_tokens, q_token_stride, q_head_stride, D, QK_SCALE, OUT_SCALE, CAUSAL, WINDOW_LEFT,
+                         WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, STAGES, 1)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
-                         v_empty, q_row, q_col, kv_row, kv_col, num_key_blocks, BLOCK_N, STAGES)),
+                         v_empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -8,7 +8,6 @@ needs triton, which the package does not require.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Sequence
 
 import jax
@@ -104,14 +103,8 @@ def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     arrays = list(arrays)
     for index, block in call.descriptors:
         arrays[index] = _tensor_descriptor(jax_triton, arrays[index], block)
-    if call.aliases:
-        options["input_output_aliases"] = dict(call.aliases)
-    with warnings.catch_warnings():
-        # jax-triton 0.4 deprecates input_output_aliases for Refs, which custom_partitioning and
-        # custom_vmap bodies do not carry as simply; aliasing still works as documented.
-        warnings.filterwarnings("ignore", "input_output_aliases is deprecated", DeprecationWarning)
-        outputs = jax_triton.triton_call(
-            *arrays,
-            kernel=call.kernel, out_type=call.out_shapes, grid=call.grid,
-            num_warps=call.num_warps, num_stages=call.num_stages, **options, **call.constants)
+    outputs = jax_triton.triton_call(
+        *arrays,
+        kernel=call.kernel, out_type=call.out_shapes, grid=call.grid,
+        num_warps=call.num_warps, num_stages=call.num_stages, **options, **call.constants)
     return tuple(outputs)

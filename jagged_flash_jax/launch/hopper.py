@@ -69,8 +69,6 @@ def portable_reason(p: Problem, dtype) -> str | None:
         return f"sequences of at most {HOPPER_FORWARD_MIN_LENGTH - 1} tokens (the portable forward is faster)"
     if p.num_segments != 1:
         return f"{p.num_segments} offsets segments (only one)"
-    if p.window != (None, None) or p.softcap is not None or p.alibi:
-        return "a window, soft cap or ALiBi (the portable kernel's options)"
     strides = (*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))
     if any(stride * itemsize % TMA_ALIGN for stride in strides):
         return f"strides {strides} not {TMA_ALIGN}-byte aligned (TMA)"

@@ -5,7 +5,7 @@ with jax-triton, interpret.py with Triton's interpreter. A kernel's parameters a
 (the last one the int32 array of its runtime sizes, `params`, built by the slots' names in
 kernels.common), its outputs, then `constants` by keyword. The Hopper forward (kernels/hopper.py, on
 the triton backend only, where launch/hopper.py chose it for the Problem) takes q, k, v as TMA
-descriptors and its outputs as pre-filled inputs aliased to them (KernelCall.descriptors, .aliases).
+descriptors (KernelCall.descriptors).
 
 Arrays at this level: q, o, do, dq are [Z*T_q, H, D] ("THD") or [H, Z*T_q, D] ("HTD"), k, v, dk, dv
 the same with H_kv and T_kv: Z segments of T tokens each along the token axis, every segment with its
@@ -182,8 +182,6 @@ class KernelCall:
     # (array index, block shape): arrays the GPU launcher passes as TMA descriptors of that block over
     # the array (2-D), instead of as pointers (the Hopper forward's).
     descriptors: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    # (input index, output index): inputs whose buffer is that output (pre-filled outputs).
-    aliases: tuple[tuple[int, int], ...] = ()
 
 
 Runner = Callable[[KernelCall, Sequence[jax.Array]], Sequence[jax.Array]]
@@ -285,7 +283,7 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None
     if p.empty:
         return jnp.zeros(p.q_shape, q.dtype), jnp.full(p.stats_shape, jnp.inf, jnp.float32)
     if p.hopper_forward:
-        return _hopper_forward(run, p, q, k, v, q_offsets, kv_offsets)
+        return _hopper_forward(run, p, q, k, v, q_offsets, kv_offsets, slopes)
     cfg = p.block_sizes.fwd
     params, constants = _common(p)
     slots = p.forward_slots
@@ -307,28 +305,26 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None
     return o, lse
 
 
-def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
+def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None):
     """The Hopper forward (kernels/hopper.py): q, k, v as TMA descriptors over 2-D views whose rows are
-    one token stride long, o and the log-sum-exp pre-filled with 0 and +inf (the kernel writes each
-    sequence's first n_q rows only) and aliased to the outputs."""
+    one token stride long; per (sequence or zero fill, head) the query blocks and a tail-zeroing program,
+    as the portable forward's slots (Problem.forward_slots), on one axis."""
     tiles = HOPPER_FORWARD_TILES[p.head_dim]
     params, constants = _common(p)
     blocks = p.blocks(tiles.block_m, p.q_tokens, p.max_seq_len)
-    o = jnp.zeros(p.q_shape, q.dtype)
-    lse = jnp.full(p.stats_shape, jnp.inf, jnp.float32)
-    programs = p.batch * p.num_heads * blocks
-    if programs == 0:
-        return o, lse
+    slots = blocks + 1
     q_token_stride = p.strides(p.num_heads, p.q_tokens)[0]
     kv_token_stride = p.strides(p.num_kv_heads, p.kv_tokens)[0]
     views = (q.reshape(-1, q_token_stride), k.reshape(-1, kv_token_stride), v.reshape(-1, kv_token_stride))
     call = KernelCall(
-        kernels.hopper_attention_fwd_kernel, grid=(programs,),
+        kernels.hopper_attention_fwd_kernel, grid=(p.sequence_heads * slots,),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                     jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
-        params=_pack({**params, param.HOPPER_FWD_BLOCKS: blocks}),
+        params=_pack({**params, param.HOPPER_FWD_BLOCKS: blocks,
+                      param.HOPPER_FWD_FILL_CHUNK: _fill_chunk(p.q_tokens, slots)}),
         constants={**{name: constants[name] for name in (
-            "NUM_HEADS", "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "QK_SCALE", "STRIDE_ALIGN")},
+            "NUM_HEADS", "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "WINDOW_LEFT", "WINDOW_RIGHT",
+            "SOFTCAP", "ALIBI", "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")},
             "OUT_SCALE": p.out_scale, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
             "STAGES": tiles.num_stages, "CONSUMER_REGS": HOPPER_CONSUMER_REGS,
             "PRODUCER_REGS": HOPPER_PRODUCER_REGS},
@@ -336,9 +332,8 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets):
         num_warps=tiles.num_warps, num_stages=1, max_registers=tiles.max_registers,
         # The query tile is one consumer warpgroup's 64 rows.
         descriptors=((0, (tiles.block_m // 2, p.head_dim)), (1, (tiles.block_n, p.head_dim)),
-                     (2, (tiles.block_n, p.head_dim))),
-        aliases=((5, 0), (6, 1)))
-    o, lse = run(call, (*views, q_offsets, kv_offsets, o, lse, _params(call)))
+                     (2, (tiles.block_n, p.head_dim))))
+    o, lse = run(call, (*views, q_offsets, kv_offsets, _slopes(p, slopes), _params(call)))
     return o, lse
 
 

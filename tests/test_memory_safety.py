@@ -4,7 +4,7 @@ guards catch bad kernels, and that no offsets content (negative, decreasing, pas
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import json
 import os
 import shutil
@@ -140,7 +140,7 @@ def test_an_output_element_left_unwritten_shows(dtype):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Any offsets content: each case in a process of its own, so that a crash fails that case only
+# Any offsets content: every case in one process of its own (a crash fails the test, naming its case)
 # ---------------------------------------------------------------------------------------------------
 
 TOKENS, KV_TOKENS, HEADS, DIM = 24, 20, 2, 8
@@ -175,36 +175,38 @@ def covered(offsets, tokens: int, max_len: int) -> np.ndarray:
     return mask
 
 
-def check_offsets_case(offsets, int64: bool, backend: str = "interpret", hopper: bool = False) -> None:
-    """In a fresh process: forward and vjp of both ops on `backend` with these offsets (the kv offsets,
-    reversed, for cross-attention): every output finite, zero on tokens nothing attends. With `hopper`
-    (a Hopper GPU), bfloat16 at D = 128, so that every forward runs the Hopper kernel (checked), whose
-    tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens."""
+@functools.cache
+def _ops(backend: str):
+    """The jitted ops the cases run, made once per process, so that every case of a variant (the
+    offsets are traced arguments) reuses their compilations."""
+    self_op = jax.jit(lambda q, k, v, o: jfa.jagged_attention(q, k, v, o, MAX_SEQ_LEN, backend=backend))
+    cross_op = jax.jit(lambda q, k, v, o, kv_o: jfa.jagged_attention(
+        q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, causal=True,
+        backend=backend))
+    fbgemm_op = jax.jit(lambda q, k, v, o: jfa.multi_head_jagged_flash_attention(
+        q, k, v, o, MAX_SEQ_LEN, backend=backend))
+    # The band skips key and query blocks and ALiBi reads a slope per segment and head: with any
+    # offsets, they stay inside the arrays too.
+    options_op = jax.jit(lambda q, k, v, o, kv_o, slopes: jfa.jagged_attention(
+        q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, window=(5, 3),
+        softcap=2.0, alibi_slopes=slopes, backend=backend))
+    return self_op, cross_op, fbgemm_op, options_op
+
+
+def _check_offsets_case(offsets, int64: bool, backend: str, hopper: bool, variant: str) -> None:
+    """Forward and vjp of both ops on `backend` with these offsets (the kv offsets, reversed, for
+    cross-attention): every output finite, zero on tokens nothing attends."""
     rng = np.random.default_rng(11)
     dtype, dim = (jnp.bfloat16, HOPPER_DIM) if hopper else (jnp.float32, DIM)
     q = jnp.asarray(rng.standard_normal((TOKENS, HEADS, dim)), dtype)
     kv = jnp.asarray(rng.standard_normal((KV_TOKENS, HEADS, dim)), dtype)
-    chosen, choose = [], hopper_launch.forward_kernel
-    if hopper:  # asked for on these short sequences, recorded for this case, put back at the end
-        os.environ[configs.FORWARD_KERNEL_ENV] = "hopper"
-        hopper_launch.forward_kernel = lambda p, dtype: chosen.append(choose(p, dtype)) or chosen[-1]
     kv_offsets = offsets[::-1]
+    self_op, cross_op, fbgemm_op, options_op = _ops(backend)
     with jax.enable_x64(int64):
         dtype = jnp.int64 if int64 else jnp.int32
+        # Offsets as jit arguments (traced): concrete malformed offsets are rejected before any kernel.
         q_offsets, kv_offsets = jnp.asarray(offsets, dtype), jnp.asarray(kv_offsets, dtype)
         assert q_offsets.dtype == dtype
-        # Offsets as jit arguments (traced): concrete malformed offsets are rejected before any kernel.
-        self_op = jax.jit(lambda q, k, v, o: jfa.jagged_attention(q, k, v, o, MAX_SEQ_LEN, backend=backend))
-        cross_op = jax.jit(lambda q, k, v, o, kv_o: jfa.jagged_attention(
-            q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, causal=True,
-            backend=backend))
-        fbgemm_op = jax.jit(lambda q, k, v, o: jfa.multi_head_jagged_flash_attention(
-            q, k, v, o, MAX_SEQ_LEN, backend=backend))
-        # The band skips key and query blocks and ALiBi reads a slope per segment and head: with any
-        # offsets, they stay inside the arrays too.
-        options_op = jax.jit(lambda q, k, v, o, kv_o, slopes: jfa.jagged_attention(
-            q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, window=(5, 3),
-            softcap=2.0, alibi_slopes=slopes, backend=backend))
         slopes = jnp.linspace(0.1, 0.9, HEADS, dtype=jnp.float32)
         cases = {
             "jagged_attention": (lambda q, k, v: self_op(q, k, v, q_offsets), (q, q, q), "THD", False),
@@ -216,35 +218,53 @@ def check_offsets_case(offsets, int64: bool, backend: str = "interpret", hopper:
                 lambda q, k, v: options_op(q, k, v, q_offsets, kv_offsets, slopes), (q, kv, kv), "THD", True),
         }
         q_mask = covered(offsets, TOKENS, MAX_SEQ_LEN)
-        # Every case twice: as chosen, then with key-major operands (which float32 inputs with TF32 and
-        # D >= 64 take): their transposes, and key and query windows that start before their sequence.
-        as_chosen = plan.key_major
-        try:
-            for key_major in (as_chosen,) if hopper else (as_chosen, lambda p, dtype, operands: True):
-                plan.key_major = key_major
-                # The plan runs when a problem is first traced: without this, the jitted ops and the
-                # transforms' cached functions would replay the first variant's kernels.
-                jax.clear_caches()
-                transforms._forward_fn.cache_clear()
-                transforms._backward_fn.cache_clear()
-                for name, (op, args, layout, cross) in cases.items():
-                    name += ", key-major" * (key_major is not as_chosen)
-                    o, vjp = jax.vjp(op, *args)
-                    results = dict(zip(["o", "dq", "dk", "dv"], (o, *vjp(jnp.ones_like(o)))))
-                    kv_mask = covered(kv_offsets, KV_TOKENS, KV_MAX_SEQ_LEN) if cross else q_mask
-                    for what, x in results.items():
-                        x = to_numpy(x, layout)
-                        assert np.all(np.isfinite(x)), f"{name}: {what} is not finite (a read outside)"
-                        mask = q_mask if what in ("o", "dq") else kv_mask
-                        assert not np.any(x[~mask]), (f"{name}: {what} is not zero on tokens "
-                                                      f"{np.flatnonzero(~mask)}")
-        finally:
-            plan.key_major = as_chosen
-            hopper_launch.forward_kernel = choose
-            os.environ.pop(configs.FORWARD_KERNEL_ENV, None)
-    if hopper:  # the four cases (the window, soft cap and ALiBi one too), on each of their traces
+        for name, (op, args, layout, cross) in cases.items():
+            o, vjp = jax.vjp(op, *args)
+            results = dict(zip(["o", "dq", "dk", "dv"], (o, *vjp(jnp.ones_like(o)))))
+            kv_mask = covered(kv_offsets, KV_TOKENS, KV_MAX_SEQ_LEN) if cross else q_mask
+            for what, x in results.items():
+                x = to_numpy(x, layout)
+                assert np.all(np.isfinite(x)), f"{name} ({variant}): {what} is not finite (a read outside)"
+                mask = q_mask if what in ("o", "dq") else kv_mask
+                assert not np.any(x[~mask]), (f"{name} ({variant}): {what} is not zero on tokens "
+                                              f"{np.flatnonzero(~mask)}")
+
+
+def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False) -> None:
+    """Every case (offsets, int64) under each variant, in this process; prints `start CASE VARIANT`
+    before and `ok CASE VARIANT` after each, so that a crash names its case. The variants: the kernels
+    as chosen, then with key-major operands forced (which float32 inputs with TF32 and D >= 64 take:
+    their transposes, and key and query windows that start before their sequence). With `hopper` (a
+    Hopper GPU), bfloat16 at D = 128 instead, so that every forward runs the Hopper kernel (checked),
+    whose tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens."""
+    chosen, choose = [], hopper_launch.forward_kernel
+    if hopper:  # asked for on these short sequences, recorded, put back at the end
+        os.environ[configs.FORWARD_KERNEL_ENV] = "hopper"
+        hopper_launch.forward_kernel = lambda p, dtype: chosen.append(choose(p, dtype)) or chosen[-1]
+    as_chosen = plan.key_major
+    variants = {"as chosen": as_chosen}
+    if not hopper:
+        variants["key-major"] = lambda p, dtype, operands: True
+    try:
+        for variant, key_major in variants.items():
+            plan.key_major = key_major
+            # The plan runs when a problem is first traced: without this, the jitted ops and the
+            # transforms' cached functions would replay the first variant's kernels.
+            jax.clear_caches()
+            transforms._forward_fn.cache_clear()
+            transforms._backward_fn.cache_clear()
+            for offsets, int64 in cases:
+                case = json.dumps([offsets, int64])
+                print("start", case, variant, flush=True)
+                _check_offsets_case(offsets, int64, backend, hopper, variant)
+                print("ok", case, variant, flush=True)
+    finally:
+        plan.key_major = as_chosen
+        hopper_launch.forward_kernel = choose
+        os.environ.pop(configs.FORWARD_KERNEL_ENV, None)
+    if hopper:  # the four ops (the window, soft cap and ALiBi one too), on each of their traces
         assert chosen.count("hopper") >= 4, chosen
-    print("ok")
+    print("all ok", flush=True)
 
 
 def _describe(result: subprocess.CompletedProcess) -> str:
@@ -261,43 +281,24 @@ def _child_env(**variables) -> dict:
     return {**os.environ, **variables, "PYTHONPATH": path}
 
 
-def _run_case(offsets, int64: bool) -> subprocess.CompletedProcess:
-    env = _child_env(JAX_PLATFORMS="cpu")
-    call = f"import test_memory_safety as t; t.check_offsets_case({json.dumps(offsets)}, {int64})"
-    return subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=TESTS)
-
-
-@pytest.fixture(scope="module")
-def case_results(request):
-    """The collected cases' processes, two at a time (two cores) in collection order, started when the
-    first case is reached; under pytest-xdist, whose workers already run side by side, each on its own."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        yield lambda offsets, int64: _run_case(offsets, int64)
-        return
-    collected = [item.callspec.params["case"] for item in request.session.items
-                 if getattr(item, "originalname", None) == "test_adversarial_offsets_are_memory_safe"]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {json.dumps(case): pool.submit(_run_case, *case) for case in collected}
-
-        def result(offsets, int64):
-            future = futures.get(json.dumps([offsets, int64]))
-            return future.result() if future else _run_case(offsets, int64)
-
-        yield result
-        for future in futures.values():
-            future.cancel()
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda case: f"{'int64' if case[1] else 'int32'}{case[0]}")
-def test_adversarial_offsets_are_memory_safe(case_results, case):
+def test_adversarial_offsets_are_memory_safe():
     """Forward and backward of both ops, self- and cross-attention, causal, a window with a soft cap and
-    ALiBi: see `check_offsets_case`.
+    ALiBi, for every case of CASES: see `check_offsets_cases`, run in a process of its own (a crash
+    fails this test with the case it was in; the cases share their compilations there).
     The guards raise if a kernel wrote outside its arrays; a read outside, or an output element left
     unwritten, would be a NaN."""
-    result = case_results(*case)
-    passed = result.returncode == 0 and result.stdout.strip().endswith("ok")
-    assert passed, _describe(result)
+    call = f"import test_memory_safety as t; t.check_offsets_cases({CASES!r})"
+    result = subprocess.run([sys.executable, "-c", call], env=_child_env(JAX_PLATFORMS="cpu"),
+                            capture_output=True, text=True, timeout=600, cwd=TESTS)
+    lines = result.stdout.splitlines()
+    for offsets, int64 in CASES:
+        for variant in ("as chosen", "key-major"):
+            case = f"{json.dumps([offsets, int64])} {variant}"
+            if f"ok {case}" not in lines:
+                reached = f"start {case}" in lines
+                pytest.fail(f"case {case} {'failed' if reached else 'was not reached'}: "
+                            + _describe(result))
+    assert result.returncode == 0 and lines[-1] == "all ok", _describe(result)
 
 
 def test_malformed_offsets_without_overlap_match_the_xla_backend():
@@ -324,8 +325,8 @@ def test_adversarial_offsets_on_the_gpu_under_compute_sanitizer():
     env = _child_env(XLA_PYTHON_CLIENT_ALLOCATOR="platform", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     capability = hopper_launch.device_capability()
     hopper = [False, True] if capability is not None and capability[0] == 9 else [False]
-    call = (f"import test_memory_safety as t\nfor case in {CASES!r}:\n    for hopper in {hopper!r}:\n"
-            "        t.check_offsets_case(*case, backend='triton', hopper=hopper)\n")
+    call = (f"import test_memory_safety as t\nfor hopper in {hopper!r}:\n"
+            f"    t.check_offsets_cases({CASES!r}, backend='triton', hopper=hopper)\n")
     result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99",
                              "--print-limit", "20", sys.executable, "-c", call],
                             env=env, capture_output=True, text=True, timeout=480, cwd=TESTS)

@@ -298,7 +298,8 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
     if backend == "triton":
         from .launch import hopper
 
-        problem = problem.with_(forward_kernel=hopper.forward_kernel(problem, q.dtype))
+        problem = problem.with_(forward_kernel=hopper.forward_kernel(problem, q.dtype),
+                                backward_kernel=hopper.backward_kernel(problem, q.dtype))
     if backend != "xla":
         plan.check_grid(problem)
     return problem

@@ -23,6 +23,9 @@ TUNED_CONFIGS_ENV = "JAGGED_FLASH_JAX_TUNED_CONFIGS"
 # "auto" or unset: the Hopper forward where it applies and is the faster.
 FORWARD_KERNEL_ENV = "JAGGED_FLASH_JAX_FORWARD"
 FORWARD_KERNEL_CHOICES = ("auto", "portable", "hopper")
+# The same for the backward (kernels/hopper_backward.py or the portable one), chosen on its own.
+BACKWARD_KERNEL_ENV = "JAGGED_FLASH_JAX_BACKWARD"
+BACKWARD_KERNEL_CHOICES = FORWARD_KERNEL_CHOICES
 
 MAX_HEAD_DIM = 256
 # The GPU whose table is used for GPUs (and head dimensions) that have no entry of their own.
@@ -91,6 +94,19 @@ HOPPER_FORWARD_TILES = {
 HOPPER_FORWARD_MIN_LENGTH = 1025
 HOPPER_CONSUMER_REGS = 240
 HOPPER_PRODUCER_REGS = 24
+# The Hopper backward takes the forward's threshold under "auto" (not measured on its own below L4096).
+HOPPER_BACKWARD_MIN_LENGTH = HOPPER_FORWARD_MIN_LENGTH
+# The Hopper backward (kernels/hopper_backward.py), by head dimension: the dk/dv program's query tile
+# (block_m; its 128 keys are two consumer warpgroups of 64) and the dq program's key tile (block_n; its
+# 128 queries two warpgroups of 64), each with its ring of num_stages; max_registers as the forward's.
+# D = 256 stays on the portable backward: dK and dV of 64 rows x 256 in float32 need 256 registers
+# per consumer thread on their own. Measured on the H200: docs/performance.md, "Hopper kernels".
+HOPPER_BACKWARD_TILES = {
+    64: dict(dkdv=KernelConfig(64, 128, num_warps=4, num_stages=2, max_registers=168),
+             dq=KernelConfig(128, 128, num_warps=4, num_stages=3, max_registers=168)),
+    128: dict(dkdv=KernelConfig(64, 128, num_warps=4, num_stages=2, max_registers=168),
+              dq=KernelConfig(128, 128, num_warps=4, num_stages=2, max_registers=168)),
+}
 
 INTERPRET_BLOCK_SIZES = BlockSizes(
     fwd=KernelConfig(16, 32),

@@ -59,13 +59,33 @@ def hopper_call(dim: int, causal: bool, layout: str, dtype, window=(None, None),
     return call
 
 
-def compile_for_sm90(call, arrays):
-    """triton.compile of the call's Gluon kernel for sm_90a, with the signature jax-triton 0.4.1 builds
-    (descriptors as `tensordesc<dtype[block],layout>`, 16-divisible pointers)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+def hopper_backward_calls(dim: int, causal: bool, layout: str, dtype):
+    """The Hopper backward's two KernelCalls (dk/dv, dq) and arrays, as plan.backward makes them (GQA,
+    cross-attention)."""
+    shape = lambda tokens, heads: (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)  # noqa: E731
+    q, kv = jnp.zeros(shape(64, 4), dtype), jnp.zeros(shape(48, 2), dtype)
+    p = plan.Problem(layout=layout, num_heads=4, num_kv_heads=2, head_dim=dim, batch=2, num_segments=1,
+                     q_tokens=64, kv_tokens=48, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=40,
+                     kv_max_seq_len=50, causal=causal, scale=0.1, out_scale=1.0, input_precision="tf32",
+                     block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", backward_kernel="hopper")
+    calls = []
+
+    def run(call, arrays):
+        calls.append((call, arrays))
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
+
+    offsets = jnp.asarray([[0, 10, 64]], jnp.int32)
+    lse = jnp.zeros(p.stats_shape, jnp.float32)
+    plan.backward(run, p, q, kv, kv, offsets, offsets, q, lse, q)
+    calls = [c for c in calls if c[0].descriptors]  # the preprocess is the portable kernel
+    assert len(calls) == 2
+    return calls
+
+
+def _signature(call, arrays):
+    """The signature, constants and attributes jax-triton 0.4.1 builds: descriptors as
+    `tensordesc<dtype[block],layout>`, 16-divisible pointers."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     names = {jnp.dtype(jnp.bfloat16): ("bf16", gl.bfloat16), jnp.dtype(jnp.float16): ("fp16", gl.float16),
              jnp.dtype(jnp.float32): ("fp32", None), jnp.dtype(jnp.int32): ("i32", None)}
@@ -83,9 +103,50 @@ def compile_for_sm90(call, arrays):
             signature[name] = f"*{type_name}"
     signature.update(dict.fromkeys(call.constants, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name.endswith("_ptr")}
+    return signature, attrs
+
+
+def compile_for_sm90(call, arrays):
+    """The call's Gluon kernel compiled for sm_90a as jax-triton 0.4.1 compiles it: the Gluon AST to IR
+    (GluonASTSource.make_ir), then the CUDA backend's make_ttir, make_ttgir, make_llir, make_ptx, make_cubin
+    (jax-triton runs make_ttir on Gluon modules, which triton.compile skips; Triton 3.6's verifier
+    rejected there what triton.compile accepted). Returns (ptx, metadata)."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature, attrs = _signature(call, arrays)
+    target = GPUTarget("cuda", 90, 128)
+    backend = CUDABackend(target)
+    options = backend.parse_options(dict(num_warps=call.num_warps, num_stages=call.num_stages,
+                                         maxnreg=call.max_registers))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
     source = GluonASTSource(call.kernel, signature, dict(call.constants), attrs)
-    options = dict(num_warps=call.num_warps, num_stages=call.num_stages, maxnreg=call.max_registers)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
+    module = source.make_ir(target, options, backend.get_codegen_implementation(options),
+                            backend.get_module_map(), context)
+    metadata = {}
+    module = backend.make_ttir(module, metadata, options, 90)
+    module = backend.make_ttgir(module, metadata, options, 90)
+    llir = backend.make_llir(module, metadata, options, 90)
+    ptx = backend.make_ptx(llir, metadata, options, 90)
+    backend.make_cubin(ptx, metadata, options, 90)
+    return ptx, metadata
+
+
+def check_compiled(ptx: str, metadata: dict):
+    """384 threads (two consumer warpgroups and the producer's, which jax-triton 0.4.1 launches through
+    _compat's PTX shim), the register split of setmaxnreg, wgmma and TMA loads, and shared memory within
+    the H100/H200's 227 KB."""
+    from jagged_flash_jax import _compat
+
+    assert _compat.ptx_warps(ptx) == 12
+    registers = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))
+    assert {str(configs.HOPPER_CONSUMER_REGS), str(configs.HOPPER_PRODUCER_REGS)} <= registers
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert metadata["shared"] <= 232448
 
 
 # (dim, causal, layout, dtype, options): each constexpr of the kernel both ways, every option at both
@@ -107,22 +168,29 @@ def _compile_id(x):
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
 @pytest.mark.parametrize("dim,causal,layout,dtype,options", COMPILE_CASES, ids=_compile_id)
 def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype, options):
-    """With the constants the launcher passes: 384 threads (two consumer warpgroups and the producer's,
-    which jax-triton 0.4.1 launches through _compat's PTX shim), the register split of setmaxnreg,
-    wgmma and TMA loads, and shared memory within the H100/H200's 227 KB."""
+    """With the constants the launcher passes, through jax-triton's pipeline (`compile_for_sm90`)."""
     if not hopper_launch.gluon_available():
         pytest.skip("this Triton has no triton.experimental.gluon (the Hopper forward is unavailable)")
-    from jagged_flash_jax import _compat
-
     start = time.perf_counter()
-    compiled = compile_for_sm90(*hopper_call(dim, causal, layout, dtype, **options))
-    ptx = compiled.asm["ptx"]
-    assert _compat.ptx_warps(ptx) == 12
-    registers = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx))
-    assert {str(configs.HOPPER_CONSUMER_REGS), str(configs.HOPPER_PRODUCER_REGS)} <= registers
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    assert compiled.metadata.shared <= 232448
+    check_compiled(*compile_for_sm90(*hopper_call(dim, causal, layout, dtype, **options)))
     assert time.perf_counter() - start < 60
+
+
+# (dim, causal, layout, dtype): both head dimensions, causal both ways, both layouts, both 16-bit types.
+BACKWARD_COMPILE_CASES = [(128, False, "THD", jnp.bfloat16), (128, True, "HTD", jnp.float16),
+                          (64, True, "THD", jnp.bfloat16), (64, False, "HTD", jnp.float16)]
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
+@pytest.mark.parametrize("dim,causal,layout,dtype", BACKWARD_COMPILE_CASES, ids=_compile_id)
+def test_the_hopper_backward_compiles_for_sm90a(dim, causal, layout, dtype):
+    """The dk/dv and dq kernels with the constants plan.backward passes, through jax-triton's pipeline:
+    as the forward."""
+    if not hopper_launch.gluon_available():
+        pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
+    for call, arrays in hopper_backward_calls(dim, causal, layout, dtype):
+        ptx, metadata = compile_for_sm90(call, arrays)
+        check_compiled(ptx, metadata)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ interpreter on the CPU (launch/interpret.py). `common.py` holds what every kerne
 runtime-parameter layout, addressing, a sequence's extent, masks and key/query ranges, the online
 softmax, the zero fills); `portable.py` the kernels that run on any GPU and in the interpreter;
 `hopper.py` a forward for Hopper GPUs in Gluon (TMA, wgmma, warp specialization; compiled only, it has
-no interpreter), with the portable forward's contract. Parameters come in the order jax-triton passes
+no interpreter), with the portable forward's contract, and `hopper_backward.py` the matching dk/dv and
+dq kernels, with the portable backward's. Parameters come in the order jax-triton passes
 them: input arrays (the last an int32 array of runtime sizes, its slots named in `params.py`), outputs,
 then compile-time constants (always given by keyword).
 
@@ -34,7 +35,8 @@ no key get o = 0 and log-sum-exp +inf.
 
 __all__ = [
     "attention_bwd_kernel", "attention_bwd_preprocess_kernel", "attention_fwd_kernel",
-    "hopper_attention_fwd_kernel", "key_major_kernel",
+    "hopper_attention_bwd_dkdv_kernel", "hopper_attention_bwd_dq_kernel", "hopper_attention_fwd_kernel",
+    "key_major_kernel",
 ]
 
 
@@ -46,6 +48,10 @@ def __getattr__(name: str):
         from . import hopper
 
         return hopper.attention_fwd_kernel
+    if name in ("hopper_attention_bwd_dkdv_kernel", "hopper_attention_bwd_dq_kernel"):
+        from . import hopper_backward
+
+        return getattr(hopper_backward, name.removeprefix("hopper_"))
     if name in __all__:
         from . import portable
 

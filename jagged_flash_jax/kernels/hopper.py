@@ -61,6 +61,10 @@ PARAM_Q_TOKEN_STRIDE: gl.constexpr = gl.constexpr(params.Q_TOKEN_STRIDE)
 PARAM_Q_HEAD_STRIDE: gl.constexpr = gl.constexpr(params.Q_HEAD_STRIDE)
 PARAM_KV_TOKEN_STRIDE: gl.constexpr = gl.constexpr(params.KV_TOKEN_STRIDE)
 PARAM_KV_HEAD_STRIDE: gl.constexpr = gl.constexpr(params.KV_HEAD_STRIDE)
+# What the zero fills write besides their first array (see `_fill_rows`).
+FILL_NONE: gl.constexpr = gl.constexpr(0)
+FILL_LSE: gl.constexpr = gl.constexpr(1)
+FILL_ROWS: gl.constexpr = gl.constexpr(2)
 PARAM_BATCH: gl.constexpr = gl.constexpr(params.BATCH)
 PARAM_HOPPER_FWD_BLOCKS: gl.constexpr = gl.constexpr(params.HOPPER_FWD_BLOCKS)
 PARAM_HOPPER_FWD_FILL_CHUNK: gl.constexpr = gl.constexpr(params.HOPPER_FWD_FILL_CHUNK)
@@ -90,25 +94,41 @@ def _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN: gl.constexpr):
 
 @gluon.jit
 def _fill_rows(o_base, lse_base, tokens, keep, token_stride, D: gl.constexpr, BLOCK: gl.constexpr,
-               layout: gl.constexpr):
-    """o = 0 and log-sum-exp = +inf on the tokens `tokens` (a [FILL_BLOCK] row slice of `layout`) where
-    `keep`, of one head: o_base points at token 0 of the head, lse_base at its log-sum-exp of token 0."""
+               layout: gl.constexpr, SECOND: gl.constexpr):
+    """o = 0 on the tokens `tokens` (a [FILL_BLOCK] row slice of `layout`) where `keep`, of one head: o_base
+    points at token 0 of the head. SECOND says what lse_base is: FILL_LSE the head's log-sum-exp of token
+    0 (set to +inf), FILL_ROWS token 0 of a second array of o's strides (zeroed too: dk and dv),
+    FILL_NONE nothing."""
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    ptrs = o_base + gl.expand_dims(tokens * token_stride, 1) + gl.expand_dims(cols, 0)
+    offsets = gl.expand_dims(tokens * token_stride, 1) + gl.expand_dims(cols, 0)
     mask = gl.expand_dims(keep, 1) & gl.expand_dims(cols < D, 0)
     zeros = gl.zeros([BLOCK, D], gl.float32, layout=layout)
-    gl.store(ptrs, zeros.to(o_base.dtype.element_ty), mask=mask)
-    infs = gl.full([BLOCK], INF, gl.float32, layout=gl.SliceLayout(1, layout))
-    gl.store(lse_base + tokens, infs, mask=keep)
+    gl.store(o_base + offsets, zeros.to(o_base.dtype.element_ty), mask=mask)
+    if SECOND == FILL_LSE:
+        infs = gl.full([BLOCK], INF, gl.float32, layout=gl.SliceLayout(1, layout))
+        gl.store(lse_base + tokens, infs, mask=keep)
+    elif SECOND == FILL_ROWS:
+        gl.store(lse_base + offsets, zeros.to(lse_base.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
-def _fill_range(o_base, lse_base, first, last, token_stride, D: gl.constexpr, BLOCK: gl.constexpr):
+def _fill_range(o_base, lse_base, first, last, token_stride, D: gl.constexpr, BLOCK: gl.constexpr,
+                SECOND: gl.constexpr):
     """`_fill_rows` on tokens [first, last) (int64)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     for block_start in range(first, last, BLOCK):
         tokens = block_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout)).to(gl.int64)
-        _fill_rows(o_base, lse_base, tokens, tokens < last, token_stride, D, BLOCK, layout)
+        _fill_rows(o_base, lse_base, tokens, tokens < last, token_stride, D, BLOCK, layout, SECOND)
+
+
+@gluon.jit
+def _second_base(lse_ptr, head, num_tokens, head_stride, SECOND: gl.constexpr):
+    """The head's token 0 in `_fill_rows`'s second target."""
+    if SECOND == FILL_ROWS:
+        base = lse_ptr + head.to(gl.int64) * head_stride
+    else:
+        base = lse_ptr + head.to(gl.int64) * num_tokens
+    return base
 
 
 @gluon.jit
@@ -129,31 +149,33 @@ def _offsets_sorted(offsets_ptr, batch, num_tokens, BLOCK: gl.constexpr):
 
 @gluon.jit
 def _zero_tail(o_ptr, lse_ptr, offsets_ptr, sequence, head, num_tokens, token_stride, head_stride,
-               MAX_LEN: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr):
-    """common._zero_tail: the tokens of a sequence past its first MAX_LEN."""
+               MAX_LEN: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr, SECOND: gl.constexpr):
+    """common._zero_tail: the tokens of a sequence past its first MAX_LEN (`_fill_rows`' targets)."""
     start, end = _extent(offsets_ptr, sequence, num_tokens)
     if end - start > MAX_LEN:
         o_base = o_ptr + head.to(gl.int64) * head_stride
-        lse_base = lse_ptr + head.to(gl.int64) * num_tokens
-        _fill_range(o_base, lse_base, start + MAX_LEN, end, token_stride, D, BLOCK)
+        lse_base = _second_base(lse_ptr, head, num_tokens, head_stride, SECOND)
+        _fill_range(o_base, lse_base, start + MAX_LEN, end, token_stride, D, BLOCK, SECOND)
 
 
 @gluon.jit
 def _zero_uncovered(o_ptr, lse_ptr, offsets_ptr, batch, head, chunk, fill_chunk, num_tokens, token_stride,
-                    head_stride, MAX_LEN: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr):
+                    head_stride, MAX_LEN: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr,
+                    SECOND: gl.constexpr):
     """common._zero_uncovered: the tokens of [chunk * fill_chunk, +fill_chunk) that no sequence covers
     (with sorted offsets those before the first sequence and after the last; else every token checked
     against every sequence's first n_q)."""
     first = chunk.to(gl.int64) * fill_chunk
     last = gl.minimum(first + fill_chunk, num_tokens)
     o_base = o_ptr + head.to(gl.int64) * head_stride
-    lse_base = lse_ptr + head.to(gl.int64) * num_tokens
+    lse_base = _second_base(lse_ptr, head, num_tokens, head_stride, SECOND)
     if _offsets_sorted(offsets_ptr, batch, num_tokens, 128):
         covered_start = gl.minimum(gl.maximum(gl.load(offsets_ptr).to(gl.int64), 0), num_tokens)
         covered_end = gl.minimum(gl.maximum(gl.load(offsets_ptr + batch).to(gl.int64), covered_start),
                                  num_tokens)
-        _fill_range(o_base, lse_base, first, gl.minimum(last, covered_start), token_stride, D, BLOCK)
-        _fill_range(o_base, lse_base, gl.maximum(first, covered_end), last, token_stride, D, BLOCK)
+        _fill_range(o_base, lse_base, first, gl.minimum(last, covered_start), token_stride, D, BLOCK,
+                    SECOND)
+        _fill_range(o_base, lse_base, gl.maximum(first, covered_end), last, token_stride, D, BLOCK, SECOND)
     else:
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         for block_start in range(first, last, BLOCK):
@@ -163,7 +185,7 @@ def _zero_uncovered(o_ptr, lse_ptr, offsets_ptr, batch, head, chunk, fill_chunk,
                 start, length = _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
                 attended = attended | ((tokens >= start) & (tokens < start + length))
             _fill_rows(o_base, lse_base, tokens, (tokens < last) & ~attended, token_stride, D, BLOCK,
-                       layout)
+                       layout, SECOND)
 
 
 @gluon.jit
@@ -414,10 +436,10 @@ def attention_fwd_kernel(
     if sequence == batch:
         _zero_uncovered(o_ptr, lse_ptr, q_offsets_ptr, batch, head, slot,
                         gl.load(params_ptr + PARAM_HOPPER_FWD_FILL_CHUNK), q_tokens, q_token_stride,
-                        q_head_stride, Q_MAX_LEN, D, FILL_BLOCK)
+                        q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
     elif slot == 0:
         _zero_tail(o_ptr, lse_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride, q_head_stride,
-                   Q_MAX_LEN, D, FILL_BLOCK)
+                   Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
     else:
         _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr,
                    lse_ptr, sequence, head, slot - 1, q_tokens, kv_tokens, q_token_stride, q_head_stride,

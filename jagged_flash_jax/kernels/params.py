@@ -21,6 +21,9 @@ FWD_V_D_STRIDE = 11  # a key-major v's D rows, in units
 # The Hopper forward's own (kernels/hopper.py).
 HOPPER_FWD_BLOCKS = 9  # query blocks per (sequence, head)
 HOPPER_FWD_FILL_CHUNK = 10  # tokens each zero-fill program clears
+# The Hopper backward's own (kernels/hopper_backward.py), each launch (dk/dv, dq) its values.
+HOPPER_BWD_BLOCKS = 9  # key (dk/dv) or query (dq) blocks per (sequence, head)
+HOPPER_BWD_FILL_CHUNK = 10  # tokens each zero-fill program clears
 # The backward's own.
 BWD_Q_FILL_CHUNK = 9  # tokens each dq zero-fill program clears
 BWD_KV_FILL_CHUNK = 10  # ... each dk/dv one

@@ -1,6 +1,7 @@
-"""Which forward kernel a problem of the triton backend runs: the Hopper one (kernels/hopper.py, Gluon)
-or the portable one. Chosen once, when api.py builds the Problem (its static `forward_kernel` field),
-so that jit caches one trace per choice; the backward is the portable one either way.
+"""Which forward and backward kernels a problem of the triton backend runs: the Hopper ones
+(kernels/hopper.py, kernels/hopper_backward.py, Gluon) or the portable ones, each chosen on its own.
+Chosen once, when api.py builds the Problem (its static `forward_kernel` and `backward_kernel` fields),
+so that jit caches one trace per choice.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ import jax
 import numpy as np
 
 from ..configs import (
+    BACKWARD_KERNEL_CHOICES,
+    BACKWARD_KERNEL_ENV,
     FORWARD_KERNEL_CHOICES,
     FORWARD_KERNEL_ENV,
+    HOPPER_BACKWARD_MIN_LENGTH,
+    HOPPER_BACKWARD_TILES,
     HOPPER_FORWARD_MIN_LENGTH,
     HOPPER_FORWARD_TILES,
 )
@@ -28,7 +33,7 @@ def gluon_available() -> bool:
     """Whether this Triton has Gluon's Hopper module (triton.experimental.gluon, 3.6 on) and the
     kernel module imports with it."""
     try:
-        from ..kernels import hopper  # noqa: F401
+        from ..kernels import hopper, hopper_backward  # noqa: F401
     except Exception:  # ImportError, or an API the kernel module needs that this Triton lacks
         return False
     return True
@@ -44,13 +49,32 @@ def device_capability() -> tuple[int, int] | None:
         return None
 
 
-def requested() -> str:
-    """$JAGGED_FLASH_JAX_FORWARD, checked: "auto" (also when unset or empty), "portable" (always the
-    portable forward) or "hopper" (the Hopper forward wherever it can run, short sequences included)."""
-    value = os.environ.get(FORWARD_KERNEL_ENV, "").strip().lower() or "auto"
-    if value not in FORWARD_KERNEL_CHOICES:
-        raise ValueError(f"{FORWARD_KERNEL_ENV}={value!r}: expected one of {FORWARD_KERNEL_CHOICES}")
+def requested(env: str = FORWARD_KERNEL_ENV) -> str:
+    """$JAGGED_FLASH_JAX_FORWARD (or `env`: $JAGGED_FLASH_JAX_BACKWARD), checked: "auto" (also when
+    unset or empty), "portable" (always the portable kernel) or "hopper" (the Hopper kernel wherever it
+    can run, short sequences included)."""
+    choices = FORWARD_KERNEL_CHOICES if env == FORWARD_KERNEL_ENV else BACKWARD_KERNEL_CHOICES
+    value = os.environ.get(env, "").strip().lower() or "auto"
+    if value not in choices:
+        raise ValueError(f"{env}={value!r}: expected one of {choices}")
     return value
+
+
+def _device_reason(p: Problem, dtype) -> str | None:
+    """What both Hopper kernels need of the problem and the machine beyond their own limits: one
+    offsets segment, TMA-aligned strides, a Hopper device and Gluon."""
+    if p.num_segments != 1:
+        return f"{p.num_segments} offsets segments (only one)"
+    itemsize = np.dtype(dtype).itemsize
+    strides = (*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))
+    if any(stride * itemsize % TMA_ALIGN for stride in strides):
+        return f"strides {strides} not {TMA_ALIGN}-byte aligned (TMA)"
+    capability = device_capability()
+    if capability is None or capability[0] != 9:
+        return f"compute capability {capability} (Hopper's wgmma needs 9.x)"
+    if not gluon_available():
+        return "no triton.experimental.gluon with Hopper support"
+    return None
 
 
 def portable_reason(p: Problem, dtype) -> str | None:
@@ -67,19 +91,34 @@ def portable_reason(p: Problem, dtype) -> str | None:
         return f"head dimension {p.head_dim} (only {sorted(HOPPER_FORWARD_TILES)})"
     if requested() == "auto" and max(p.max_seq_len, p.kv_max_seq_len) < HOPPER_FORWARD_MIN_LENGTH:
         return f"sequences of at most {HOPPER_FORWARD_MIN_LENGTH - 1} tokens (the portable forward is faster)"
-    if p.num_segments != 1:
-        return f"{p.num_segments} offsets segments (only one)"
-    strides = (*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))
-    if any(stride * itemsize % TMA_ALIGN for stride in strides):
-        return f"strides {strides} not {TMA_ALIGN}-byte aligned (TMA)"
-    capability = device_capability()
-    if capability is None or capability[0] != 9:
-        return f"compute capability {capability} (Hopper's wgmma needs 9.x)"
-    if not gluon_available():
-        return "no triton.experimental.gluon with Hopper support"
-    return None
+    return _device_reason(p, dtype)
 
 
 def forward_kernel(p: Problem, dtype) -> str:
     """"hopper" or "portable": see `portable_reason`."""
     return "portable" if portable_reason(p, dtype) else "hopper"
+
+
+def backward_portable_reason(p: Problem, dtype) -> str | None:
+    """Why the problem's backward runs the portable kernel on the triton backend, or None: it runs the
+    Hopper one (kernels/hopper_backward.py), whichever forward ran."""
+    if requested(BACKWARD_KERNEL_ENV) == "portable":
+        return f"{BACKWARD_KERNEL_ENV}=portable"
+    if p.backend != "triton":
+        return f"backend {p.backend!r}"
+    if np.dtype(dtype).itemsize != 2:
+        return f"{np.dtype(dtype).name} inputs (16-bit only)"
+    if p.head_dim not in HOPPER_BACKWARD_TILES:
+        # D = 256: dK and dV (64 rows x 256, float32) alone fill a consumer thread's 256 registers.
+        return f"head dimension {p.head_dim} (only {sorted(HOPPER_BACKWARD_TILES)})"
+    if p.window != (None, None) or p.softcap is not None or p.alibi:
+        return "a window, soft cap or ALiBi (only plain and causal attention)"
+    if (requested(BACKWARD_KERNEL_ENV) == "auto"
+            and max(p.max_seq_len, p.kv_max_seq_len) < HOPPER_BACKWARD_MIN_LENGTH):
+        return f"sequences of at most {HOPPER_BACKWARD_MIN_LENGTH - 1} tokens (the forward's threshold)"
+    return _device_reason(p, dtype)
+
+
+def backward_kernel(p: Problem, dtype) -> str:
+    """"hopper" or "portable": see `backward_portable_reason`."""
+    return "portable" if backward_portable_reason(p, dtype) else "hopper"

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from .. import kernels
 from .._util import cdiv, lse_gradient
 from ..configs import (
+    HOPPER_BACKWARD_TILES,
     HOPPER_CONSUMER_REGS,
     HOPPER_FORWARD_TILES,
     HOPPER_PRODUCER_REGS,
@@ -89,6 +90,8 @@ class Problem:
     # The Hopper kernel takes one offsets segment: a problem that vmap or partitioning gives several
     # runs the portable one (see `hopper_forward`).
     forward_kernel: str = "portable"
+    # The same for the backward (kernels/hopper_backward.py), chosen on its own (launch/hopper.py).
+    backward_kernel: str = "portable"
 
     # -- shapes ------------------------------------------------------------------------------------
     def shape(self, heads: int, tokens: int) -> tuple[int, int, int]:
@@ -146,6 +149,11 @@ class Problem:
     def hopper_forward(self) -> bool:
         """Whether the forward runs the Hopper kernel."""
         return self.forward_kernel == "hopper" and self.num_segments == 1
+
+    @property
+    def hopper_backward(self) -> bool:
+        """Whether the backward runs the Hopper kernels."""
+        return self.backward_kernel == "hopper" and self.num_segments == 1
 
     @property
     def empty(self) -> bool:
@@ -359,6 +367,8 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
     (delta,) = run(preprocess, (o, do, _params(preprocess)))
     if dlse is not None:
         delta = delta - lse_gradient(lse, dlse, p.scale * p.out_scale)
+    if p.hopper_backward:
+        return _hopper_backward(run, p, q, k, v, q_offsets, kv_offsets, lse, delta, do)
     # The dk/dv programs' q and do, key-major, for TF32 products; else q and do again (unused).
     qdo_key_major = key_major(p, q.dtype, "q_do")
     q_km, do_km = ([_tokens_contiguous(run, p, x, p.num_heads, p.q_tokens) for x in (q, do)]
@@ -388,6 +398,51 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
                   _params(call))
         grads.update((name, x) for name, x in zip(shapes, run(call, arrays)) if name in launch.grads)
     return grads["dq"], grads["dk"], grads["dv"]
+
+
+def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, lse, delta, do):
+    """The Hopper backward (kernels/hopper_backward.py): a dk/dv launch (per (sequence or zero fill, kv
+    head): the key blocks of 128, then a tail-zeroing program) and a dq launch (per (sequence or fill,
+    head): the query blocks of 128, then a tail-zeroing program), each on one axis, q, do, k, v as TMA
+    descriptors over the forward's 2-D views (see `_hopper_forward`)."""
+    tiles = HOPPER_BACKWARD_TILES[p.head_dim]
+    params, constants = _common(p)
+    q_token_stride = p.strides(p.num_heads, p.q_tokens)[0]
+    kv_token_stride = p.strides(p.num_kv_heads, p.kv_tokens)[0]
+    views = (q.reshape(-1, q_token_stride), do.reshape(-1, q_token_stride), k.reshape(-1, kv_token_stride),
+             v.reshape(-1, kv_token_stride))
+    shared = {name: constants[name] for name in (
+        "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")}
+    shared.update(DS_SCALE=p.scale * p.out_scale, CONSUMER_REGS=HOPPER_CONSUMER_REGS,
+                  PRODUCER_REGS=HOPPER_PRODUCER_REGS)
+    arrays = (*views, lse, delta, q_offsets, kv_offsets)
+    # Two consumer warpgroups of 64 rows: the dk/dv program's keys, the dq program's queries.
+    dkdv, dq = tiles["dkdv"], tiles["dq"]
+    blocks = p.blocks(dkdv.block_n, p.kv_tokens, p.kv_max_seq_len)
+    dkdv_call = KernelCall(
+        kernels.hopper_attention_bwd_dkdv_kernel, grid=((p.batch + 1) * p.num_kv_heads * (blocks + 1),),
+        out_shapes=(jax.ShapeDtypeStruct(p.kv_shape, k.dtype), jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
+        params=_pack({**params, param.HOPPER_BWD_BLOCKS: blocks,
+                      param.HOPPER_BWD_FILL_CHUNK: _fill_chunk(p.kv_tokens, blocks + 1)}),
+        constants=dict(shared, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale, BLOCK_M=dkdv.block_m,
+                       BLOCK_N=dkdv.block_n, STAGES=dkdv.num_stages),
+        num_warps=dkdv.num_warps, num_stages=1, max_registers=dkdv.max_registers,
+        descriptors=((0, (dkdv.block_m, p.head_dim)), (1, (dkdv.block_m, p.head_dim)),
+                     (2, (dkdv.block_n // 2, p.head_dim)), (3, (dkdv.block_n // 2, p.head_dim))))
+    dk, dv = run(dkdv_call, (*arrays, _params(dkdv_call)))
+    blocks = p.blocks(dq.block_m, p.q_tokens, p.max_seq_len)
+    dq_call = KernelCall(
+        kernels.hopper_attention_bwd_dq_kernel, grid=((p.batch + 1) * p.num_heads * (blocks + 1),),
+        out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),),
+        params=_pack({**params, param.HOPPER_BWD_BLOCKS: blocks,
+                      param.HOPPER_BWD_FILL_CHUNK: _fill_chunk(p.q_tokens, blocks + 1)}),
+        constants=dict(shared, NUM_HEADS=p.num_heads, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n,
+                       STAGES=dq.num_stages),
+        num_warps=dq.num_warps, num_stages=1, max_registers=dq.max_registers,
+        descriptors=((0, (dq.block_m // 2, p.head_dim)), (1, (dq.block_m // 2, p.head_dim)),
+                     (2, (dq.block_n, p.head_dim)), (3, (dq.block_n, p.head_dim))))
+    (dq_out,) = run(dq_call, (*arrays, _params(dq_call)))
+    return dq_out, dk, dv
 
 
 def check_grid(p: Problem) -> None:

@@ -1,0 +1,491 @@
+"""The Hopper (sm_90a) backward, in Gluon: dk/dv and dq kernels with the portable backward's contract
+(kernels/portable.py's attention_bwd_kernel, without windows, soft caps or ALiBi, which launch/hopper.py
+keeps on the portable backward), next to the Hopper forward (kernels/hopper.py, whose addressing, bounds
+and zero fills these share).
+
+Both take q, do, k, v as TMA descriptors over the forward's 2-D views (one row per token in "THD", per
+(head, token) in "HTD": see kernels/hopper.py), the float32 log-sum-exp (base 2, in units of the unscaled
+scores, +inf for a query with no key) and delta = rowsum(o * do) / OUT_SCALE (minus the log-sum-exp's
+own gradient, see _util.lse_gradient), both [1, H, q_tokens], by plain loads. With P = exp2((S - lse) *
+QK_SCALE), S = q k^T unscaled and dS = P (dP - delta), dP = do v^T: dv = OUT_SCALE * P^T do,
+dk = DS_SCALE * dS^T q, dq = DS_SCALE * dS k (DS_SCALE = scale * OUT_SCALE). Per sequence n_q =
+min(len_q, Q_MAX_LEN) queries against n_k = min(len_kv, KV_MAX_LEN) keys, causal bottom-right aligned
+(query i sees key j <= i + n_k - n_q), GQA (kv head = head // KV_GROUP). Every output element has one
+writer and there are no atomics: bitwise deterministic.
+
+dk/dv (`attention_bwd_dkdv_kernel`): one program per (sequence, kv head, block of 128 keys). A 1-warp
+producer partition loads the block's K and V once (two halves of 64 rows), then streams the Q and dO
+tiles of BLOCK_M queries (of each of the KV_GROUP query heads in turn; under causal from the first tile
+that sees a key of the block) into a STAGES-deep ring (ready / empty mbarriers, the empty ones counting
+2). Two consumer warpgroups (the default partition and a worker, setmaxnreg CONSUMER_REGS /
+PRODUCER_REGS) own 64 key rows each, dK and dV in float32 registers. Per query tile: S^T = K Q^T and
+dP^T = V dO^T issued together; P^T = exp2((S^T - lse) * QK_SCALE) while dP^T is in flight; dV += P^T dO
+(async); dS^T = P^T (dP^T - delta); dK += dS^T Q; wait; release the slot. A tile's rows past n_q are
+other tokens (maybe NaN, and 0 * NaN is NaN in the products): warpgroup 0 zeroes them in Q and dO in
+shared memory and signals warpgroup 1 through the slot's tail mbarrier, and P^T, dS^T are masked there.
+Rows of K and V past n_k only reach their own rows of dK and dV, which are not stored.
+
+dq (`attention_bwd_dq_kernel`): the forward's structure. One program per (sequence, head, block of 128
+queries); the producer loads the two warpgroups' Q and dO tiles (64 rows each) once, then K_j, V_j of
+BLOCK_N keys (the block's band, `hopper._key_ranges`) into the ring; per key tile each consumer computes
+S = Q K^T and dP = dO V^T (async), P, dS = P (dP - delta) (masked in the band's edge tiles and the
+sequence's last one: V rows past n_k make dP NaN), dQ += dS K. The last K tile's rows past n_k are
+zeroed in shared memory first (dS is 0 there, K maybe NaN).
+
+Both grids are one axis of (sequence or zero fill, head, slot), as the Hopper forward's: each sequence's
+slots are its blocks and one program zeroing its tokens past the maximum length; the extra "sequence"
+`batch` zeroes, in chunks of PARAM_HOPPER_BWD_FILL_CHUNK tokens per slot, the tokens no sequence covers
+(any offsets content; stores masked, TMA clips). So dq, dk, dv need no memset. The fills never reach
+the attention code (see kernels/__init__.py on ptxas 12.8).
+
+These are the `dkdv base+ld` and `dq base+bn128` variants of the probe kept in
+benchmarks/results/profile (gluon_backward_probe.py), measured in docs/performance.md.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import params
+from .hopper import (
+    CONSUMER_ROWS,
+    FILL_NONE,
+    FILL_ROWS,
+    PARAM_BATCH,
+    PARAM_KV_HEAD_STRIDE,
+    PARAM_KV_TOKEN_STRIDE,
+    PARAM_KV_TOKENS,
+    PARAM_Q_HEAD_STRIDE,
+    PARAM_Q_TOKEN_STRIDE,
+    PARAM_Q_TOKENS,
+    _bounds,
+    _key_ranges,
+    _partition_barrier,
+    _tile_origin,
+    _tma_load,
+    _zero_tail,
+    _zero_uncovered,
+)
+
+PARAM_HOPPER_BWD_BLOCKS: gl.constexpr = gl.constexpr(params.HOPPER_BWD_BLOCKS)
+PARAM_HOPPER_BWD_FILL_CHUNK: gl.constexpr = gl.constexpr(params.HOPPER_BWD_FILL_CHUNK)
+
+
+@gluon.jit
+def _zero_rows(buf, n_rows, ROWS: gl.constexpr):
+    """Zero the rows >= n_rows of a [ROWS, D] tile in shared memory, by one warpgroup (4 warps)."""
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    tile = buf.load(blocked)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blocked))
+    tile = gl.where(gl.expand_dims(rows < n_rows, 1), tile, gl.zeros_like(tile))
+    buf.store(tile)
+
+
+@gluon.jit
+def _store_rows(ptr, acc, first_token, row0, n, head, factor, token_stride, head_stride, D: gl.constexpr,
+                acc_layout: gl.constexpr):
+    """Rows row0 + [0, 64) < n of one head (tokens from first_token), from a float32 [64, D] accumulator
+    times `factor`."""
+    rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+    offsets = (first_token + rows).to(gl.int64) * token_stride + head.to(gl.int64) * head_stride
+    ptrs = ptr + gl.expand_dims(offsets, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, (acc * factor).to(ptr.dtype.element_ty), mask=gl.expand_dims(rows < n, 1))
+
+
+@gluon.jit
+def _program(params_ptr, NUM_HEADS: gl.constexpr):
+    """(sequence or fill, head, slot) of a one-axis grid of PARAM_HOPPER_BWD_BLOCKS + 1 slots per
+    (sequence or fill, head), and the runtime sizes."""
+    slots = gl.load(params_ptr + PARAM_HOPPER_BWD_BLOCKS) + 1
+    pid = gl.program_id(0)
+    slot = pid % slots
+    head = (pid // slots) % NUM_HEADS
+    sequence = pid // slots // NUM_HEADS
+    return sequence, head, slot, slots
+
+
+@gluon.jit
+def _query_tiles(key0, n_q, n_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(first, end) query tiles of BLOCK_M that a dk/dv program of keys from key0 visits: under causal
+    from the first tile with a query i + n_k - n_q >= key0."""
+    end = gl.cdiv(n_q, BLOCK_M)
+    if CAUSAL:
+        first = gl.minimum(gl.maximum(key0 - (n_k - n_q), 0) // BLOCK_M, end)
+    else:
+        first = end * 0
+    return first, end
+
+
+# ---------------------------------------------------------------------------------------------------
+# dk / dv
+# ---------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_bar, lse_ptr, delta_ptr,
+                   dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k, key0, kv_head, kv_token_stride,
+                   kv_head_stride, KV_GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr,
+                   DS_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, WG: gl.constexpr):
+    """One consumer warpgroup: dK, dV of keys key0 + 64 WG + [0, 64) over the query tiles the producer
+    streams, stored (rows < n_k) at the end."""
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    shift = n_k - n_q
+    krow0 = key0 + WG * CONSUMER_ROWS
+    k = k_smem.index(WG)
+    v = v_smem.index(WG)
+    dk = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=acc_layout)
+    st_zero = gl.zeros([CONSUMER_ROWS, BLOCK_M], gl.float32, layout=st_layout)
+    key_rows = krow0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
+    t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, CAUSAL)
+    per_head = ntiles - t0
+    last_rows = n_q - (ntiles - 1) * BLOCK_M  # valid rows of the last query tile
+    # Parities of the per-slot tail barriers, a bit per slot (a slot's barrier is re-armed only after
+    # both warpgroups released the slot, so warpgroup 0 cannot arrive twice before warpgroup 1 waited).
+    tail_phases = gl.to_tensor(0)
+    mbarrier.wait(kv_bar, 0)  # always: the loads must land before the program may end
+    for g in range(KV_GROUP):
+        head = kv_head * KV_GROUP + g
+        stat_base = head.to(gl.int64) * q_tokens + q_start
+        for t in range(t0, ntiles):
+            i = g * per_head + (t - t0)
+            slot = i % STAGES
+            m0 = t * BLOCK_M
+            # Plain loads, in flight during the wait.
+            cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+            lse = gl.load(lse_ptr + stat_base + cols, mask=cols < n_q, other=0.0)
+            delta = gl.load(delta_ptr + stat_base + cols, mask=cols < n_q, other=0.0)
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            q = q_smem.index(slot)
+            do = do_smem.index(slot)
+            tail = (t == ntiles - 1) & (last_rows < BLOCK_M)
+            if tail:
+                # The tile's rows past n_q are other tokens: zeroed before any product.
+                if WG == 0:
+                    _zero_rows(q, last_rows, BLOCK_M)
+                    _zero_rows(do, last_rows, BLOCK_M)
+                    fence_async_shared()  # generic-proxy writes, read next by wgmma (async proxy)
+                    _partition_barrier()
+                    mbarrier.arrive(tail_bar.index(slot), count=1)
+                else:
+                    mbarrier.wait(tail_bar.index(slot), (tail_phases >> slot) & 1)
+                tail_phases = tail_phases ^ (1 << slot)
+            st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st_tok, ))
+            pt = gl.exp2((st - gl.expand_dims(lse, 0)) * QK_SCALE)
+            masked = tail
+            if CAUSAL:  # some query of the tile before some key of this warpgroup's
+                masked = masked | (m0 + shift < krow0 + CONSUMER_ROWS)
+            if masked:
+                keep = gl.expand_dims(cols < n_q, 0)
+                if CAUSAL:
+                    keep = keep & (gl.expand_dims(cols + shift, 0) >= gl.expand_dims(key_rows, 1))
+                pt = gl.where(keep, pt, 0.0)
+            p_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            if tail:  # past n_q dP^T reads zeroed rows, but keep 0 exactly
+                dst = gl.where(gl.expand_dims(cols < n_q, 0), dst, 0.0)
+            ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+            dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+            dv, dk, ds_op, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, ds_op, p_op))
+            mbarrier.arrive(empty.index(slot), count=1)
+    _store_rows(dk_ptr, dk, kv_start, krow0, n_k, kv_head, DS_SCALE, kv_token_stride, kv_head_stride, D,
+                acc_layout)
+    _store_rows(dv_ptr, dv, kv_start, krow0, n_k, kv_head, OUT_SCALE, kv_token_stride, kv_head_stride, D,
+                acc_layout)
+
+
+@gluon.jit
+def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+                   q_start, n_q, n_k, key0, kv_row, kv_col, kv_head, q_token_stride, q_head_stride,
+                   KV_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+    """The 1-warp load partition: K and V of the block (two 64-row halves each) once, then the Q and dO
+    tiles of each query head of the group into the ring as slots free."""
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        _tma_load(k_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, k_smem.index(w))
+        _tma_load(v_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, v_smem.index(w))
+    t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, CAUSAL)
+    per_head = ntiles - t0
+    for g in range(KV_GROUP):
+        q_row, q_col = _tile_origin(q_start, kv_head * KV_GROUP + g, q_token_stride, q_head_stride)
+        for t in range(t0, ntiles):
+            i = g * per_head + (t - t0)
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # fresh barriers pass at parity 1
+            bar = ready.index(slot)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            _tma_load(q_desc, [q_row + t * BLOCK_M, q_col], bar, q_smem.index(slot))
+            _tma_load(do_desc, [q_row + t * BLOCK_M, q_col], bar, do_smem.index(slot))
+
+
+@gluon.jit
+def attention_bwd_dkdv_kernel(
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+    dk_ptr, dv_ptr,
+    NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+    OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    STRIDE_ALIGN: gl.constexpr, FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    """dk and dv of one block of BLOCK_N (= 128, two warpgroups') keys of one (sequence, kv head), or a
+    zero fill of dk and dv, on a one-axis grid of (sequence or fill, kv head, slot): a sequence's slots
+    are its key blocks, the first first (the costliest under causal), then the program zeroing its
+    tokens past KV_MAX_LEN; the fill "sequence" `batch` zeroes the tokens no sequence covers. Every row
+    of dk, dv (k's strides) is written."""
+    sequence, kv_head, slot, slots = _program(params_ptr, NUM_KV_HEADS)
+    batch = gl.load(params_ptr + PARAM_BATCH)
+    kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
+    kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
+    kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
+    if sequence == batch:
+        _zero_uncovered(dk_ptr, dv_ptr, kv_offsets_ptr, batch, kv_head, slot,
+                        gl.load(params_ptr + PARAM_HOPPER_BWD_FILL_CHUNK), kv_tokens, kv_token_stride,
+                        kv_head_stride, KV_MAX_LEN, D, FILL_BLOCK, FILL_ROWS)
+    elif slot == slots - 1:
+        _zero_tail(dk_ptr, dv_ptr, kv_offsets_ptr, sequence, kv_head, kv_tokens, kv_token_stride,
+                   kv_head_stride, KV_MAX_LEN, D, FILL_BLOCK, FILL_ROWS)
+    else:
+        _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr,
+              params_ptr, dk_ptr, dv_ptr, sequence, kv_head, slot, kv_tokens, kv_token_stride,
+              kv_head_stride, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, QK_SCALE, DS_SCALE, OUT_SCALE,
+              BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS)
+
+
+@gluon.jit
+def _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+          dk_ptr, dv_ptr, sequence, kv_head, block, kv_tokens, kv_token_stride, kv_head_stride,
+          KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr,
+          CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
+          CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Key block `block` of (sequence, kv head): the warp-specialized dk/dv (rows < n_k only)."""
+    kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
+    key0 = block * BLOCK_N
+    if key0 < n_k:
+        q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
+        q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
+        q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
+        q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+        kv_row, kv_col = _tile_origin(kv_start + key0, kv_head, kv_token_stride, kv_head_stride)
+
+        dtype: gl.constexpr = q_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        tail_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(tail_bar.index(s), count=1)
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer
+        fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
+
+        # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
+        gl.warp_specialize([
+            (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_bar, lse_ptr,
+                              delta_ptr, dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k, key0, kv_head,
+                              kv_token_stride, kv_head_stride, KV_GROUP, D, BLOCK_M, STAGES, CAUSAL, QK_SCALE,
+                              DS_SCALE, OUT_SCALE, 0)),
+            (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_bar, lse_ptr,
+                              delta_ptr, dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k, key0, kv_head,
+                              kv_token_stride, kv_head_stride, KV_GROUP, D, BLOCK_M, STAGES, CAUSAL, QK_SCALE,
+                              DS_SCALE, OUT_SCALE, 1)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
+                              empty, q_start, n_q, n_k, key0, kv_row, kv_col, kv_head, q_token_stride,
+                              q_head_stride, KV_GROUP, BLOCK_M, STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------
+# dq
+# ---------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar, lse_ptr, delta_ptr, dq_ptr,
+                 q_tokens, q_start, n_q, n_k, key_first, key_end, start_m, head, q_token_stride,
+                 q_head_stride, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr, WG: gl.constexpr):
+    """One consumer warpgroup: dQ of queries start_m + 64 WG + [0, 64) over the key tiles from key_first
+    to key_end (the block's band, as the producer loads them), stored (rows < n_q) at the end."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    shift = n_k - n_q
+    row0 = start_m + WG * CONSUMER_ROWS
+    rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
+    stat = head.to(gl.int64) * q_tokens + q_start + rows
+    lse = gl.load(lse_ptr + stat, mask=rows < n_q, other=0.0)
+    delta = gl.load(delta_ptr + stat, mask=rows < n_q, other=0.0)
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+    dq = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
+    # This warpgroup's clean key blocks (every key of them seen by every one of its queries, < n_k).
+    _, _, clean_end, _ = _key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, -1, -1)
+    mbarrier.wait(q_bar.index(WG), 0)  # always: the load must land before the program may end
+    for j in range(num_key_blocks):
+        slot = j % STAGES
+        key_start = key_first + j * BLOCK_N
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        k = k_smem.index(slot)
+        v = v_smem.index(slot)
+        if (j == num_key_blocks - 1) & (key_start + BLOCK_N > n_k):
+            # K rows past n_k (other tokens, maybe NaN): zeroed before dS K reads them.
+            if WG == 0:
+                _zero_rows(k, n_k - key_start, BLOCK_N)
+                fence_async_shared()
+                _partition_barrier()
+                mbarrier.arrive(tail_bar, count=1)
+            else:
+                mbarrier.wait(tail_bar, 0)
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        p = gl.exp2((s - gl.expand_dims(lse, 1)) * QK_SCALE)
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        if key_start >= clean_end:  # the band's edge and the sequence's last tile
+            keys = key_start + gl.arange(0, BLOCK_N, layout=col_layout)
+            keep = gl.expand_dims(keys < n_k, 0)
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + shift, 1))
+            ds = gl.where(keep, ds, 0.0)
+        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+        dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+        mbarrier.arrive(empty.index(slot), count=1)
+    _store_rows(dq_ptr, dq, q_start, row0, n_q, head, DS_SCALE, q_token_stride, q_head_stride, D, acc_layout)
+
+
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
+                 q_row, q_col, kv_row, kv_col, num_key_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The 1-warp load partition: both warpgroups' Q and dO tiles once, then K_j, V_j (from kv_row: the
+    band's first key block) into the ring as slots free."""
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row + w * CONSUMER_ROWS, q_col], q_bar.index(w), q_smem.index(w))
+        _tma_load(do_desc, [q_row + w * CONSUMER_ROWS, q_col], q_bar.index(w), do_smem.index(w))
+    for j in range(num_key_blocks):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [kv_row + j * BLOCK_N, kv_col], bar, k_smem.index(slot))
+        _tma_load(v_desc, [kv_row + j * BLOCK_N, kv_col], bar, v_smem.index(slot))
+
+
+@gluon.jit
+def attention_bwd_dq_kernel(
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+    dq_ptr,
+    NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
+    FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """dq of one block of BLOCK_M (= 128, two warpgroups') queries of one (sequence, head), or a zero
+    fill of dq, on a one-axis grid of (sequence or fill, head, slot): a sequence's slots are its query
+    blocks, the last first (the costliest under causal), then (last slot) the program zeroing its tokens
+    past Q_MAX_LEN; the fill "sequence" `batch` zeroes the tokens no sequence covers. Every row of dq
+    (q's strides) is written."""
+    sequence, head, slot, slots = _program(params_ptr, NUM_HEADS)
+    batch = gl.load(params_ptr + PARAM_BATCH)
+    q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
+    q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
+    q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
+    if sequence == batch:
+        _zero_uncovered(dq_ptr, dq_ptr, q_offsets_ptr, batch, head, slot,
+                        gl.load(params_ptr + PARAM_HOPPER_BWD_FILL_CHUNK), q_tokens, q_token_stride,
+                        q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
+    elif slot == slots - 1:
+        _zero_tail(dq_ptr, dq_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride, q_head_stride,
+                   Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
+    else:
+        _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+            dq_ptr, sequence, head, slots - 2 - slot, q_tokens, q_token_stride, q_head_stride, KV_GROUP, D,
+            Q_MAX_LEN, KV_MAX_LEN, CAUSAL, QK_SCALE, DS_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN,
+            CONSUMER_REGS, PRODUCER_REGS)
+
+
+@gluon.jit
+def _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
+        dq_ptr, sequence, head, block, q_tokens, q_token_stride, q_head_stride, KV_GROUP: gl.constexpr,
+        D: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr,
+        QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr):
+    """Query block `block` of (sequence, head): the warp-specialized dq (rows < n_q only)."""
+    q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+    start_m = block * BLOCK_M
+    if start_m < n_q:
+        kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
+        kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
+        kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
+        kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
+        q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
+        kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
+        key_first, _, _, key_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, -1, -1)
+        num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(2):
+            mbarrier.init(q_bar.index(w), count=1)
+        mbarrier.init(tail_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar, lse_ptr,
+                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, start_m, head,
+                            q_token_stride, q_head_stride, D, BLOCK_N, STAGES, CAUSAL, QK_SCALE, DS_SCALE,
+                            0)),
+            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar, lse_ptr,
+                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, start_m, head,
+                            q_token_stride, q_head_stride, D, BLOCK_N, STAGES, CAUSAL, QK_SCALE, DS_SCALE,
+                            1)),
+            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready,
+                            empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, BLOCK_N,
+                            STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -779,6 +779,167 @@ def test_the_hopper_launch_zeroes_its_own_outputs():
 
 
 # ---------------------------------------------------------------------------------------------------
+# The Hopper backward: which problems take it, and its launches
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hopper_backward_gpu(fake_jax_triton, monkeypatch):
+    """The fake jax_triton on a device of compute capability 9.0, the Hopper backward asked for wherever
+    it can run (the forward left to "auto": the portable one on these short sequences)."""
+    monkeypatch.setattr(hopper_launch, "device_capability", lambda: (9, 0))
+    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "hopper")
+    monkeypatch.delenv(configs.FORWARD_KERNEL_ENV, raising=False)
+    return fake_jax_triton
+
+
+HOPPER_BACKWARD = ("hopper_attention_bwd_dkdv_kernel", "hopper_attention_bwd_dq_kernel")
+PORTABLE_BACKWARD = ("attention_bwd_kernel",)
+
+
+def _backward_kernels(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_heads=4, cross=False,
+                      fbgemm=False, max_seq_len=32, **options) -> tuple[str, ...]:
+    """The names of the attention kernels that the backward of one call launches (after the forward's
+    and the preprocess), on 40 query tokens of 4 heads."""
+    tokens, kv_tokens = 40, 50 if cross else 40
+    shape = lambda t, h: (t, h, dim) if layout == "THD" else (h, t, dim)  # noqa: E731
+    q = jnp.ones(shape(tokens, 4), dtype)
+    kv = jnp.ones(shape(kv_tokens, kv_heads), dtype)
+    offsets = jnp.asarray([0, 15, 40], jnp.int32)
+    if cross:
+        options.setdefault("kv_max_seq_len", 30)
+        options.update(kv_offsets=jnp.asarray([0, 20, 50], jnp.int32))
+
+    def loss(q, k, v):
+        if fbgemm:
+            o = jfa.multi_head_jagged_flash_attention(q, k, v, offsets, max_seq_len, layout=layout,
+                                                      backend="triton")
+        else:
+            o = jfa.jagged_attention(q, k, v, offsets, max_seq_len, layout=layout, backend="triton",
+                                     **options)
+        o = o[0] if isinstance(o, tuple) else o
+        return jnp.sum(o.astype(jnp.float32))
+
+    fake.calls.clear()
+    jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv)
+    names = {getattr(kernels, name): name for name in (*HOPPER_BACKWARD, *PORTABLE_BACKWARD)}
+    # (the portable backward launches once or twice: dq and dk/dv apart when their tiles differ)
+    return tuple(dict.fromkeys(names[call["kernel"]] for call in fake.calls if call["kernel"] in names))
+
+
+@pytest.mark.parametrize("case", [
+    dict(), dict(layout="HTD"), dict(causal=True), dict(kv_heads=2), dict(kv_heads=1, layout="HTD"),
+    dict(cross=True, causal=True, kv_heads=2), dict(cross=True, kv_max_seq_len=8), dict(dim=64),
+    dict(dtype=jnp.float16, causal=True), dict(fbgemm=True), dict(return_lse=True)], ids=str)
+def test_hopper_gpus_take_the_hopper_backward(hopper_backward_gpu, case):
+    assert _backward_kernels(hopper_backward_gpu, **case) == HOPPER_BACKWARD
+
+
+@pytest.mark.parametrize("case", [
+    dict(dim=256), dict(dim=32), dict(dtype=jnp.float32), dict(window=(8, None)), dict(softcap=5.0),
+    dict(alibi_slopes=jnp.ones(4)), dict(dim=120)], ids=str)
+def test_the_portable_backward_keeps_what_the_hopper_one_lacks(hopper_backward_gpu, case):
+    """D = 256 (dK and dV alone would need 256 registers per consumer thread), other head dimensions,
+    float32, windows, soft caps and ALiBi."""
+    assert _backward_kernels(hopper_backward_gpu, **case) == PORTABLE_BACKWARD
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (10, 0), None])
+def test_other_gpus_take_the_portable_backward(hopper_backward_gpu, monkeypatch, capability):
+    monkeypatch.setattr(hopper_launch, "device_capability", lambda: capability)
+    assert _backward_kernels(hopper_backward_gpu) == PORTABLE_BACKWARD
+
+
+def test_the_environment_chooses_the_backward(hopper_backward_gpu, monkeypatch):
+    """"portable" always, "hopper" wherever it can run; "auto" (or unset) the Hopper backward from
+    HOPPER_BACKWARD_MIN_LENGTH tokens (of the longer of max_seq_len and kv_max_seq_len); each kernel's
+    variable chooses its own."""
+    shortest = configs.HOPPER_BACKWARD_MIN_LENGTH
+    hopper, portable = HOPPER_BACKWARD, PORTABLE_BACKWARD
+    for value, max_seq_len, want in (("portable", 4096, portable), ("hopper", 32, hopper),
+                                     ("auto", shortest - 1, portable), ("auto", shortest, hopper),
+                                     ("", 32, portable), ("", 4096, hopper)):
+        monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, value)
+        assert _backward_kernels(hopper_backward_gpu, max_seq_len=max_seq_len) == want, (value, max_seq_len)
+    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "auto")
+    assert _backward_kernels(hopper_backward_gpu, cross=True, kv_max_seq_len=shortest) == HOPPER_BACKWARD
+    # The forward's variable does not choose the backward, nor the reverse.
+    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "portable")
+    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
+    assert _backward_kernels(hopper_backward_gpu) == PORTABLE_BACKWARD
+    assert hopper_backward_gpu.calls[0]["kernel"] is kernels.hopper_attention_fwd_kernel
+    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "hoper")
+    with pytest.raises(ValueError, match=f"{configs.BACKWARD_KERNEL_ENV}='hoper'.*'portable', 'hopper'"):
+        _backward_kernels(hopper_backward_gpu)
+
+
+def test_vmap_keeps_the_hopper_backward_only_with_one_segment(hopper_backward_gpu):
+    """As the forward: shared offsets fold vmap's axis into the heads (one segment: Hopper), batched
+    offsets into segments (portable)."""
+    q = jnp.ones((3, 4, 40, 128), jnp.bfloat16)
+    offsets = jnp.asarray([0, 15, 40], jnp.int32)
+    op = lambda q, o: jnp.sum(jfa.jagged_attention(q, q, q, o, 32, layout="HTD",  # noqa: E731
+                                                   backend="triton").astype(jnp.float32))
+    for offsets_axis, kernel in ((None, kernels.hopper_attention_bwd_dq_kernel),
+                                 (0, kernels.attention_bwd_kernel)):
+        hopper_backward_gpu.calls.clear()
+        batched_offsets = offsets if offsets_axis is None else jnp.stack([offsets] * 3)
+        jax.vmap(jax.grad(op), in_axes=(0, offsets_axis))(q, batched_offsets)
+        assert hopper_backward_gpu.calls[-1]["kernel"] is kernel
+
+
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layout):
+    """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 200, kv_max_seq_len 30,
+    causal, FBGEMM-like out_scale: after the preprocess, a dk/dv launch of 3 x 2 x 2 programs ((sequences
+    and the zero fill) x kv heads x (128-key blocks and the tail-zeroing slot)) and a dq launch of
+    3 x 4 x 2 (one 128-query block of min(200, 40) tokens, and the tail slot), q, do, k, v as TMA
+    descriptors over 2-D views one token stride wide, the log-sum-exp and delta [1, H, 40], and the
+    outputs as the kernels' own (no pre-filled input)."""
+    from triton.experimental.gluon import language as gl
+
+    bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
+    q_shape, kv_shape = ((40, 4, 128), (50, 2, 128)) if layout == "THD" else ((4, 40, 128), (2, 50, 128))
+    q, kv = jnp.ones(q_shape, bf16), jnp.ones(kv_shape, bf16)
+    hopper_backward_gpu.calls.clear()
+    jax.grad(lambda q, k, v: jnp.sum(jfa.jagged_attention(
+        q, k, v, jnp.asarray([0, 15, 40], jnp.int32), 200, kv_offsets=jnp.asarray([0, 20, 50], jnp.int32),
+        kv_max_seq_len=30, scale=0.5, causal=True, layout=layout, backend="triton").astype(jnp.float32)),
+        argnums=(0, 1, 2))(q, kv, kv)
+    *_, dkdv, dq = hopper_backward_gpu.calls
+    views = ((40, 512), (50, 256)) if layout == "THD" else ((160, 128), (100, 128))
+    strides = (32, 8, 16, 8) if layout == "THD" else (8, 320, 8, 400)
+    for call, kernel, grid, blocks, params, outputs in (
+            (dkdv, kernels.hopper_attention_bwd_dkdv_kernel, 3 * 2 * 2, ((64, 128), (64, 128)), (1, 25),
+             (_sds(kv_shape, bf16), _sds(kv_shape, bf16))),
+            (dq, kernels.hopper_attention_bwd_dq_kernel, 3 * 4 * 2, ((64, 128), (128, 128)), (1, 20),
+             (_sds(q_shape, bf16),))):
+        call = dict(call)
+        assert call.pop("kernel") is kernel
+        assert call.pop("grid") == (grid,)
+        args = call.pop("args")
+        for desc, view, block in zip(args[:4], (views[0], views[0], views[1], views[1]),
+                                     (blocks[0], blocks[0], blocks[1], blocks[1])):
+            assert isinstance(desc, hopper_backward_gpu.TensorDescriptor)
+            assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
+            assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+        # The log-sum-exp and delta, the offsets.
+        assert [(a.shape, a.dtype) for a in args[4:-1]] == [((1, 4, 40), f32)] * 2 + [((1, 3), i32)] * 2
+        assert hopper_backward_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, *params)
+        assert tuple(call.pop("out_type")) == outputs
+        options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
+        assert options == (4, 1, {"maxnreg": 168})
+        if kernel is kernels.hopper_attention_bwd_dkdv_kernel:
+            heads = dict(NUM_KV_HEADS=2, OUT_SCALE=1.0, BLOCK_M=64, BLOCK_N=128, STAGES=2)
+        else:
+            heads = dict(NUM_HEADS=4, BLOCK_M=128, BLOCK_N=128, STAGES=2)
+        assert call == dict(KV_GROUP=2, D=128, Q_MAX_LEN=200, KV_MAX_LEN=30, CAUSAL=True,
+                            QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, FILL_BLOCK=plan.FILL_BLOCK, DS_SCALE=0.5,
+                            CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
+                            PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS, **heads)
+
+
+# ---------------------------------------------------------------------------------------------------
 # jax-triton 0.4 shims: its import under triton 3.6, its launch of warp-specialized kernels, the
 # metadata of TMA descriptors under triton 3.6
 # ---------------------------------------------------------------------------------------------------

@@ -235,12 +235,17 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False)
     before and `ok CASE VARIANT` after each, so that a crash names its case. The variants: the kernels
     as chosen, then with key-major operands forced (which float32 inputs with TF32 and D >= 64 take:
     their transposes, and key and query windows that start before their sequence). With `hopper` (a
-    Hopper GPU), bfloat16 at D = 128 instead, so that every forward runs the Hopper kernel (checked),
-    whose tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens."""
+    Hopper GPU), bfloat16 at D = 128 instead, so that every forward runs the Hopper kernel and every
+    backward but the window's the Hopper backward (both checked), whose tiles reach past the arrays'
+    ends here and whose own programs zero the uncovered tokens."""
     chosen, choose = [], hopper_launch.forward_kernel
+    chosen_backward, choose_backward = [], hopper_launch.backward_kernel
     if hopper:  # asked for on these short sequences, recorded, put back at the end
         os.environ[configs.FORWARD_KERNEL_ENV] = "hopper"
+        os.environ[configs.BACKWARD_KERNEL_ENV] = "hopper"
         hopper_launch.forward_kernel = lambda p, dtype: chosen.append(choose(p, dtype)) or chosen[-1]
+        hopper_launch.backward_kernel = (lambda p, dtype: chosen_backward.append(choose_backward(p, dtype))
+                                         or chosen_backward[-1])
     as_chosen = plan.key_major
     variants = {"as chosen": as_chosen}
     if not hopper:
@@ -261,9 +266,13 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False)
     finally:
         plan.key_major = as_chosen
         hopper_launch.forward_kernel = choose
+        hopper_launch.backward_kernel = choose_backward
         os.environ.pop(configs.FORWARD_KERNEL_ENV, None)
+        os.environ.pop(configs.BACKWARD_KERNEL_ENV, None)
     if hopper:  # the four ops (the window, soft cap and ALiBi one too), on each of their traces
         assert chosen.count("hopper") >= 4, chosen
+        # The Hopper backward on the three without a window, soft cap or ALiBi.
+        assert chosen_backward.count("hopper") >= 3, chosen_backward
     print("all ok", flush=True)
 
 
@@ -318,7 +327,7 @@ def test_malformed_offsets_without_overlap_match_the_xla_backend():
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="needs compute-sanitizer")
 def test_adversarial_offsets_on_the_gpu_under_compute_sanitizer():
     """The same cases on the triton backend, in one process under compute-sanitizer's memcheck, and on a
-    Hopper GPU again in bfloat16 at D = 128 (the Hopper forward, whose TMA tiles reach past the
+    Hopper GPU again in bfloat16 at D = 128 (the Hopper forward and backward, whose TMA tiles reach past the
     arrays: the copy engine must clip them). XLA's platform allocator gives every buffer its own
     allocation, so an access just past an array is an error rather than a read of a neighbouring
     buffer in XLA's pool."""

@@ -113,6 +113,8 @@ def backward_portable_reason(p: Problem, dtype) -> str | None:
         return f"head dimension {p.head_dim} (only {sorted(HOPPER_BACKWARD_TILES)})"
     if p.window != (None, None) or p.softcap is not None or p.alibi:
         return "a window, soft cap or ALiBi (only plain and causal attention)"
+    if p.kv_tokens == 0:
+        return "no key tokens (no TMA descriptor over an empty array)"
     if (requested(BACKWARD_KERNEL_ENV) == "auto"
             and max(p.max_seq_len, p.kv_max_seq_len) < HOPPER_BACKWARD_MIN_LENGTH):
         return f"sequences of at most {HOPPER_BACKWARD_MIN_LENGTH - 1} tokens (the forward's threshold)"

@@ -518,3 +518,210 @@ def test_rows_no_block_computes_are_zero_and_inf(layout, causal, forward_kernels
         assert relative_error(o, o_portable) < 1e-2, name
         np.testing.assert_allclose(lse[mask], lse_portable[mask], rtol=1e-3, atol=1e-3, err_msg=name)
     assert forward_kernels == ["hopper"] * len(FILL_OFFSETS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Hopper backward (kernels/hopper_backward.py), on a Hopper GPU
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def backward_kernels(monkeypatch):
+    """The backward kernel chosen for each call (launch/hopper.py's answer), on a Hopper GPU, the Hopper
+    backward asked for wherever it can run (these short sequences take the portable one under "auto");
+    and, last in the list, how many times plan.backward went to `_hopper_backward` (the spy: "ran")."""
+    if hopper_launch.device_capability() is None or hopper_launch.device_capability()[0] != 9:
+        pytest.skip(f"needs a Hopper GPU (compute capability 9.x), not {hopper_launch.device_capability()}")
+    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "hopper")
+    chosen = []
+    choose = hopper_launch.backward_kernel
+    launch = plan._hopper_backward
+
+    def record(p, dtype):
+        chosen.append(choose(p, dtype))
+        return chosen[-1]
+
+    def spy(*args, **kwargs):
+        chosen.append("ran")
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(hopper_launch, "backward_kernel", record)
+    monkeypatch.setattr(plan, "_hopper_backward", spy)
+    return chosen
+
+
+BACKWARD_CASES = {
+    "self-causal": CASES["self-causal"],
+    "cross-nq<nk-causal-gqa": CASES["cross-nq<nk-causal-gqa"],
+    "cross-nq>nk-causal-mqa": CASES["cross-nq>nk-causal-mqa"],
+    "cross-gqa-truncated": CASES["cross-gqa-truncated"],  # not causal
+    # D = 64 (3 stages of 128-key tiles in the dq programs), more keys than queries, not causal, GQA.
+    "cross-D64-gqa": dict(lengths=[200, 0, 64, 129], kv_lengths=[300, 7, 0, 129], heads=4, kv_heads=2, dim=64,
+                          max_seq_len=256, kv_max_seq_len=280),
+}
+
+
+def check_backward(case: str, layout: str, precision: str, backward_kernels, want="hopper", **options):
+    """check() on BACKWARD_CASES: o (the forward as "auto" picks it) and dq, dk, dv against float64, and
+    the backward that ran."""
+    spec = dict(BACKWARD_CASES[case])
+    dtype, _, tol = TOLERANCES[precision]
+    batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
+                       kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None),
+                       lead=3, extra=70, seed=len(case) + 1, scale=0.6)
+    results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend="triton", **spec, **options)
+    assert backward_kernels == ([want, "ran"] if want == "hopper" else [want])
+    max_len, kv_max = spec["max_seq_len"], spec.get("kv_max_seq_len", spec["max_seq_len"])
+    expected = reference(*results[:4], batch.offsets, max_len, kv_offsets=batch.kv_offsets,
+                         kv_max_seq_len=kv_max, scale=spec.get("scale", batch.q.shape[-1] ** -0.5),
+                         causal=spec.get("causal", False))
+    assert_matches(results, expected, tol,
+                   attended_q=attended_mask(batch.offsets, batch.q.shape[0], max_len),
+                   attended_kv=attended_mask(batch.key_offsets, batch.k.shape[0], kv_max))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,layout", [
+    ("self-causal", "THD"), ("self-causal", "HTD"), ("cross-nq<nk-causal-gqa", "THD"),
+    ("cross-nq<nk-causal-gqa", "HTD"), ("cross-nq>nk-causal-mqa", "THD"), ("cross-nq>nk-causal-mqa", "HTD"),
+    ("cross-gqa-truncated", "HTD"), ("cross-D64-gqa", "THD")], ids=str)
+def test_backward_matches_float64(case, layout, backward_kernels):
+    check_backward(case, layout, "bf16", backward_kernels)
+
+
+@pytest.mark.gpu
+def test_backward_float16(backward_kernels):
+    check_backward("cross-nq<nk-causal-gqa", "HTD", "fp16", backward_kernels)
+
+
+@pytest.mark.gpu
+def test_the_override_runs_the_portable_backward(backward_kernels, monkeypatch):
+    """$JAGGED_FLASH_JAX_BACKWARD=portable: the portable backward (the spy sees no Hopper launch)."""
+    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "portable")
+    check_backward("cross-nq>nk-causal-mqa", "THD", "bf16", backward_kernels, want="portable")
+
+
+@pytest.mark.gpu
+def test_backward_fbgemm_op(backward_kernels):
+    """FBGEMM's op: no scale, output divided by max_seq_len (OUT_SCALE, DS_SCALE); sequences past it and
+    empty ones."""
+    max_len = 200
+    batch = Batch.make([5, 0, 300, 130, 1], 3, 128, lead=2, extra=40, seed=6, scale=0.3)
+    results = run_vjp(jfa.multi_head_jagged_flash_attention, batch, jnp.bfloat16, layout="HTD",
+                      max_seq_len=max_len, backend="triton")
+    assert backward_kernels == ["hopper", "ran"]
+    expected = reference(*results[:4], batch.offsets, max_len, scale=1.0, out_scale=1.0 / max_len)
+    attended = attended_mask(batch.offsets, batch.q.shape[0], max_len)
+    assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operand,layout", [("q", "THD"), ("k", "HTD"), ("v", "THD")])
+def test_backward_keeps_inf_and_nan_in_unattended_tokens_out(operand, layout, backward_kernels):
+    """inf and nan in the tokens past max_seq_len and after the last sequence, which the 64-query tiles
+    of the dk/dv programs (zeroed in shared memory past n_q) and the 128-key tiles of the dq programs
+    (K zeroed past n_k, dS masked against V's) read: every gradient finite, matching float64, 0 where
+    unattended. Causal on k, GQA."""
+    max_len, dim = 150, 128
+    batch = Batch.make([5, 0, 200, 3, 70], 4, dim, kv_heads=2, extra=90, seed=3)
+    attended = attended_mask(batch.offsets, len(batch.q), max_len)
+    poisoned = getattr(batch, operand).copy()
+    poisoned[np.flatnonzero(~attended)[::3]] = np.nan
+    poisoned[np.flatnonzero(~attended)[1::3]] = np.inf
+    setattr(batch, operand, poisoned)
+    results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
+                      causal=operand == "k", backend="triton")
+    assert backward_kernels == ["hopper", "ran"]
+    expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5, causal=operand == "k")
+    assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
+
+
+@pytest.mark.gpu
+def test_backward_is_bitwise_deterministic_with_both_hopper_kernels(backward_kernels, monkeypatch):
+    """A jitted forward + backward, the Hopper forward and backward together, run twice: the same bits
+    (no atomics: one writer per element), all finite."""
+    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
+    batch = Batch.make([300, 5, 128, 0, 257], 4, 128, kv_lengths=[260, 9, 300, 4, 100], kv_heads=2, seed=1,
+                       scale=0.5)
+    q, k, v, do = batch.arrays(jnp.bfloat16)
+    offsets, kv_offsets = (jnp.asarray(x, jnp.int32) for x in (batch.offsets, batch.kv_offsets))
+
+    @jax.jit
+    def step(q, k, v, do):
+        o, vjp = jax.vjp(lambda q, k, v: jfa.jagged_attention(q, k, v, offsets, 256, kv_offsets=kv_offsets,
+                                                              causal=True), q, k, v)
+        return o, *vjp(do)
+
+    first = jax.block_until_ready(step(q, k, v, do))
+    second = jax.block_until_ready(step(q, k, v, do))
+    assert backward_kernels == ["hopper", "ran"]
+    for a, b in zip(first, second):
+        assert np.all(np.isfinite(np.asarray(a, np.float32)))
+        np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16)),
+                                      np.asarray(jax.lax.bitcast_convert_type(b, jnp.uint16)))
+
+
+@pytest.mark.gpu
+def test_backward_of_the_lse_matches_the_portable_backward(backward_kernels, monkeypatch):
+    """return_lse=True, a loss of o and the log-sum-exp (dlse taken from delta, as plan.backward does
+    for both): the Hopper backward's gradients match the portable backward's."""
+    batch = Batch.make([150, 0, 40, 260], 4, 128, kv_lengths=[100, 20, 0, 300], kv_heads=2, lead=1, extra=20,
+                       seed=4, scale=0.6)
+    q, k, v, _ = batch.arrays(jnp.bfloat16, "HTD")
+    offsets, kv_offsets = (jnp.asarray(x, jnp.int32) for x in (batch.offsets, batch.kv_offsets))
+
+    def loss(q, k, v):
+        o, lse = jfa.jagged_attention(q, k, v, offsets, 256, kv_offsets=kv_offsets, causal=True,
+                                      layout="HTD", backend="triton", return_lse=True)
+        finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(finite))
+
+    results = {}
+    for backward in ("hopper", "portable"):
+        monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, backward)
+        grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        results[backward] = [np.asarray(x, np.float64) for x in grads]
+    assert backward_kernels == ["hopper", "ran", "portable"]
+    for name, got, want in zip(("dq", "dk", "dv"), results["hopper"], results["portable"]):
+        assert np.all(np.isfinite(got)), name
+        assert relative_error(got, want) < 1e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,causal", [("THD", True), ("HTD", False)])
+def test_backward_rows_no_block_computes_are_zero(layout, causal, backward_kernels):
+    """The backward kernels' own zero fill (no pre-filled outputs): plan.backward on the Hopper kernels,
+    each time into memory just freed full of NaN, with offsets of every kind (FILL_OFFSETS): dq, dk, dv
+    exactly 0 on every row that no block writes, and equal to the portable backward's elsewhere."""
+    from jagged_flash_jax import api
+    from jagged_flash_jax.launch import gpu
+
+    tokens, heads, dim, max_len = 300, 4, 128, 200
+    rng = np.random.default_rng(2)
+    shape = (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)
+    kv_shape = shape[:1] + (2,) + shape[2:] if layout == "THD" else (2, tokens, dim)
+    q, do = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal(kv_shape), jnp.bfloat16) for _ in range(2))
+    for name, values in FILL_OFFSETS.items():
+        offsets = jnp.asarray(values, jnp.int32)[None]
+        shape_only = jnp.zeros_like(offsets[0])  # the Problem needs the batch only (these would be refused)
+        p = api._problem(q, k, v, shape_only, shape_only, max_seq_len=max_len, kv_max_seq_len=max_len,
+                         scale=dim**-0.5, out_scale=1.0, causal=causal, layout=layout, allow_tf32=True,
+                         backend="triton", block_sizes=None, self_attention=True, validate=False)
+        assert p.backward_kernel == "hopper", name
+        o, lse = plan.forward(gpu.run, p.with_(forward_kernel="portable"), q, k, v, offsets, offsets)
+        results = {}
+        for kernel in ("hopper", "portable"):
+            for poison in (jnp.full(shape, jnp.nan, jnp.bfloat16), jnp.full(kv_shape, jnp.nan, jnp.bfloat16),
+                           jnp.full(kv_shape, jnp.nan, jnp.bfloat16)):
+                poison.block_until_ready().delete()  # its memory, free, for the outputs to reuse
+            grads = plan.backward(gpu.run, p.with_(backward_kernel=kernel), q, k, v, offsets, offsets, o, lse,
+                                  do)
+            results[kernel] = [to_numpy(x, layout) for x in grads]
+        mask = covered(values, tokens, max_len)
+        for what, got, want in zip(("dq", "dk", "dv"), results["hopper"], results["portable"]):
+            nonzero = np.flatnonzero(~mask & np.any(got != 0, axis=(1, 2)))
+            assert np.all(got[~mask] == 0), (name, what, nonzero)
+            assert np.all(np.isfinite(got)), (name, what)
+            assert relative_error(got, want) < 1e-2, (name, what)
+    assert backward_kernels.count("ran") == len(FILL_OFFSETS)

@@ -4,7 +4,14 @@ reference, both layouts, causal, windows (left, right, both), a soft cap, ALiBi,
 truncated sequences, FBGEMM's op, 16-bit inputs, D = 128 and 256, with the gradients that the portable
 backward takes from its log-sum-exp; inf and nan in unattended tokens, large logits (soft-capped too),
 the log-sum-exp returned, a jitted training step run twice, and the kernel's own zero fill (o = 0,
-log-sum-exp +inf) under adversarial offsets. Which problems take it, and its launch's exact arguments:
+log-sum-exp +inf) under adversarial offsets. The Hopper backward (kernels/hopper_backward.py) likewise:
+its dk/dv and dq kernels compiled for sm_90a (D = 64 and 128, causal both ways, both layouts, both
+16-bit types), and on a Hopper GPU against float64 (both layouts, causal, GQA/MQA, cross-attention both
+ways, empty and truncated sequences, D = 64, float16, FBGEMM's op, inf and nan in unattended tokens),
+bitwise deterministic with the Hopper forward, the gradients of the log-sum-exp against the portable
+backward, and its own zero fill under adversarial offsets; a spy on plan._hopper_backward says it ran.
+The compile tests follow jax-triton 0.4.1's pipeline (make_ttir on the Gluon module, which
+triton.compile skips). Which problems take the Hopper kernels, and their launches' exact arguments:
 test_launchers.py."""
 
 from __future__ import annotations

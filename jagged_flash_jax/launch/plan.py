@@ -5,7 +5,8 @@ with jax-triton, interpret.py with Triton's interpreter. A kernel's parameters a
 (the last one the int32 array of its runtime sizes, `params`, built by the slots' names in
 kernels.common), its outputs, then `constants` by keyword. The Hopper forward (kernels/hopper.py, on
 the triton backend only, where launch/hopper.py chose it for the Problem) takes q, k, v as TMA
-descriptors (KernelCall.descriptors).
+descriptors (KernelCall.descriptors), and so do the Hopper backward's dk/dv and dq kernels
+(kernels/hopper_backward.py, chosen on their own) with q, do, k, v.
 
 Arrays at this level: q, o, do, dq are [Z*T_q, H, D] ("THD") or [H, Z*T_q, D] ("HTD"), k, v, dk, dv
 the same with H_kv and T_kv: Z segments of T tokens each along the token axis, every segment with its

@@ -39,7 +39,8 @@ slots are its blocks and one program zeroing its tokens past the maximum length;
 the attention code (see kernels/__init__.py on ptxas 12.8).
 
 These are the `dkdv base+ld` and `dq base+bn128` variants of the probe kept in
-benchmarks/results/profile (gluon_backward_probe.py), measured in docs/performance.md.
+benchmarks/results/profile/2026-12-01d_gluon_backward_probe.md (self-attention, outputs pre-zeroed),
+with cross-attention, strides and the zero fills added; measured in docs/performance.md.
 """
 
 from triton.experimental import gluon

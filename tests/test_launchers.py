@@ -646,7 +646,8 @@ def test_other_gpus_take_the_portable_forward(hopper_gpu, monkeypatch, capabilit
 
 def test_the_environment_chooses_the_forward(hopper_gpu, monkeypatch):
     """"portable" always, "hopper" wherever it can run; "auto" (or unset) the Hopper forward from
-    sequences of HOPPER_FORWARD_MIN_LENGTH tokens (the longer of max_seq_len and kv_max_seq_len) on."""
+    sequences of HOPPER_FORWARD_MIN_LENGTH tokens (the longer of max_seq_len and kv_max_seq_len) on,
+    but for a soft cap with causal masking."""
     portable, hopper = kernels.attention_fwd_kernel, kernels.hopper_attention_fwd_kernel
     shortest = configs.HOPPER_FORWARD_MIN_LENGTH
     for value, max_seq_len, kernel in (("portable", 32, portable), (" Portable ", shortest, portable),
@@ -656,6 +657,11 @@ def test_the_environment_chooses_the_forward(hopper_gpu, monkeypatch):
         assert _forward_kernel(hopper_gpu, max_seq_len=max_seq_len) is kernel, (value, max_seq_len)
     monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "auto")
     assert _forward_kernel(hopper_gpu, cross=True, kv_max_seq_len=shortest) is hopper
+    # A soft cap with causal masking: the portable forward under "auto" (measured faster), else Hopper.
+    assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0) is hopper
+    assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0, causal=True) is portable
+    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
+    assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0, causal=True) is hopper
     monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hoper")
     with pytest.raises(ValueError, match=f"{configs.FORWARD_KERNEL_ENV}='hoper'.*'portable', 'hopper'"):
         _forward_kernel(hopper_gpu)

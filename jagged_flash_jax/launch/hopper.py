@@ -91,6 +91,8 @@ def portable_reason(p: Problem, dtype) -> str | None:
         return f"head dimension {p.head_dim} (only {sorted(HOPPER_FORWARD_TILES)})"
     if requested() == "auto" and max(p.max_seq_len, p.kv_max_seq_len) < HOPPER_FORWARD_MIN_LENGTH:
         return f"sequences of at most {HOPPER_FORWARD_MIN_LENGTH - 1} tokens (the portable forward is faster)"
+    if requested() == "auto" and p.softcap is not None and p.causal:
+        return "a soft cap with causal masking (the portable forward is faster)"
     return _device_reason(p, dtype)
 
 

@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import params
+from .common import _bounds, _extent, _key_ranges, _tanh  # Gluon calls them: scalars, or elementwise
 
 # Gluon's API moves between Triton versions: gated on what exists. The TMA load is tma.async_load from
 # 3.7 on (tma.async_copy_global_to_shared before); the partition's barrier gl.barrier from 3.7 on
@@ -68,23 +69,6 @@ FILL_ROWS: gl.constexpr = gl.constexpr(2)
 PARAM_BATCH: gl.constexpr = gl.constexpr(params.BATCH)
 PARAM_HOPPER_FWD_BLOCKS: gl.constexpr = gl.constexpr(params.HOPPER_FWD_BLOCKS)
 PARAM_HOPPER_FWD_FILL_CHUNK: gl.constexpr = gl.constexpr(params.HOPPER_FWD_FILL_CHUNK)
-
-
-@gluon.jit
-def _extent(offsets_ptr, sequence, num_tokens):
-    """First and end token (int64) of a sequence: common._extent (offsets clamped into [0, num_tokens],
-    each end to at least its start)."""
-    start = gl.load(offsets_ptr + sequence).to(gl.int64)
-    end = gl.load(offsets_ptr + sequence + 1).to(gl.int64)
-    start = gl.minimum(gl.maximum(start, 0), num_tokens)
-    return start, gl.minimum(gl.maximum(end, start), num_tokens)
-
-
-@gluon.jit
-def _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN: gl.constexpr):
-    """First token (int64) and attended length (int32) of a sequence: common._bounds."""
-    start, end = _extent(offsets_ptr, sequence, num_tokens)
-    return start, gl.minimum(end - start, MAX_LEN).to(gl.int32)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -195,46 +179,6 @@ def _tile_origin(first_token, head, token_stride, head_stride):
     head_offset = head.to(gl.int64) * head_stride
     row = first_token + head_offset // token_stride
     return row.to(gl.int32), (head_offset % token_stride).to(gl.int32)
-
-
-@gluon.jit
-def _ceil_to(x, BLOCK: gl.constexpr):
-    return (x + BLOCK - 1) // BLOCK * BLOCK
-
-
-@gluon.jit
-def _key_ranges(query_start, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):
-    """common._key_ranges: for queries [query_start, +BLOCK_M), (start, clean_start, clean_end, end),
-    the keys [start, end) some query sees (start a multiple of BLOCK_N), of which the key blocks in
-    [clean_start, clean_end) (multiples of BLOCK_N, clean_end <= n_k) need no mask."""
-    shift = n_k - n_q
-    last = query_start + BLOCK_M - 1
-    start = n_k * 0
-    clean_start = n_k * 0
-    end = n_k
-    clean_end = n_k
-    if WINDOW_LEFT >= 0:
-        start = gl.maximum(query_start + shift - WINDOW_LEFT, 0)
-        clean_start = gl.maximum(last + shift - WINDOW_LEFT, 0)
-    if CAUSAL:
-        end = gl.minimum(end, last + shift + 1)
-        clean_end = gl.minimum(clean_end, query_start + shift + 1)
-    if WINDOW_RIGHT >= 0:
-        end = gl.minimum(end, last + shift + WINDOW_RIGHT + 1)
-        clean_end = gl.minimum(clean_end, query_start + shift + WINDOW_RIGHT + 1)
-    start = start // BLOCK_N * BLOCK_N
-    clean_start = _ceil_to(clean_start, BLOCK_N)
-    clean_end = gl.maximum(gl.maximum(clean_end, 0) // BLOCK_N * BLOCK_N, clean_start)
-    return start, clean_start, clean_end, gl.maximum(end, 0)
-
-
-@gluon.jit
-def _tanh(y):
-    """common._tanh: tanh on exp2, +-1 exactly once |y| passes 9, never NaN for a finite or infinite y."""
-    e = gl.exp2(gl.abs(y) * -2.8853900817779268)  # exp(-2|y|), in [0, 1]
-    t = (1.0 - e) / (1.0 + e)
-    return gl.where(y < 0, -t, t)
 
 
 @gluon.jit

@@ -27,7 +27,7 @@ Rows of K and V past n_k only reach their own rows of dK and dV, which are not s
 
 dq (`attention_bwd_dq_kernel`): the forward's structure. One program per (sequence, head, block of 128
 queries); the producer loads the two warpgroups' Q and dO tiles (64 rows each) once, then K_j, V_j of
-BLOCK_N keys (the block's band, `hopper._key_ranges`) into the ring; per key tile each consumer computes
+BLOCK_N keys (the block's band, `common._key_ranges`) into the ring; per key tile each consumer computes
 S = Q K^T and dP = dO V^T (async), P, dS = P (dP - delta) (masked in the band's edge tiles and the
 sequence's last one: V rows past n_k make dP NaN), dQ += dS K. The last K tile's rows past n_k are
 zeroed in shared memory first (dS is 0 there, K maybe NaN).
@@ -53,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import params
+from .common import _bounds, _key_ranges
 from .hopper import (
     CONSUMER_ROWS,
     FILL_NONE,
@@ -64,8 +65,6 @@ from .hopper import (
     PARAM_Q_HEAD_STRIDE,
     PARAM_Q_TOKEN_STRIDE,
     PARAM_Q_TOKENS,
-    _bounds,
-    _key_ranges,
     _partition_barrier,
     _tile_origin,
     _tma_load,

@@ -1,10 +1,12 @@
 """The package without its extras: `pip install jagged-flash-jax` brings jax and numpy only, so importing it,
 the `xla` backend and the demo must not need triton or jax-triton, and the backends that do must name the
-extra that installs them. Each check runs in a fresh process in which importing triton fails, as it does
-where triton is not installed (.ci/run also installs the package into a fresh environment without it)."""
+extra that installs them. The checks run in a fresh process (one for the three) in which importing
+triton fails, as it does where triton is not installed (.ci/run also installs the package into a fresh
+environment without it)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -37,45 +39,61 @@ def run_without_triton(code: str, *args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT / "tests", capture_output=True, text=True, timeout=300)
 
 
+# The three checks below share one child process (each prints its own lines, and a crash fails all
+# three with the child's stderr): in the order written, the xla check first, before anything has
+# tried to import triton.
+CHILD = """
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from helpers import Batch, reference
+
+    import jagged_flash_jax as jfa
+
+    # The xla backend, and auto (xla on the CPU), without loading triton.
+    batch = Batch.make([5, 0, 7], 4, 16, kv_heads=2, seed=1)
+    q, k, v, do = batch.arrays(np.float32)
+    op = lambda q, k, v: jfa.jagged_attention(q, k, v, batch.offsets, 6, causal=True, backend="xla")
+    out, vjp = jax.vjp(op, q, k, v)
+    want = reference(batch.q, batch.k, batch.v, batch.do, batch.offsets, 6, scale=0.25, causal=True)
+    for got, expected in zip((out, *vjp(do)), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    assert jfa.jagged_attention(q, k, v, batch.offsets, 6).shape == q.shape  # auto: xla on the CPU
+    assert not [name for name in sys.modules if name.split(".")[0] in ("triton", "jax_triton")]
+    print("xla ok")
+
+    # The kernel backends name their extra.
+    x = jnp.ones((6, 2, 8), jnp.float32)
+    for backend in ("interpret", "triton"):
+        try:
+            jfa.jagged_attention(x, x, x, [0, 2, 6], 4, backend=backend)
+        except (ImportError, ValueError) as err:
+            print("extra", backend, type(err).__name__, str(err).splitlines()[0])
+
+    # The demo.
+    from jagged_flash_jax.__main__ import main
+
+    print("demo exit status", main(["demo"]))
+"""
+
+
+@functools.cache
+def _child() -> subprocess.CompletedProcess:
+    return run_without_triton(CHILD)
+
+
 def test_the_xla_backend_runs_without_triton():
-    result = run_without_triton("""
-        import sys
-
-        import jax
-        import numpy as np
-        from helpers import Batch, reference
-
-        import jagged_flash_jax as jfa
-
-        batch = Batch.make([5, 0, 7], 4, 16, kv_heads=2, seed=1)
-        q, k, v, do = batch.arrays(np.float32)
-        op = lambda q, k, v: jfa.jagged_attention(q, k, v, batch.offsets, 6, causal=True, backend="xla")
-        out, vjp = jax.vjp(op, q, k, v)
-        want = reference(batch.q, batch.k, batch.v, batch.do, batch.offsets, 6, scale=0.25, causal=True)
-        for got, expected in zip((out, *vjp(do)), want):
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-        assert jfa.jagged_attention(q, k, v, batch.offsets, 6).shape == q.shape  # auto: xla on the CPU
-        assert not [name for name in sys.modules if name.split(".")[0] in ("triton", "jax_triton")]
-        print("ok")
-    """)
-    assert result.returncode == 0 and result.stdout.endswith("ok\n"), result.stderr[-3000:]
+    result = _child()
+    assert "xla ok" in result.stdout.splitlines(), result.stdout[-2000:] + result.stderr[-3000:]
 
 
 def test_the_kernel_backends_name_their_extra_without_triton():
-    result = run_without_triton("""
-        import jax.numpy as jnp
-
-        import jagged_flash_jax as jfa
-
-        q = jnp.ones((6, 2, 8), jnp.float32)
-        for backend in ("interpret", "triton"):
-            try:
-                jfa.jagged_attention(q, q, q, [0, 2, 6], 4, backend=backend)
-            except (ImportError, ValueError) as err:
-                print(backend, type(err).__name__, str(err).splitlines()[0])
-    """)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    result = _child()
+    lines = dict(line.split(" ", 1)[1].split(" ", 1) for line in result.stdout.splitlines()
+                 if line.startswith("extra "))
+    assert set(lines) == {"interpret", "triton"}, result.stdout[-2000:] + result.stderr[-3000:]
     assert lines["interpret"].startswith("ImportError"), lines
     assert "pip install 'jagged-flash-jax[interpret]'" in lines["interpret"], lines
     # On the CPU the triton backend is refused first for want of a GPU; the message names the GPU extra.
@@ -83,14 +101,9 @@ def test_the_kernel_backends_name_their_extra_without_triton():
 
 
 def test_the_demo_runs_without_triton():
-    result = run_without_triton("""
-        import sys
-
-        from jagged_flash_jax.__main__ import main
-
-        sys.exit(main(["demo"]))
-    """)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    result = _child()
+    assert result.returncode == 0 and "demo exit status 0" in result.stdout.splitlines(), (
+        result.stdout[-2000:] + result.stderr[-3000:])
     assert "all checks passed" in result.stdout
     assert "interpret: skipped, triton is not installed" in result.stdout
 

@@ -850,6 +850,26 @@ def test_the_portable_backward_keeps_what_the_hopper_one_lacks(hopper_backward_g
     assert _backward_kernels(hopper_backward_gpu, **case) == PORTABLE_BACKWARD
 
 
+def test_no_key_tokens_keep_both_kernels_portable(hopper_backward_gpu, monkeypatch):
+    """A key array of no tokens (every key sequence empty): no TMA descriptor over an empty array, so
+    the portable forward and backward run even when the Hopper ones are asked for; o and every
+    gradient are 0."""
+    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
+    q = jnp.ones((40, 4, 128), jnp.bfloat16)
+    kv = jnp.ones((0, 4, 128), jnp.bfloat16)
+    offsets, kv_offsets = jnp.asarray([0, 15, 40], jnp.int32), jnp.zeros(3, jnp.int32)
+
+    def loss(q, k, v):
+        o = jfa.jagged_attention(q, k, v, offsets, 2048, kv_offsets=kv_offsets, backend="triton")
+        return jnp.sum(o.astype(jnp.float32))
+
+    hopper_backward_gpu.calls.clear()
+    jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv)
+    launched = {call["kernel"] for call in hopper_backward_gpu.calls}
+    hopper = {getattr(kernels, name) for name in ("hopper_attention_fwd_kernel", *HOPPER_BACKWARD)}
+    assert launched and not launched & hopper
+
+
 @pytest.mark.parametrize("capability", [(8, 0), (10, 0), None])
 def test_other_gpus_take_the_portable_backward(hopper_backward_gpu, monkeypatch, capability):
     monkeypatch.setattr(hopper_launch, "device_capability", lambda: capability)

@@ -62,9 +62,11 @@ def requested(env: str = FORWARD_KERNEL_ENV) -> str:
 
 def _device_reason(p: Problem, dtype) -> str | None:
     """What both Hopper kernels need of the problem and the machine beyond their own limits: one
-    offsets segment, TMA-aligned strides, a Hopper device and Gluon."""
+    offsets segment, key tokens, TMA-aligned strides, a Hopper device and Gluon."""
     if p.num_segments != 1:
         return f"{p.num_segments} offsets segments (only one)"
+    if p.kv_tokens == 0:
+        return "no key tokens (no TMA descriptor over an empty array)"
     itemsize = np.dtype(dtype).itemsize
     strides = (*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))
     if any(stride * itemsize % TMA_ALIGN for stride in strides):
@@ -115,8 +117,6 @@ def backward_portable_reason(p: Problem, dtype) -> str | None:
         return f"head dimension {p.head_dim} (only {sorted(HOPPER_BACKWARD_TILES)})"
     if p.window != (None, None) or p.softcap is not None or p.alibi:
         return "a window, soft cap or ALiBi (only plain and causal attention)"
-    if p.kv_tokens == 0:
-        return "no key tokens (no TMA descriptor over an empty array)"
     if (requested(BACKWARD_KERNEL_ENV) == "auto"
             and max(p.max_seq_len, p.kv_max_seq_len) < HOPPER_BACKWARD_MIN_LENGTH):
         return f"sequences of at most {HOPPER_BACKWARD_MIN_LENGTH - 1} tokens (the forward's threshold)"

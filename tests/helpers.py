@@ -97,11 +97,13 @@ class Batch:
 
 
 def attended_mask(offsets, total: int, max_seq_len: int) -> np.ndarray:
-    """Boolean [T]: whether token t is among the first max_seq_len tokens of some sequence."""
+    """Boolean [T]: whether token t is among the first max_seq_len tokens of some sequence, each offset
+    clamped into [0, T] and each end to at least its start, as the kernels do with any offsets."""
     mask = np.zeros(total, bool)
-    for b in range(len(offsets) - 1):
-        start = int(offsets[b])
-        mask[start:start + min(int(offsets[b + 1]) - start, max_seq_len)] = True
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        start = min(max(int(start), 0), total)
+        end = min(max(int(end), start), total)
+        mask[start:start + min(end - start, max_seq_len)] = True
     return mask
 
 

@@ -327,6 +327,17 @@ def test_fbgemm_op(layout, forward_kernels):
     assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
 
 
+def poison_unattended(batch, operand: str, max_len: int) -> np.ndarray:
+    """nan in every third token of `operand` that no sequence attends, inf in the next ones; returns the
+    attended mask."""
+    attended = attended_mask(batch.offsets, len(batch.q), max_len)
+    poisoned = getattr(batch, operand).copy()
+    poisoned[np.flatnonzero(~attended)[::3]] = np.nan
+    poisoned[np.flatnonzero(~attended)[1::3]] = np.inf
+    setattr(batch, operand, poisoned)
+    return attended
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("operand", ["q", "k", "v"])
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
@@ -336,11 +347,7 @@ def test_inf_and_nan_in_unattended_tokens_stay_out(operand, layout, forward_kern
     before P V reads them): every output and gradient finite, matching float64, 0 where unattended."""
     max_len, dim = 150, 128
     batch = Batch.make([5, 0, 200, 3], 2, dim, kv_heads=1, extra=90, seed=3)
-    attended = attended_mask(batch.offsets, len(batch.q), max_len)
-    poisoned = getattr(batch, operand).copy()
-    poisoned[np.flatnonzero(~attended)[::3]] = np.nan
-    poisoned[np.flatnonzero(~attended)[1::3]] = np.inf
-    setattr(batch, operand, poisoned)
+    attended = poison_unattended(batch, operand, max_len)
     results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
                       causal=operand == "k", backend="triton")
     assert forward_kernels == ["hopper"]
@@ -477,16 +484,6 @@ FILL_OFFSETS = {"sorted-gaps": [7, 50, 50, 290], "unsorted": [250, 10, 240, -3, 
                 "past-the-end": [-(2**31), 280, 2**31 - 1, 120]}
 
 
-def covered(offsets, tokens: int, max_len: int) -> np.ndarray:
-    """Boolean [tokens]: whether some sequence attends the token, offsets clamped as the kernels do."""
-    mask = np.zeros(tokens, bool)
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        start = min(max(int(start), 0), tokens)
-        end = min(max(int(end), start), tokens)
-        mask[start:start + min(end - start, max_len)] = True
-    return mask
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,causal", [("THD", True), ("HTD", False)])
 def test_rows_no_block_computes_are_zero_and_inf(layout, causal, forward_kernels):
@@ -517,7 +514,7 @@ def test_rows_no_block_computes_are_zero_and_inf(layout, causal, forward_kernels
             o, lse = plan.forward(gpu.run, p.with_(forward_kernel=kernel), q, k, v, offsets[None],
                                   offsets[None])
             results[kernel] = (to_numpy(o, layout), np.asarray(lse)[0].T)  # [tokens, H, D], [tokens, H]
-        mask = covered(values, tokens, max_len)
+        mask = attended_mask(values, tokens, max_len)
         (o, lse), (o_portable, lse_portable) = results["hopper"], results["portable"]
         assert np.all(o[~mask] == 0), (name, np.flatnonzero(~mask & np.any(o != 0, axis=(1, 2))))
         assert np.all(lse[~mask] == np.inf), (name, np.flatnonzero(~mask & np.any(lse != np.inf, axis=1)))
@@ -631,11 +628,7 @@ def test_backward_keeps_inf_and_nan_in_unattended_tokens_out(operand, layout, ba
     unattended. Causal on k, GQA."""
     max_len, dim = 150, 128
     batch = Batch.make([5, 0, 200, 3, 70], 4, dim, kv_heads=2, extra=90, seed=3)
-    attended = attended_mask(batch.offsets, len(batch.q), max_len)
-    poisoned = getattr(batch, operand).copy()
-    poisoned[np.flatnonzero(~attended)[::3]] = np.nan
-    poisoned[np.flatnonzero(~attended)[1::3]] = np.inf
-    setattr(batch, operand, poisoned)
+    attended = poison_unattended(batch, operand, max_len)
     results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
                       causal=operand == "k", backend="triton")
     assert backward_kernels == ["hopper", "ran"]
@@ -725,7 +718,7 @@ def test_backward_rows_no_block_computes_are_zero(layout, causal, backward_kerne
             grads = plan.backward(gpu.run, p.with_(backward_kernel=kernel), q, k, v, offsets, offsets, o, lse,
                                   do)
             results[kernel] = [to_numpy(x, layout) for x in grads]
-        mask = covered(values, tokens, max_len)
+        mask = attended_mask(values, tokens, max_len)
         for what, got, want in zip(("dq", "dk", "dv"), results["hopper"], results["portable"]):
             nonzero = np.flatnonzero(~mask & np.any(got != 0, axis=(1, 2)))
             assert np.all(got[~mask] == 0), (name, what, nonzero)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import triton
 import triton.language as tl
-from helpers import to_numpy
+from helpers import attended_mask, to_numpy
 
 import jagged_flash_jax as jfa
 from jagged_flash_jax import configs, transforms
@@ -164,17 +164,6 @@ ADVERSARIAL_INT64_OFFSETS = [
 CASES = [(offsets, False) for offsets in ADVERSARIAL_OFFSETS] + [(o, True) for o in ADVERSARIAL_INT64_OFFSETS]
 
 
-def covered(offsets, tokens: int, max_len: int) -> np.ndarray:
-    """Boolean [tokens]: whether some sequence attends the token, each offset clamped into [0, tokens]
-    and each end to at least its start, as the kernels do."""
-    mask = np.zeros(tokens, bool)
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        start = min(max(int(start), 0), tokens)
-        end = min(max(int(end), start), tokens)
-        mask[start:start + min(end - start, max_len)] = True
-    return mask
-
-
 @functools.cache
 def _ops(backend: str):
     """The jitted ops the cases run, made once per process, so that every case of a variant (the
@@ -217,11 +206,11 @@ def _check_offsets_case(offsets, int64: bool, backend: str, hopper: bool, varian
             "jagged_attention cross window softcap alibi": (
                 lambda q, k, v: options_op(q, k, v, q_offsets, kv_offsets, slopes), (q, kv, kv), "THD", True),
         }
-        q_mask = covered(offsets, TOKENS, MAX_SEQ_LEN)
+        q_mask = attended_mask(offsets, TOKENS, MAX_SEQ_LEN)
         for name, (op, args, layout, cross) in cases.items():
             o, vjp = jax.vjp(op, *args)
             results = dict(zip(["o", "dq", "dk", "dv"], (o, *vjp(jnp.ones_like(o)))))
-            kv_mask = covered(kv_offsets, KV_TOKENS, KV_MAX_SEQ_LEN) if cross else q_mask
+            kv_mask = attended_mask(kv_offsets, KV_TOKENS, KV_MAX_SEQ_LEN) if cross else q_mask
             for what, x in results.items():
                 x = to_numpy(x, layout)
                 assert np.all(np.isfinite(x)), f"{name} ({variant}): {what} is not finite (a read outside)"

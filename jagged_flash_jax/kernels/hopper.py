@@ -224,16 +224,31 @@ def _softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, slope, masked, QK_SC
 
 
 @gluon.jit
-def _zero_tail_rows(v_buf, n_rows, BLOCK_N: gl.constexpr):
-    """Zero the rows >= n_rows of a value tile in shared memory (other tokens, maybe NaN). Run by one
-    warpgroup (4 warps)."""
+def _zero_rows(buf, n_rows, ROWS: gl.constexpr):
+    """Zero the rows >= n_rows of a [ROWS, D] tile in shared memory (other tokens, maybe NaN), by one
+    warpgroup (4 warps); `_publish` then makes the writes visible to the wgmma products."""
     blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    tile = v_buf.load(blocked)
-    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blocked))
+    tile = buf.load(blocked)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blocked))
     tile = gl.where(gl.expand_dims(rows < n_rows, 1), tile, gl.zeros_like(tile))
-    v_buf.store(tile)
-    fence_async_shared()  # generic-proxy writes, read next by wgmma (async proxy)
-    _partition_barrier()  # every warp's rows written before the arrival that releases them
+    buf.store(tile)
+
+
+@gluon.jit
+def _publish():
+    """After `_zero_rows`: the generic-proxy writes visible to wgmma (the async proxy), and every warp's
+    rows written before the mbarrier arrival that hands the tile to the other warpgroup."""
+    fence_async_shared()
+    _partition_barrier()
+
+
+@gluon.jit
+def _program(params_ptr, BLOCKS: gl.constexpr, NUM_HEADS: gl.constexpr):
+    """(sequence or fill, head, slot, slots) of a one-axis grid of params[BLOCKS] + 1 slots per (sequence
+    or fill, head), each (sequence or fill, head)'s slots adjacent."""
+    slots = gl.load(params_ptr + BLOCKS) + 1
+    pid = gl.program_id(0)
+    return pid // slots // NUM_HEADS, (pid // slots) % NUM_HEADS, pid % slots, slots
 
 
 @gluon.jit
@@ -325,7 +340,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
         mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
         if tail < BLOCK_N:
             if WG == 0:
-                _zero_tail_rows(v_smem.index(vs), tail, BLOCK_N)
+                _zero_rows(v_smem.index(vs), tail, BLOCK_N)
+                _publish()
                 mbarrier.arrive(tail_bar, count=1)
             else:
                 mbarrier.wait(tail_bar, 0)
@@ -359,21 +375,19 @@ def attention_fwd_kernel(
 ):
     """o and the base-2 log-sum-exp of one block of BLOCK_M (= 128, two warpgroups') queries of one
     (sequence, head), or a zero fill, on a one-axis grid of (sequence or fill, head, slot), slots
-    adjacent and counting down. A sequence's slots are its PARAM_HOPPER_FWD_BLOCKS query blocks, the
-    last first, then (slot 0) the program that zeroes its tokens past Q_MAX_LEN; the extra "sequence"
-    `batch` has one program per slot, each zeroing the tokens of its PARAM_HOPPER_FWD_FILL_CHUNK that no
-    sequence covers (kernels/portable.py's grid, one axis). So every row of o [tokens, H, D] or
-    [H, tokens, D] (q's strides) and of the log-sum-exp [1, H, q_tokens] is written: no memset."""
+    adjacent (`_program`) and counting down. A sequence's slots are its PARAM_HOPPER_FWD_BLOCKS query
+    blocks, the last first, then (slot 0) the program that zeroes its tokens past Q_MAX_LEN; the extra
+    "sequence" `batch` has one program per slot, each zeroing the tokens of its
+    PARAM_HOPPER_FWD_FILL_CHUNK that no sequence covers (kernels/portable.py's grid, one axis). So
+    every row of o [tokens, H, D] or [H, tokens, D] (q's strides) and of the log-sum-exp
+    [1, H, q_tokens] is written: no memset."""
     batch = gl.load(params_ptr + PARAM_BATCH)
     q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
     kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
-    slots = gl.load(params_ptr + PARAM_HOPPER_FWD_BLOCKS) + 1
+    sequence, head, slot, slots = _program(params_ptr, PARAM_HOPPER_FWD_BLOCKS, NUM_HEADS)
+    slot = slots - 1 - slot  # counting down: the tail-zeroing program is slot 0
     q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
     q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
-    pid = gl.program_id(0)
-    slot = slots - 1 - pid % slots
-    head = (pid // slots) % NUM_HEADS
-    sequence = pid // slots // NUM_HEADS
     # The fills are plain stores of the default partition's 4 warps (the worker partitions' warps wait
     # for the kernel's end), in branches of their own that never reach the attention code (the portable
     # kernels' rule: see kernels/__init__.py on ptxas 12.8).
@@ -386,10 +400,10 @@ def attention_fwd_kernel(
                    Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
     else:
         _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr,
-                   lse_ptr, sequence, head, slot - 1, q_tokens, kv_tokens, q_token_stride, q_head_stride,
-                   NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                   ALIBI, QK_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS,
-                   PRODUCER_REGS)
+                   lse_ptr, sequence, head, slot - 1, q_tokens, kv_tokens, q_token_stride,
+                   q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
+                   WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN,
+                   CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit

@@ -65,25 +65,17 @@ from .hopper import (
     PARAM_Q_HEAD_STRIDE,
     PARAM_Q_TOKEN_STRIDE,
     PARAM_Q_TOKENS,
-    _partition_barrier,
+    _program,
+    _publish,
     _tile_origin,
     _tma_load,
+    _zero_rows,
     _zero_tail,
     _zero_uncovered,
 )
 
 PARAM_HOPPER_BWD_BLOCKS: gl.constexpr = gl.constexpr(params.HOPPER_BWD_BLOCKS)
 PARAM_HOPPER_BWD_FILL_CHUNK: gl.constexpr = gl.constexpr(params.HOPPER_BWD_FILL_CHUNK)
-
-
-@gluon.jit
-def _zero_rows(buf, n_rows, ROWS: gl.constexpr):
-    """Zero the rows >= n_rows of a [ROWS, D] tile in shared memory, by one warpgroup (4 warps)."""
-    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    tile = buf.load(blocked)
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blocked))
-    tile = gl.where(gl.expand_dims(rows < n_rows, 1), tile, gl.zeros_like(tile))
-    buf.store(tile)
 
 
 @gluon.jit
@@ -96,18 +88,6 @@ def _store_rows(ptr, acc, first_token, row0, n, head, factor, token_stride, head
     offsets = (first_token + rows).to(gl.int64) * token_stride + head.to(gl.int64) * head_stride
     ptrs = ptr + gl.expand_dims(offsets, 1) + gl.expand_dims(cols, 0)
     gl.store(ptrs, (acc * factor).to(ptr.dtype.element_ty), mask=gl.expand_dims(rows < n, 1))
-
-
-@gluon.jit
-def _program(params_ptr, NUM_HEADS: gl.constexpr):
-    """(sequence or fill, head, slot) of a one-axis grid of PARAM_HOPPER_BWD_BLOCKS + 1 slots per
-    (sequence or fill, head), and the runtime sizes."""
-    slots = gl.load(params_ptr + PARAM_HOPPER_BWD_BLOCKS) + 1
-    pid = gl.program_id(0)
-    slot = pid % slots
-    head = (pid // slots) % NUM_HEADS
-    sequence = pid // slots // NUM_HEADS
-    return sequence, head, slot, slots
 
 
 @gluon.jit
@@ -178,8 +158,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
                 if WG == 0:
                     _zero_rows(q, last_rows, BLOCK_M)
                     _zero_rows(do, last_rows, BLOCK_M)
-                    fence_async_shared()  # generic-proxy writes, read next by wgmma (async proxy)
-                    _partition_barrier()
+                    _publish()
                     mbarrier.arrive(tail_bar.index(slot), count=1)
                 else:
                     mbarrier.wait(tail_bar.index(slot), (tail_phases >> slot) & 1)
@@ -252,7 +231,7 @@ def attention_bwd_dkdv_kernel(
     are its key blocks, the first first (the costliest under causal), then the program zeroing its
     tokens past KV_MAX_LEN; the fill "sequence" `batch` zeroes the tokens no sequence covers. Every row
     of dk, dv (k's strides) is written."""
-    sequence, kv_head, slot, slots = _program(params_ptr, NUM_KV_HEADS)
+    sequence, kv_head, slot, slots = _program(params_ptr, PARAM_HOPPER_BWD_BLOCKS, NUM_KV_HEADS)
     batch = gl.load(params_ptr + PARAM_BATCH)
     kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
     kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
@@ -364,8 +343,7 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar,
             # K rows past n_k (other tokens, maybe NaN): zeroed before dS K reads them.
             if WG == 0:
                 _zero_rows(k, n_k - key_start, BLOCK_N)
-                fence_async_shared()
-                _partition_barrier()
+                _publish()
                 mbarrier.arrive(tail_bar, count=1)
             else:
                 mbarrier.wait(tail_bar, 0)
@@ -420,7 +398,7 @@ def attention_bwd_dq_kernel(
     blocks, the last first (the costliest under causal), then (last slot) the program zeroing its tokens
     past Q_MAX_LEN; the fill "sequence" `batch` zeroes the tokens no sequence covers. Every row of dq
     (q's strides) is written."""
-    sequence, head, slot, slots = _program(params_ptr, NUM_HEADS)
+    sequence, head, slot, slots = _program(params_ptr, PARAM_HOPPER_BWD_BLOCKS, NUM_HEADS)
     batch = gl.load(params_ptr + PARAM_BATCH)
     q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
     q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN

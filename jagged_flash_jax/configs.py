@@ -22,10 +22,10 @@ TUNED_CONFIGS_ENV = "JAGGED_FLASH_JAX_TUNED_CONFIGS"
 # "hopper": the Hopper one wherever it can run, sequences shorter than HOPPER_FORWARD_MIN_LENGTH too;
 # "auto" or unset: the Hopper forward where it applies and is the faster.
 FORWARD_KERNEL_ENV = "JAGGED_FLASH_JAX_FORWARD"
-FORWARD_KERNEL_CHOICES = ("auto", "portable", "hopper")
 # The same for the backward (kernels/hopper_backward.py or the portable one), chosen on its own.
 BACKWARD_KERNEL_ENV = "JAGGED_FLASH_JAX_BACKWARD"
-BACKWARD_KERNEL_CHOICES = FORWARD_KERNEL_CHOICES
+# What either variable takes.
+KERNEL_CHOICES = ("auto", "portable", "hopper")
 
 MAX_HEAD_DIM = 256
 # The GPU whose table is used for GPUs (and head dimensions) that have no entry of their own.

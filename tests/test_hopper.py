@@ -44,46 +44,46 @@ from jagged_flash_jax.launch import plan
 # ---------------------------------------------------------------------------------------------------
 
 
-def hopper_call(dim: int, causal: bool, layout: str, dtype, window=(None, None), softcap=None, alibi=False):
-    """The Hopper forward's KernelCall and arrays, as plan.forward makes them (GQA, cross-attention;
-    the options of Problem: a window (left, right), a soft cap, ALiBi)."""
+def _problem(dim: int, causal: bool, layout: str, dtype, **kernels_and_options):
+    """A Problem of 4 query heads over 2 kv heads (GQA), 64 query and 48 key tokens (cross-attention),
+    with q and k-shaped zero arrays and its offsets."""
     shape = lambda tokens, heads: (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)  # noqa: E731
     q, kv = jnp.zeros(shape(64, 4), dtype), jnp.zeros(shape(48, 2), dtype)
     p = plan.Problem(layout=layout, num_heads=4, num_kv_heads=2, head_dim=dim, batch=2, num_segments=1,
                      q_tokens=64, kv_tokens=48, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=40,
                      kv_max_seq_len=50, causal=causal, scale=0.1, out_scale=1.0, input_precision="tf32",
-                     block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper",
-                     window=window, softcap=softcap, alibi=alibi)
+                     block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", **kernels_and_options)
+    return p, q, kv, jnp.asarray([[0, 10, 64]], jnp.int32)
+
+
+def _captured(launch, *args):
+    """The (KernelCall, arrays) pairs that `launch` (plan.forward or plan.backward) makes, run nowhere."""
     calls = []
 
     def run(call, arrays):
         calls.append((call, arrays))
         return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
 
-    offsets = jnp.asarray([[0, 10, 64]], jnp.int32)
-    plan.forward(run, p, q, kv, kv, offsets, offsets, jnp.ones(4, jnp.float32) if alibi else None)
-    (call,) = calls
+    launch(run, *args)
+    return calls
+
+
+def hopper_call(dim: int, causal: bool, layout: str, dtype, window=(None, None), softcap=None, alibi=False):
+    """The Hopper forward's KernelCall and arrays, as plan.forward makes them (GQA, cross-attention;
+    the options of Problem: a window (left, right), a soft cap, ALiBi)."""
+    p, q, kv, offsets = _problem(dim, causal, layout, dtype, forward_kernel="hopper", window=window,
+                                 softcap=softcap, alibi=alibi)
+    (call,) = _captured(plan.forward, p, q, kv, kv, offsets, offsets,
+                        jnp.ones(4, jnp.float32) if alibi else None)
     return call
 
 
 def hopper_backward_calls(dim: int, causal: bool, layout: str, dtype):
     """The Hopper backward's two KernelCalls (dk/dv, dq) and arrays, as plan.backward makes them (GQA,
     cross-attention)."""
-    shape = lambda tokens, heads: (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)  # noqa: E731
-    q, kv = jnp.zeros(shape(64, 4), dtype), jnp.zeros(shape(48, 2), dtype)
-    p = plan.Problem(layout=layout, num_heads=4, num_kv_heads=2, head_dim=dim, batch=2, num_segments=1,
-                     q_tokens=64, kv_tokens=48, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=40,
-                     kv_max_seq_len=50, causal=causal, scale=0.1, out_scale=1.0, input_precision="tf32",
-                     block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", backward_kernel="hopper")
-    calls = []
-
-    def run(call, arrays):
-        calls.append((call, arrays))
-        return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
-
-    offsets = jnp.asarray([[0, 10, 64]], jnp.int32)
+    p, q, kv, offsets = _problem(dim, causal, layout, dtype, backward_kernel="hopper")
     lse = jnp.zeros(p.stats_shape, jnp.float32)
-    plan.backward(run, p, q, kv, kv, offsets, offsets, q, lse, q)
+    calls = _captured(plan.backward, p, q, kv, kv, offsets, offsets, q, lse, q)
     calls = [c for c in calls if c[0].descriptors]  # the preprocess is the portable kernel
     assert len(calls) == 2
     return calls

@@ -13,14 +13,13 @@ import jax
 import numpy as np
 
 from ..configs import (
-    BACKWARD_KERNEL_CHOICES,
     BACKWARD_KERNEL_ENV,
-    FORWARD_KERNEL_CHOICES,
     FORWARD_KERNEL_ENV,
     HOPPER_BACKWARD_MIN_LENGTH,
     HOPPER_BACKWARD_TILES,
     HOPPER_FORWARD_MIN_LENGTH,
     HOPPER_FORWARD_TILES,
+    KERNEL_CHOICES,
 )
 from .plan import Problem
 
@@ -53,10 +52,9 @@ def requested(env: str = FORWARD_KERNEL_ENV) -> str:
     """$JAGGED_FLASH_JAX_FORWARD (or `env`: $JAGGED_FLASH_JAX_BACKWARD), checked: "auto" (also when
     unset or empty), "portable" (always the portable kernel) or "hopper" (the Hopper kernel wherever it
     can run, short sequences included)."""
-    choices = FORWARD_KERNEL_CHOICES if env == FORWARD_KERNEL_ENV else BACKWARD_KERNEL_CHOICES
     value = os.environ.get(env, "").strip().lower() or "auto"
-    if value not in choices:
-        raise ValueError(f"{env}={value!r}: expected one of {choices}")
+    if value not in KERNEL_CHOICES:
+        raise ValueError(f"{env}={value!r}: expected one of {KERNEL_CHOICES}")
     return value
 
 

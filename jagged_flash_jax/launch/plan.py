@@ -314,6 +314,15 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None
     return o, lse
 
 
+def _tma_views(p: Problem, q_like, kv_like) -> tuple:
+    """The 2-D views the Hopper kernels' TMA descriptors cover, rows one token stride long (a token in
+    "THD", a (head, token) in "HTD"): the arrays shaped as q, then those shaped as k."""
+    q_token_stride = p.strides(p.num_heads, p.q_tokens)[0]
+    kv_token_stride = p.strides(p.num_kv_heads, p.kv_tokens)[0]
+    return (*(x.reshape(-1, q_token_stride) for x in q_like),
+            *(x.reshape(-1, kv_token_stride) for x in kv_like))
+
+
 def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None):
     """The Hopper forward (kernels/hopper.py): q, k, v as TMA descriptors over 2-D views whose rows are
     one token stride long; per (sequence or zero fill, head) the query blocks and a tail-zeroing program,
@@ -322,9 +331,7 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
     params, constants = _common(p)
     blocks = p.blocks(tiles.block_m, p.q_tokens, p.max_seq_len)
     slots = blocks + 1
-    q_token_stride = p.strides(p.num_heads, p.q_tokens)[0]
-    kv_token_stride = p.strides(p.num_kv_heads, p.kv_tokens)[0]
-    views = (q.reshape(-1, q_token_stride), k.reshape(-1, kv_token_stride), v.reshape(-1, kv_token_stride))
+    views = _tma_views(p, (q,), (k, v))
     call = KernelCall(
         kernels.hopper_attention_fwd_kernel, grid=(p.sequence_heads * slots,),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
@@ -408,10 +415,7 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
     descriptors over the forward's 2-D views (see `_hopper_forward`)."""
     tiles = HOPPER_BACKWARD_TILES[p.head_dim]
     params, constants = _common(p)
-    q_token_stride = p.strides(p.num_heads, p.q_tokens)[0]
-    kv_token_stride = p.strides(p.num_kv_heads, p.kv_tokens)[0]
-    views = (q.reshape(-1, q_token_stride), do.reshape(-1, q_token_stride), k.reshape(-1, kv_token_stride),
-             v.reshape(-1, kv_token_stride))
+    views = _tma_views(p, (q, do), (k, v))
     shared = {name: constants[name] for name in (
         "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")}
     shared.update(DS_SCALE=p.scale * p.out_scale, CONSUMER_REGS=HOPPER_CONSUMER_REGS,

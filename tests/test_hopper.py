@@ -205,23 +205,29 @@ def test_the_hopper_backward_compiles_for_sm90a(dim, causal, layout, dtype):
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def forward_kernels(monkeypatch):
-    """The forward kernel chosen for each call (launch/hopper.py's answer, recorded), on a Hopper GPU;
-    the Hopper forward asked for wherever it can run (these short sequences take the portable one under
-    "auto")."""
+def _recorded_choices(monkeypatch, env: str, chooser: str) -> list:
+    """On a Hopper GPU (else the test skips), the Hopper kernel asked for through `env` and every answer
+    of launch/hopper.py's `chooser` recorded in the returned list."""
     if hopper_launch.device_capability() is None or hopper_launch.device_capability()[0] != 9:
         pytest.skip(f"needs a Hopper GPU (compute capability 9.x), not {hopper_launch.device_capability()}")
-    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
+    monkeypatch.setenv(env, "hopper")
     chosen = []
-    choose = hopper_launch.forward_kernel
+    choose = getattr(hopper_launch, chooser)
 
     def record(p, dtype):
         chosen.append(choose(p, dtype))
         return chosen[-1]
 
-    monkeypatch.setattr(hopper_launch, "forward_kernel", record)
+    monkeypatch.setattr(hopper_launch, chooser, record)
     return chosen
+
+
+@pytest.fixture
+def forward_kernels(monkeypatch):
+    """The forward kernel chosen for each call (launch/hopper.py's answer, recorded), on a Hopper GPU;
+    the Hopper forward asked for wherever it can run (these short sequences take the portable one under
+    "auto")."""
+    return _recorded_choices(monkeypatch, configs.FORWARD_KERNEL_ENV, "forward_kernel")
 
 
 CASES = {
@@ -263,17 +269,18 @@ def slopes_for(heads: int) -> np.ndarray:
     return np.asarray([0.5**h for h in range(1, heads)] + [2.0], np.float32)
 
 
-def check(case: str, layout: str, precision: str, forward_kernels, want="hopper", **options):
-    spec = dict(CASES[case])
+def matches_float64(spec: dict, layout: str, precision: str, seed: int, **options) -> None:
+    """A case of CASES or BACKWARD_CASES on the triton backend: o and dq, dk, dv against float64, with
+    the case's options (a window, a soft cap, ALiBi with `slopes_for`'s slopes)."""
+    spec = dict(spec)
     dtype, _, tol = TOLERANCES[precision]
     batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
                        kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None),
-                       lead=3, extra=70, seed=len(case), scale=0.6)
+                       lead=3, extra=70, seed=seed, scale=0.6)
     slopes = slopes_for(batch.q.shape[1]) if spec.pop("alibi", False) else None
     if slopes is not None:
         options["alibi_slopes"] = jnp.asarray(slopes)
     results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend="triton", **spec, **options)
-    assert forward_kernels == [want]
     max_len, kv_max = spec["max_seq_len"], spec.get("kv_max_seq_len", spec["max_seq_len"])
     scale = spec.get("scale", batch.q.shape[-1] ** -0.5)
     expected = reference(*results[:4], batch.offsets, max_len, kv_offsets=batch.kv_offsets,
@@ -283,6 +290,11 @@ def check(case: str, layout: str, precision: str, forward_kernels, want="hopper"
     assert_matches(results, expected, tol,
                    attended_q=attended_mask(batch.offsets, batch.q.shape[0], max_len),
                    attended_kv=attended_mask(batch.key_offsets, batch.k.shape[0], kv_max))
+
+
+def check(case: str, layout: str, precision: str, forward_kernels, want="hopper", **options):
+    matches_float64(CASES[case], layout, precision, seed=len(case), **options)
+    assert forward_kernels == [want]
 
 
 @pytest.mark.gpu
@@ -534,22 +546,13 @@ def backward_kernels(monkeypatch):
     """The backward kernel chosen for each call (launch/hopper.py's answer), on a Hopper GPU, the Hopper
     backward asked for wherever it can run (these short sequences take the portable one under "auto");
     and, last in the list, how many times plan.backward went to `_hopper_backward` (the spy: "ran")."""
-    if hopper_launch.device_capability() is None or hopper_launch.device_capability()[0] != 9:
-        pytest.skip(f"needs a Hopper GPU (compute capability 9.x), not {hopper_launch.device_capability()}")
-    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "hopper")
-    chosen = []
-    choose = hopper_launch.backward_kernel
+    chosen = _recorded_choices(monkeypatch, configs.BACKWARD_KERNEL_ENV, "backward_kernel")
     launch = plan._hopper_backward
-
-    def record(p, dtype):
-        chosen.append(choose(p, dtype))
-        return chosen[-1]
 
     def spy(*args, **kwargs):
         chosen.append("ran")
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(hopper_launch, "backward_kernel", record)
     monkeypatch.setattr(plan, "_hopper_backward", spy)
     return chosen
 
@@ -566,22 +569,10 @@ BACKWARD_CASES = {
 
 
 def check_backward(case: str, layout: str, precision: str, backward_kernels, want="hopper", **options):
-    """check() on BACKWARD_CASES: o (the forward as "auto" picks it) and dq, dk, dv against float64, and
-    the backward that ran."""
-    spec = dict(BACKWARD_CASES[case])
-    dtype, _, tol = TOLERANCES[precision]
-    batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
-                       kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None),
-                       lead=3, extra=70, seed=len(case) + 1, scale=0.6)
-    results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend="triton", **spec, **options)
+    """`matches_float64` on BACKWARD_CASES (o from the forward as "auto" picks it), and the backward
+    that ran."""
+    matches_float64(BACKWARD_CASES[case], layout, precision, seed=len(case) + 1, **options)
     assert backward_kernels == ([want, "ran"] if want == "hopper" else [want])
-    max_len, kv_max = spec["max_seq_len"], spec.get("kv_max_seq_len", spec["max_seq_len"])
-    expected = reference(*results[:4], batch.offsets, max_len, kv_offsets=batch.kv_offsets,
-                         kv_max_seq_len=kv_max, scale=spec.get("scale", batch.q.shape[-1] ** -0.5),
-                         causal=spec.get("causal", False))
-    assert_matches(results, expected, tol,
-                   attended_q=attended_mask(batch.offsets, batch.q.shape[0], max_len),
-                   attended_kv=attended_mask(batch.key_offsets, batch.k.shape[0], kv_max))
 
 
 @pytest.mark.gpu

@@ -72,7 +72,7 @@ def _run_on_host(call: KernelCall, *arrays: np.ndarray):
 
 
 def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-    if call.descriptors:  # the Hopper forward's: Gluon kernels have no interpreter
+    if call.descriptors:  # the Hopper kernels': Gluon kernels have no interpreter
         raise ValueError(f"{call.kernel.__name__} runs on the GPU only (TMA descriptors)")
     _compat.triton_internals()  # an unsupported Triton fails here, at trace time, with its own message
     return jax.pure_callback(functools.partial(_run_on_host, call), call.out_shapes, *arrays)

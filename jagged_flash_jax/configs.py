@@ -94,8 +94,11 @@ HOPPER_FORWARD_TILES = {
 HOPPER_FORWARD_MIN_LENGTH = 1025
 HOPPER_CONSUMER_REGS = 240
 HOPPER_PRODUCER_REGS = 24
-# The Hopper backward takes the forward's threshold under "auto" (not measured on its own below L4096).
-HOPPER_BACKWARD_MIN_LENGTH = HOPPER_FORWARD_MIN_LENGTH
+# Under "auto" the Hopper backward runs from sequences of this many tokens, and at these head dimensions
+# only: below, and at D = 64, the portable backward is as fast or faster (H200, docs/performance.md,
+# "Hopper kernels"). "hopper" runs it at every length and head dimension of HOPPER_BACKWARD_TILES.
+HOPPER_BACKWARD_MIN_LENGTH = 512
+HOPPER_BACKWARD_AUTO_HEAD_DIMS = (128,)
 # The Hopper backward (kernels/hopper_backward.py), by head dimension: the dk/dv program's query tile
 # (block_m; its 128 keys are two consumer warpgroups of 64) and the dq program's key tile (block_n; its
 # 128 queries two warpgroups of 64), each with its ring of num_stages; max_registers as the forward's.

@@ -878,8 +878,8 @@ def test_other_gpus_take_the_portable_backward(hopper_backward_gpu, monkeypatch,
 
 def test_the_environment_chooses_the_backward(hopper_backward_gpu, monkeypatch):
     """"portable" always, "hopper" wherever it can run; "auto" (or unset) the Hopper backward from
-    HOPPER_BACKWARD_MIN_LENGTH tokens (of the longer of max_seq_len and kv_max_seq_len); each kernel's
-    variable chooses its own."""
+    HOPPER_BACKWARD_MIN_LENGTH tokens (of the longer of max_seq_len and kv_max_seq_len) at the head
+    dimensions of HOPPER_BACKWARD_AUTO_HEAD_DIMS; each kernel's variable chooses its own."""
     shortest = configs.HOPPER_BACKWARD_MIN_LENGTH
     hopper, portable = HOPPER_BACKWARD, PORTABLE_BACKWARD
     for value, max_seq_len, want in (("portable", 4096, portable), ("hopper", 32, hopper),
@@ -889,6 +889,8 @@ def test_the_environment_chooses_the_backward(hopper_backward_gpu, monkeypatch):
         assert _backward_kernels(hopper_backward_gpu, max_seq_len=max_seq_len) == want, (value, max_seq_len)
     monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "auto")
     assert _backward_kernels(hopper_backward_gpu, cross=True, kv_max_seq_len=shortest) == HOPPER_BACKWARD
+    # "auto" keeps D = 64 on the portable backward (the faster there); "hopper" runs it (above).
+    assert _backward_kernels(hopper_backward_gpu, dim=64, max_seq_len=4096) == PORTABLE_BACKWARD
     # The forward's variable does not choose the backward, nor the reverse.
     monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "portable")
     monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")

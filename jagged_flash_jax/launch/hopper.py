@@ -15,6 +15,7 @@ import numpy as np
 from ..configs import (
     BACKWARD_KERNEL_ENV,
     FORWARD_KERNEL_ENV,
+    HOPPER_BACKWARD_AUTO_HEAD_DIMS,
     HOPPER_BACKWARD_MIN_LENGTH,
     HOPPER_BACKWARD_TILES,
     HOPPER_FORWARD_MIN_LENGTH,
@@ -115,9 +116,12 @@ def backward_portable_reason(p: Problem, dtype) -> str | None:
         return f"head dimension {p.head_dim} (only {sorted(HOPPER_BACKWARD_TILES)})"
     if p.window != (None, None) or p.softcap is not None or p.alibi:
         return "a window, soft cap or ALiBi (only plain and causal attention)"
-    if (requested(BACKWARD_KERNEL_ENV) == "auto"
-            and max(p.max_seq_len, p.kv_max_seq_len) < HOPPER_BACKWARD_MIN_LENGTH):
-        return f"sequences of at most {HOPPER_BACKWARD_MIN_LENGTH - 1} tokens (the forward's threshold)"
+    if requested(BACKWARD_KERNEL_ENV) == "auto":
+        if max(p.max_seq_len, p.kv_max_seq_len) < HOPPER_BACKWARD_MIN_LENGTH:
+            shortest = HOPPER_BACKWARD_MIN_LENGTH
+            return f"sequences of at most {shortest - 1} tokens (the portable backward is faster)"
+        if p.head_dim not in HOPPER_BACKWARD_AUTO_HEAD_DIMS:
+            return f"head dimension {p.head_dim} (the portable backward is faster)"
     return _device_reason(p, dtype)
 
 

@@ -205,19 +205,6 @@ def _capped_biased(s, offset, slope, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
 
 
 @gluon.jit
-def _in_band(keep, distance, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):
-    """keep, and whether distance = i + shift - j (query i, key j) lies in the band (common._band):
-    -WINDOW_RIGHT <= distance <= WINDOW_LEFT (a bound of -1 is none), and distance >= 0 when CAUSAL."""
-    if CAUSAL:
-        keep = keep & (distance >= 0)
-    if WINDOW_RIGHT >= 0:
-        keep = keep & (distance >= -WINDOW_RIGHT)
-    if WINDOW_LEFT >= 0:
-        keep = keep & (distance <= WINDOW_LEFT)
-    return keep
-
-
-@gluon.jit
 def _softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, slope, masked, QK_SCALE: gl.constexpr,
                   CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -234,7 +221,12 @@ def _softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, slope, masked, QK_SC
         if BANDED:
             rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, s_layout))
             distance = gl.expand_dims(rows + shift, 1) - gl.expand_dims(cols, 0)  # i + shift - j
-            keep = _in_band(keep, distance, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
+            if CAUSAL:
+                keep = keep & (distance >= 0)
+            if WINDOW_RIGHT >= 0:
+                keep = keep & (distance >= -WINDOW_RIGHT)
+            if WINDOW_LEFT >= 0:
+                keep = keep & (distance <= WINDOW_LEFT)
         s = gl.where(keep, s, -INF)
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     if BANDED:  # a row may have seen no key yet (max -inf): subtract 0 there, not -inf

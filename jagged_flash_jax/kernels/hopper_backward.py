@@ -200,8 +200,8 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
             if masked:
                 keep = gl.expand_dims(cols < n_q, 0)
                 if BANDED:  # common._band of queries cols (at key positions cols + shift), keys key_rows
-                    keep = _band(keep, gl.expand_dims(cols + shift, 0), gl.expand_dims(key_rows, 1), 0, CAUSAL,
-                                 WINDOW_LEFT, WINDOW_RIGHT)
+                    keep = _band(keep, gl.expand_dims(cols + shift, 0), gl.expand_dims(key_rows, 1), 0,
+                                 CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
                 pt = gl.where(keep, pt, 0.0)
             p_op = gl.convert_layout(pt.to(dtype), op_layout)
             if SOFTCAP > 0:  # dS^T takes the cap's derivative, 1 - tanh^2: folded into P^T here
@@ -475,8 +475,8 @@ def _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_o
         params_ptr, dq_ptr, sequence, head, block, q_tokens, q_token_stride, q_head_stride,
         KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr,
         CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-        ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr):
     """Query block `block` of (sequence, head): the warp-specialized dq (rows < n_q only)."""
     q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
@@ -517,13 +517,13 @@ def _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_o
 
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar, lse_ptr,
-                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, slope, start_m,
-                            head, q_token_stride, q_head_stride, D, BLOCK_N, STAGES, CAUSAL, WINDOW_LEFT,
-                            WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, 0)),
+                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, slope,
+                            start_m, head, q_token_stride, q_head_stride, D, BLOCK_N, STAGES, CAUSAL,
+                            WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, 0)),
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar, lse_ptr,
-                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, slope, start_m,
-                            head, q_token_stride, q_head_stride, D, BLOCK_N, STAGES, CAUSAL, WINDOW_LEFT,
-                            WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, 1)),
+                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, slope,
+                            start_m, head, q_token_stride, q_head_stride, D, BLOCK_N, STAGES, CAUSAL,
+                            WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, 1)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready,
                             empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, BLOCK_N,
                             STAGES)),

@@ -418,8 +418,8 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
     params, constants = _common(p)
     views = _tma_views(p, (q, do), (k, v))
     shared = {name: constants[name] for name in (
-        "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "WINDOW_LEFT", "WINDOW_RIGHT", "SOFTCAP", "ALIBI",
-        "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")}
+        "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "WINDOW_LEFT", "WINDOW_RIGHT", "SOFTCAP",
+        "ALIBI", "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")}
     shared.update(DS_SCALE=p.scale * p.out_scale, CONSUMER_REGS=HOPPER_CONSUMER_REGS,
                   PRODUCER_REGS=HOPPER_PRODUCER_REGS)
     arrays = (*views, lse, delta, q_offsets, kv_offsets, _slopes(p, slopes))

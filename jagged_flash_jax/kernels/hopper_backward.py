@@ -1,36 +1,47 @@
 """The Hopper (sm_90a) backward, in Gluon: dk/dv and dq kernels with the portable backward's contract
-(kernels/portable.py's attention_bwd_kernel, without windows, soft caps or ALiBi, which launch/hopper.py
-keeps on the portable backward), next to the Hopper forward (kernels/hopper.py, whose addressing, bounds
-and zero fills these share).
+(kernels/portable.py's attention_bwd_kernel: causal, windows, soft caps and ALiBi included), next to the
+Hopper forward (kernels/hopper.py, whose addressing, bounds, zero fills and score transform these
+share).
 
 Both take q, do, k, v as TMA descriptors over the forward's 2-D views (one row per token in "THD", per
 (head, token) in "HTD": see kernels/hopper.py), the float32 log-sum-exp (base 2, in units of the unscaled
 scores, +inf for a query with no key) and delta = rowsum(o * do) / OUT_SCALE (minus the log-sum-exp's
 own gradient, see _util.lse_gradient), both [1, H, q_tokens], by plain loads. With P = exp2((S - lse) *
-QK_SCALE), S = q k^T unscaled and dS = P (dP - delta), dP = do v^T: dv = OUT_SCALE * P^T do,
-dk = DS_SCALE * dS^T q, dq = DS_SCALE * dS k (DS_SCALE = scale * OUT_SCALE). Per sequence n_q =
-min(len_q, Q_MAX_LEN) queries against n_k = min(len_kv, KV_MAX_LEN) keys, causal bottom-right aligned
-(query i sees key j <= i + n_k - n_q), GQA (kv head = head // KV_GROUP). Every output element has one
-writer and there are no atomics: bitwise deterministic.
+QK_SCALE), S the scores of q k^T unscaled and dS = P (dP - delta) S', dP = do v^T: dv = OUT_SCALE *
+P^T do, dk = DS_SCALE * dS^T q, dq = DS_SCALE * dS k (DS_SCALE = scale * OUT_SCALE). S and S' are
+common._scores' (in units of the unscaled scores, as lse): S = SOFTCAP * tanh(q k^T / SOFTCAP) -
+slope * |i + n_k - n_q - j| and S' = 1 - tanh^2 with a soft cap (SOFTCAP, the cap divided by the scale;
+0 none), 1 without; the ALiBi slopes [1, H] from slopes_ptr (divided by the scale, read only with
+ALIBI), each query head its own. Per sequence n_q = min(len_q, Q_MAX_LEN) queries against n_k =
+min(len_kv, KV_MAX_LEN) keys, the band bottom-right aligned (common._band: query i at key position
+i + n_k - n_q; causal, and a window of WINDOW_LEFT / WINDOW_RIGHT keys, -1 for none), GQA (kv head =
+head // KV_GROUP). Every output element has one writer and there are no atomics: bitwise
+deterministic.
 
 dk/dv (`attention_bwd_dkdv_kernel`): one program per (sequence, kv head, block of 128 keys). A 1-warp
 producer partition loads the block's K and V once (two halves of 64 rows), then streams the Q and dO
-tiles of BLOCK_M queries (of each of the KV_GROUP query heads in turn; under causal from the first tile
-that sees a key of the block) into a STAGES-deep ring (ready / empty mbarriers, the empty ones counting
-2). Two consumer warpgroups (the default partition and a worker, setmaxnreg CONSUMER_REGS /
+tiles of BLOCK_M queries that see a key of the block (of each of the KV_GROUP query heads in turn; under
+causal from the first such tile, and a window bounds them on both sides, common._query_ranges: the
+cost grows with the window, not with n_q) into a STAGES-deep ring (ready / empty mbarriers, the empty
+ones counting 2). Two consumer warpgroups (the default partition and a worker, setmaxnreg CONSUMER_REGS /
 PRODUCER_REGS) own 64 key rows each, dK and dV in float32 registers. Per query tile: S^T = K Q^T and
-dP^T = V dO^T issued together; P^T = exp2((S^T - lse) * QK_SCALE) while dP^T is in flight; dV += P^T dO
-(async); dS^T = P^T (dP^T - delta); dK += dS^T Q; wait; release the slot. A tile's rows past n_q are
-other tokens (maybe NaN, and 0 * NaN is NaN in the products): warpgroup 0 zeroes them in Q and dO in
-shared memory and signals warpgroup 1 through the slot's tail mbarrier, and P^T, dS^T are masked there.
-Rows of K and V past n_k only reach their own rows of dK and dV, which are not stored.
+dP^T = V dO^T issued together; P^T = exp2((S^T - lse) * QK_SCALE) while dP^T is in flight (masked,
+by a select, in the tiles where some query of the tile misses some key of the warpgroup's or is past
+n_q: the band's edges and the sequence's last tile); dV += P^T dO (async); dS^T = P^T S'^T (dP^T -
+delta); dK += dS^T Q; wait; release the slot. A tile's rows past n_q are other tokens (maybe NaN, and
+0 * NaN is NaN in the products): warpgroup 0 zeroes them in Q and dO in shared memory and signals
+warpgroup 1 through the slot's tail mbarrier, and P^T, dS^T are masked there. Rows of K and V past n_k
+only reach their own rows of dK and dV, which are not stored.
 
 dq (`attention_bwd_dq_kernel`): the forward's structure. One program per (sequence, head, block of 128
 queries); the producer loads the two warpgroups' Q and dO tiles (64 rows each) once, then K_j, V_j of
 BLOCK_N keys (the block's band, `common._key_ranges`) into the ring; per key tile each consumer computes
-S = Q K^T and dP = dO V^T (async), P, dS = P (dP - delta) (masked in the band's edge tiles and the
-sequence's last one: V rows past n_k make dP NaN), dQ += dS K. The last K tile's rows past n_k are
-zeroed in shared memory first (dS is 0 there, K maybe NaN).
+S = Q K^T and dP = dO V^T (async), P, dS = P S' (dP - delta) (selected in the band's edge tiles and
+the sequence's last one: P may be inf outside the band, and V rows past n_k make dP NaN), dQ += dS K.
+The last K tile's rows past n_k are zeroed in shared memory first (dS is 0 there, K maybe NaN).
+
+The options cost nothing when off (constexpr branches): without a window, the tile ranges and the
+dk/dv programs' mask test are those of plain and causal attention alone.
 
 Both grids are one axis of (sequence or zero fill, head, slot), as the Hopper forward's: each sequence's
 slots are its blocks and one program zeroing its tokens past the maximum length; the extra "sequence"
@@ -40,7 +51,8 @@ the attention code (see kernels/__init__.py on ptxas 12.8).
 
 These are the `dkdv base+ld` and `dq base+bn128` variants of the probe kept in
 benchmarks/results/profile/2026-12-01d_gluon_backward_probe.md (self-attention, outputs pre-zeroed),
-with cross-attention, strides and the zero fills added; measured in docs/performance.md.
+with cross-attention, strides, the zero fills and the options added; measured in
+docs/performance.md.
 """
 
 from triton.experimental import gluon

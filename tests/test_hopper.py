@@ -5,12 +5,13 @@ truncated sequences, FBGEMM's op, 16-bit inputs, D = 128 and 256, with the gradi
 backward takes from its log-sum-exp; inf and nan in unattended tokens, large logits (soft-capped too),
 the log-sum-exp returned, a jitted training step run twice, and the kernel's own zero fill (o = 0,
 log-sum-exp +inf) under adversarial offsets. The Hopper backward (kernels/hopper_backward.py) likewise:
-its dk/dv and dq kernels compiled for sm_90a (D = 64 causal, D = 128 not, both layouts, both 16-bit
-types), and on a Hopper GPU against float64 (both layouts, causal, GQA/MQA, cross-attention both
-ways, empty and truncated sequences, D = 64, float16, FBGEMM's op, inf and nan in unattended tokens),
-bitwise deterministic with the Hopper forward, the gradients of the log-sum-exp against the portable
-backward, and its own zero fill under adversarial offsets; a spy on plan._hopper_backward says it ran.
-The compile tests follow jax-triton 0.4.1's pipeline (make_ttir on the Gluon module, which
+its dk/dv and dq kernels compiled for sm_90a (D = 64 causal, D = 128 with every option on, both
+layouts, both 16-bit types), and on a Hopper GPU against float64 (both layouts, causal, windows (left,
+right, both), a soft cap, ALiBi, all with causal, GQA/MQA, cross-attention both ways, empty and
+truncated sequences, D = 64 and 128, float16, FBGEMM's op, inf and nan in unattended tokens, the
+options' too), bitwise deterministic with the Hopper forward, the gradients of the log-sum-exp against
+the portable backward, and its own zero fill under adversarial offsets; a spy on plan._hopper_backward
+says it ran. The compile tests follow jax-triton 0.4.1's pipeline (make_ttir on the Gluon module, which
 triton.compile skips). Which problems take the Hopper kernels, and their launches' exact arguments:
 test_launchers.py."""
 
@@ -78,12 +79,15 @@ def hopper_call(dim: int, causal: bool, layout: str, dtype, window=(None, None),
     return call
 
 
-def hopper_backward_calls(dim: int, causal: bool, layout: str, dtype):
+def hopper_backward_calls(dim: int, causal: bool, layout: str, dtype, window=(None, None), softcap=None,
+                          alibi=False):
     """The Hopper backward's two KernelCalls (dk/dv, dq) and arrays, as plan.backward makes them (GQA,
-    cross-attention)."""
-    p, q, kv, offsets = _problem(dim, causal, layout, dtype, backward_kernel="hopper")
+    cross-attention; the options as `hopper_call`'s)."""
+    p, q, kv, offsets = _problem(dim, causal, layout, dtype, backward_kernel="hopper", window=window,
+                                 softcap=softcap, alibi=alibi)
     lse = jnp.zeros(p.stats_shape, jnp.float32)
-    calls = _captured(plan.backward, p, q, kv, kv, offsets, offsets, q, lse, q)
+    calls = _captured(plan.backward, p, q, kv, kv, offsets, offsets, q, lse, q,
+                      jnp.ones(4, jnp.float32) if alibi else None)
     calls = [c for c in calls if c[0].descriptors]  # the preprocess is the portable kernel
     assert len(calls) == 2
     return calls
@@ -182,20 +186,24 @@ def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype, optio
     assert time.perf_counter() - start < 60
 
 
-# (dim, causal, layout, dtype): both head dimensions (their dq pipelines differ: 2 and 3 stages), each
-# layout and 16-bit type once, causal at D = 64 and not at D = 128: the combinations that the GPU run
-# (BACKWARD_CASES below) leaves out, as it launches D = 128 causal and not, and D = 64 not causal.
-BACKWARD_COMPILE_CASES = [(64, True, "THD", jnp.bfloat16), (128, False, "HTD", jnp.float16)]
+# (dim, causal, layout, dtype, options): both head dimensions (their dq pipelines differ: 2 and 3
+# stages), each layout and 16-bit type once; causal without options at D = 64 (the kernels' paths
+# without a window: the dk/dv programs' causal tile test), every option on at D = 128 (a window's two
+# bounds, a soft cap and ALiBi: the windowed tile ranges and masks, the score transform, the cap's
+# derivative), not causal. The GPU run (BACKWARD_CASES below) launches both head dimensions plain,
+# causal and with the options.
+BACKWARD_COMPILE_CASES = [(64, True, "THD", jnp.bfloat16, {}),
+                          (128, False, "HTD", jnp.float16, dict(window=(40, 8), softcap=5.0, alibi=True))]
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
-@pytest.mark.parametrize("dim,causal,layout,dtype", BACKWARD_COMPILE_CASES, ids=_compile_id)
-def test_the_hopper_backward_compiles_for_sm90a(dim, causal, layout, dtype):
+@pytest.mark.parametrize("dim,causal,layout,dtype,options", BACKWARD_COMPILE_CASES, ids=_compile_id)
+def test_the_hopper_backward_compiles_for_sm90a(dim, causal, layout, dtype, options):
     """The dk/dv and dq kernels with the constants plan.backward passes, through jax-triton's pipeline:
     as the forward."""
     if not hopper_launch.gluon_available():
         pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
-    for call, arrays in hopper_backward_calls(dim, causal, layout, dtype):
+    for call, arrays in hopper_backward_calls(dim, causal, layout, dtype, **options):
         ptx, metadata = compile_for_sm90(call, arrays)
         check_compiled(ptx, metadata)
 
@@ -565,6 +573,35 @@ BACKWARD_CASES = {
     # D = 64 (3 stages of 128-key tiles in the dq programs), more keys than queries, not causal, GQA.
     "cross-D64-gqa": dict(lengths=[200, 0, 64, 129], kv_lengths=[300, 7, 0, 129], heads=4, kv_heads=2, dim=64,
                           max_seq_len=256, kv_max_seq_len=280),
+    # The options (the dq programs visit their block's band, the dk/dv programs the query tiles whose
+    # queries see their keys, both masking the band's edge tiles). Each with empty sequences and one
+    # past max_seq_len. A left window under causal, GQA (the forward's case).
+    "window-left-causal-gqa": CASES["window-left-causal-gqa"],
+    # A left window alone, not causal, D = 64: long enough that query tiles before and after a key
+    # block's band are skipped.
+    "window-left-D64": dict(lengths=[400, 0, 5, 260], heads=2, dim=64, max_seq_len=384, window=(90, None)),
+    # A right window alone; cross both ways (n_q > n_k, n_q < n_k), GQA, keys truncated.
+    "cross-window-right-gqa": dict(lengths=[150, 3, 0, 260], kv_lengths=[90, 200, 5, 300], heads=4,
+                                   kv_heads=2, dim=128, max_seq_len=256, kv_max_seq_len=280,
+                                   window=(None, 40)),
+    # Both bounds, D = 64; cross both ways (keys of the last sequence empty), GQA, both truncated.
+    "cross-window-both-D64-gqa": dict(lengths=[17, 600, 90, 140], kv_lengths=[30, 500, 90, 0], heads=4,
+                                      kv_heads=2, dim=64, max_seq_len=512, kv_max_seq_len=480,
+                                      window=(60, 130)),
+    # A right window and a soft cap, MQA (the forward's case).
+    "cross-window-right-softcap-mqa": CASES["cross-window-right-softcap-mqa"],
+    # A soft cap alone, D = 64, at scores large enough against it that its derivative matters.
+    "softcap-D64": dict(lengths=[300, 0, 129, 64], heads=2, dim=64, max_seq_len=256, scale=1.0, softcap=3.0),
+    # ALiBi alone (`slopes_for`'s slopes, one steep); cross both ways, GQA, keys truncated.
+    "cross-alibi-gqa": dict(lengths=[200, 9, 130, 0], kv_lengths=[60, 9, 300, 40], heads=4, kv_heads=2,
+                            dim=128, max_seq_len=256, kv_max_seq_len=256, alibi=True),
+    # Everything with causal: n_q > n_k (whole query blocks see no key), GQA (the forward's case); and at
+    # D = 64 with n_q < n_k, MQA.
+    "cross-causal-all-options-gqa": CASES["cross-causal-all-options-gqa"],
+    "cross-causal-all-options-D64-mqa": dict(lengths=[3, 80, 1, 0, 260], kv_lengths=[90, 200, 0, 5, 300],
+                                             heads=3, kv_heads=1, dim=64, max_seq_len=256,
+                                             kv_max_seq_len=280, causal=True, window=(70, None),
+                                             softcap=10.0, alibi=True),
 }
 
 
@@ -579,7 +616,12 @@ def check_backward(case: str, layout: str, precision: str, backward_kernels, wan
 @pytest.mark.parametrize("case,layout", [
     ("self-causal", "THD"), ("self-causal", "HTD"), ("cross-nq<nk-causal-gqa", "THD"),
     ("cross-nq<nk-causal-gqa", "HTD"), ("cross-nq>nk-causal-mqa", "THD"), ("cross-nq>nk-causal-mqa", "HTD"),
-    ("cross-gqa-truncated", "HTD"), ("cross-D64-gqa", "THD")], ids=str)
+    ("cross-gqa-truncated", "HTD"), ("cross-D64-gqa", "THD"),
+    ("window-left-causal-gqa", "THD"), ("window-left-causal-gqa", "HTD"), ("window-left-D64", "HTD"),
+    ("cross-window-right-gqa", "THD"), ("cross-window-both-D64-gqa", "THD"),
+    ("cross-window-both-D64-gqa", "HTD"), ("cross-window-right-softcap-mqa", "HTD"), ("softcap-D64", "THD"),
+    ("cross-alibi-gqa", "HTD"), ("cross-causal-all-options-gqa", "THD"),
+    ("cross-causal-all-options-gqa", "HTD"), ("cross-causal-all-options-D64-mqa", "THD")], ids=str)
 def test_backward_matches_float64(case, layout, backward_kernels):
     check_backward(case, layout, "bf16", backward_kernels)
 
@@ -624,6 +666,25 @@ def test_backward_keeps_inf_and_nan_in_unattended_tokens_out(operand, layout, ba
                       causal=operand == "k", backend="triton")
     assert backward_kernels == ["hopper", "ran"]
     expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5, causal=operand == "k")
+    assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operand,layout", [("q", "HTD"), ("k", "THD"), ("v", "HTD")])
+def test_backward_keeps_inf_and_nan_in_unattended_tokens_out_with_the_options(operand, layout,
+                                                                            backward_kernels):
+    """The same with a window of both bounds, a soft cap and ALiBi (GQA): the band's edge tiles, masked,
+    hold the tokens past each sequence (the poisoned ones past max_seq_len and after the last)."""
+    max_len, dim, heads = 150, 128, 4
+    batch = Batch.make([5, 0, 200, 140, 3], heads, dim, kv_heads=2, extra=90, seed=7)
+    attended = poison_unattended(batch, operand, max_len)
+    options = dict(window=(70, 20), softcap=8.0)
+    slopes = slopes_for(heads)
+    results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
+                      backend="triton", alibi_slopes=jnp.asarray(slopes), **options)
+    assert backward_kernels == ["hopper", "ran"]
+    expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5, alibi_slopes=slopes,
+                         **options)
     assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
 
 

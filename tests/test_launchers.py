@@ -836,17 +836,22 @@ def _backward_kernels(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_hea
 @pytest.mark.parametrize("case", [
     dict(), dict(layout="HTD"), dict(causal=True), dict(kv_heads=2), dict(kv_heads=1, layout="HTD"),
     dict(cross=True, causal=True, kv_heads=2), dict(cross=True, kv_max_seq_len=8), dict(dim=64),
-    dict(dtype=jnp.float16, causal=True), dict(fbgemm=True), dict(return_lse=True)], ids=str)
+    dict(dtype=jnp.float16, causal=True), dict(fbgemm=True), dict(return_lse=True), dict(window=(8, None)),
+    dict(window=(None, 3), layout="HTD"), dict(softcap=5.0), dict(softcap=5.0, causal=True),
+    dict(alibi_slopes=jnp.ones(4), kv_heads=2),
+    dict(causal=True, window=(8, None), softcap=5.0, alibi_slopes=jnp.ones(4), dim=64)], ids=str)
 def test_hopper_gpus_take_the_hopper_backward(hopper_backward_gpu, case):
+    """Windows, soft caps (causal too, which the forward leaves portable under "auto") and ALiBi
+    included."""
     assert _backward_kernels(hopper_backward_gpu, **case) == HOPPER_BACKWARD
 
 
 @pytest.mark.parametrize("case", [
-    dict(dim=256), dict(dim=32), dict(dtype=jnp.float32), dict(window=(8, None)), dict(softcap=5.0),
-    dict(alibi_slopes=jnp.ones(4)), dict(dim=120)], ids=str)
+    dict(dim=256), dict(dim=32), dict(dtype=jnp.float32), dict(dim=120), dict(dim=256, window=(8, 2))],
+    ids=str)
 def test_the_portable_backward_keeps_what_the_hopper_one_lacks(hopper_backward_gpu, case):
     """D = 256 (dK and dV alone would need 256 registers per consumer thread), other head dimensions,
-    float32, windows, soft caps and ALiBi."""
+    float32."""
     assert _backward_kernels(hopper_backward_gpu, **case) == PORTABLE_BACKWARD
 
 
@@ -891,6 +896,9 @@ def test_the_environment_chooses_the_backward(hopper_backward_gpu, monkeypatch):
     assert _backward_kernels(hopper_backward_gpu, cross=True, kv_max_seq_len=shortest) == HOPPER_BACKWARD
     # "auto" keeps D = 64 on the portable backward (the faster there); "hopper" runs it (above).
     assert _backward_kernels(hopper_backward_gpu, dim=64, max_seq_len=4096) == PORTABLE_BACKWARD
+    # The options too, a causal soft cap included (the forward's rule against it is the forward's).
+    assert _backward_kernels(hopper_backward_gpu, max_seq_len=shortest, causal=True, softcap=5.0,
+                             window=(8, None), alibi_slopes=jnp.ones(4)) == HOPPER_BACKWARD
     # The forward's variable does not choose the backward, nor the reverse.
     monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "portable")
     monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
@@ -951,8 +959,9 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
             assert isinstance(desc, hopper_backward_gpu.TensorDescriptor)
             assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
             assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-        # The log-sum-exp and delta, the offsets.
-        assert [(a.shape, a.dtype) for a in args[4:-1]] == [((1, 4, 40), f32)] * 2 + [((1, 3), i32)] * 2
+        # The log-sum-exp and delta, the offsets, the slopes' one-element placeholder (no ALiBi).
+        assert [(a.shape, a.dtype) for a in args[4:-1]] == ([((1, 4, 40), f32)] * 2 + [((1, 3), i32)] * 2
+                                                            + [((1,), f32)])
         assert hopper_backward_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, *params)
         assert tuple(call.pop("out_type")) == outputs
         options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
@@ -961,10 +970,30 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
             heads = dict(NUM_KV_HEADS=2, OUT_SCALE=1.0, BLOCK_M=64, BLOCK_N=128, STAGES=2)
         else:
             heads = dict(NUM_HEADS=4, BLOCK_M=128, BLOCK_N=128, STAGES=2)
-        assert call == dict(KV_GROUP=2, D=128, Q_MAX_LEN=200, KV_MAX_LEN=30, CAUSAL=True,
-                            QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, FILL_BLOCK=plan.FILL_BLOCK, DS_SCALE=0.5,
+        assert call == dict(KV_GROUP=2, D=128, Q_MAX_LEN=200, KV_MAX_LEN=30, CAUSAL=True, WINDOW_LEFT=-1,
+                            WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False, QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16,
+                            FILL_BLOCK=plan.FILL_BLOCK, DS_SCALE=0.5,
                             CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
                             PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS, **heads)
+
+
+def test_the_hopper_backward_launches_pass_the_options(hopper_backward_gpu):
+    """A window, a soft cap and ALiBi reach both Hopper backward kernels as the forward gets them: the
+    window's bounds, the cap in units of the unscaled scores, and the slopes [1, H] (divided by the
+    scale), float32, before the params."""
+    q = jnp.ones((40, 4, 128), jnp.bfloat16)
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 1.0], jnp.float32)
+    hopper_backward_gpu.calls.clear()
+    jax.grad(lambda q: jnp.sum(jfa.jagged_attention(
+        q, q, q, jnp.asarray([0, 15, 40], jnp.int32), 32, scale=0.5, window=(8, 2), softcap=5.0,
+        alibi_slopes=slopes, backend="triton").astype(jnp.float32)))(q)
+    *_, dkdv, dq = hopper_backward_gpu.calls
+    for call, kernel in ((dkdv, kernels.hopper_attention_bwd_dkdv_kernel),
+                         (dq, kernels.hopper_attention_bwd_dq_kernel)):
+        assert call["kernel"] is kernel
+        options = (call["WINDOW_LEFT"], call["WINDOW_RIGHT"], call["SOFTCAP"], call["ALIBI"])
+        assert options == (8, 2, 10.0, True)
+        assert (call["args"][8].shape, call["args"][8].dtype) == ((1, 4), jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------------

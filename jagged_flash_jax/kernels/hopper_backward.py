@@ -1,36 +1,47 @@
 """The Hopper (sm_90a) backward, in Gluon: dk/dv and dq kernels with the portable backward's contract
-(kernels/portable.py's attention_bwd_kernel, without windows, soft caps or ALiBi, which launch/hopper.py
-keeps on the portable backward), next to the Hopper forward (kernels/hopper.py, whose addressing, bounds
-and zero fills these share).
+(kernels/portable.py's attention_bwd_kernel: causal, windows, soft caps and ALiBi included), next to the
+Hopper forward (kernels/hopper.py, whose addressing, bounds, zero fills and score transform these
+share).
 
 Both take q, do, k, v as TMA descriptors over the forward's 2-D views (one row per token in "THD", per
 (head, token) in "HTD": see kernels/hopper.py), the float32 log-sum-exp (base 2, in units of the unscaled
 scores, +inf for a query with no key) and delta = rowsum(o * do) / OUT_SCALE (minus the log-sum-exp's
 own gradient, see _util.lse_gradient), both [1, H, q_tokens], by plain loads. With P = exp2((S - lse) *
-QK_SCALE), S = q k^T unscaled and dS = P (dP - delta), dP = do v^T: dv = OUT_SCALE * P^T do,
-dk = DS_SCALE * dS^T q, dq = DS_SCALE * dS k (DS_SCALE = scale * OUT_SCALE). Per sequence n_q =
-min(len_q, Q_MAX_LEN) queries against n_k = min(len_kv, KV_MAX_LEN) keys, causal bottom-right aligned
-(query i sees key j <= i + n_k - n_q), GQA (kv head = head // KV_GROUP). Every output element has one
-writer and there are no atomics: bitwise deterministic.
+QK_SCALE), S the scores of q k^T unscaled and dS = P (dP - delta) S', dP = do v^T: dv = OUT_SCALE *
+P^T do, dk = DS_SCALE * dS^T q, dq = DS_SCALE * dS k (DS_SCALE = scale * OUT_SCALE). S and S' are
+common._scores' (in units of the unscaled scores, as lse): S = SOFTCAP * tanh(q k^T / SOFTCAP) -
+slope * |i + n_k - n_q - j| and S' = 1 - tanh^2 with a soft cap (SOFTCAP, the cap divided by the scale;
+0 none), 1 without; the ALiBi slopes [1, H] from slopes_ptr (divided by the scale, read only with
+ALIBI), each query head its own. Per sequence n_q = min(len_q, Q_MAX_LEN) queries against n_k =
+min(len_kv, KV_MAX_LEN) keys, the band bottom-right aligned (common._band: query i at key position
+i + n_k - n_q; causal, and a window of WINDOW_LEFT / WINDOW_RIGHT keys, -1 for none), GQA (kv head =
+head // KV_GROUP). Every output element has one writer and there are no atomics: bitwise
+deterministic.
 
 dk/dv (`attention_bwd_dkdv_kernel`): one program per (sequence, kv head, block of 128 keys). A 1-warp
 producer partition loads the block's K and V once (two halves of 64 rows), then streams the Q and dO
-tiles of BLOCK_M queries (of each of the KV_GROUP query heads in turn; under causal from the first tile
-that sees a key of the block) into a STAGES-deep ring (ready / empty mbarriers, the empty ones counting
-2). Two consumer warpgroups (the default partition and a worker, setmaxnreg CONSUMER_REGS /
+tiles of BLOCK_M queries that see a key of the block (of each of the KV_GROUP query heads in turn; under
+causal from the first such tile, and a window bounds them on both sides, common._query_ranges: the
+cost grows with the window, not with n_q) into a STAGES-deep ring (ready / empty mbarriers, the empty
+ones counting 2). Two consumer warpgroups (the default partition and a worker, setmaxnreg CONSUMER_REGS /
 PRODUCER_REGS) own 64 key rows each, dK and dV in float32 registers. Per query tile: S^T = K Q^T and
-dP^T = V dO^T issued together; P^T = exp2((S^T - lse) * QK_SCALE) while dP^T is in flight; dV += P^T dO
-(async); dS^T = P^T (dP^T - delta); dK += dS^T Q; wait; release the slot. A tile's rows past n_q are
-other tokens (maybe NaN, and 0 * NaN is NaN in the products): warpgroup 0 zeroes them in Q and dO in
-shared memory and signals warpgroup 1 through the slot's tail mbarrier, and P^T, dS^T are masked there.
-Rows of K and V past n_k only reach their own rows of dK and dV, which are not stored.
+dP^T = V dO^T issued together; P^T = exp2((S^T - lse) * QK_SCALE) while dP^T is in flight (masked,
+by a select, in the tiles where some query of the tile misses some key of the warpgroup's or is past
+n_q: the band's edges and the sequence's last tile); dV += P^T dO (async); dS^T = P^T S'^T (dP^T -
+delta); dK += dS^T Q; wait; release the slot. A tile's rows past n_q are other tokens (maybe NaN, and
+0 * NaN is NaN in the products): warpgroup 0 zeroes them in Q and dO in shared memory and signals
+warpgroup 1 through the slot's tail mbarrier, and P^T, dS^T are masked there. Rows of K and V past n_k
+only reach their own rows of dK and dV, which are not stored.
 
 dq (`attention_bwd_dq_kernel`): the forward's structure. One program per (sequence, head, block of 128
 queries); the producer loads the two warpgroups' Q and dO tiles (64 rows each) once, then K_j, V_j of
 BLOCK_N keys (the block's band, `common._key_ranges`) into the ring; per key tile each consumer computes
-S = Q K^T and dP = dO V^T (async), P, dS = P (dP - delta) (masked in the band's edge tiles and the
-sequence's last one: V rows past n_k make dP NaN), dQ += dS K. The last K tile's rows past n_k are
-zeroed in shared memory first (dS is 0 there, K maybe NaN).
+S = Q K^T and dP = dO V^T (async), P, dS = P S' (dP - delta) (selected in the band's edge tiles and
+the sequence's last one: P may be inf outside the band, and V rows past n_k make dP NaN), dQ += dS K.
+The last K tile's rows past n_k are zeroed in shared memory first (dS is 0 there, K maybe NaN).
+
+The options cost nothing when off (constexpr branches): without a window, the tile ranges and the
+dk/dv programs' mask test are those of plain and causal attention alone.
 
 Both grids are one axis of (sequence or zero fill, head, slot), as the Hopper forward's: each sequence's
 slots are its blocks and one program zeroing its tokens past the maximum length; the extra "sequence"
@@ -40,7 +51,8 @@ the attention code (see kernels/__init__.py on ptxas 12.8).
 
 These are the `dkdv base+ld` and `dq base+bn128` variants of the probe kept in
 benchmarks/results/profile/2026-12-01d_gluon_backward_probe.md (self-attention, outputs pre-zeroed),
-with cross-attention, strides and the zero fills added; measured in docs/performance.md.
+with cross-attention, strides, the zero fills and the options added; measured in
+docs/performance.md.
 """
 
 from triton.experimental import gluon
@@ -53,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import params
-from .common import _bounds, _key_ranges
+from .common import _band, _bounds, _key_ranges, _query_ranges
 from .hopper import (
     CONSUMER_ROWS,
     FILL_NONE,
@@ -65,6 +77,7 @@ from .hopper import (
     PARAM_Q_HEAD_STRIDE,
     PARAM_Q_TOKEN_STRIDE,
     PARAM_Q_TOKENS,
+    _capped_biased,
     _program,
     _publish,
     _tile_origin,
@@ -91,9 +104,16 @@ def _store_rows(ptr, acc, first_token, row0, n, head, factor, token_stride, head
 
 
 @gluon.jit
-def _query_tiles(key0, n_q, n_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(first, end) query tiles of BLOCK_M that a dk/dv program of keys from key0 visits: under causal
-    from the first tile with a query i + n_k - n_q >= key0."""
+def _query_tiles(key0, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                 WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):
+    """(first, end) query tiles of BLOCK_M that a dk/dv program of keys [key0, +BLOCK_N) visits, end >=
+    first: those holding the queries that see some of its keys (under causal from the first tile with a
+    query i + n_k - n_q >= key0; a window bounds them on both sides, common._query_ranges)."""
+    if WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0:
+        start, _, _, end = _query_ranges(key0, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                                         WINDOW_RIGHT)
+        first = start // BLOCK_M
+        return first, gl.maximum(gl.cdiv(end, BLOCK_M), first)
     end = gl.cdiv(n_q, BLOCK_M)
     if CAUSAL:
         first = gl.minimum(gl.maximum(key0 - (n_k - n_q), 0) // BLOCK_M, end)
@@ -109,12 +129,15 @@ def _query_tiles(key0, n_q, n_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_bar, lse_ptr, delta_ptr,
-                   dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k, key0, kv_head, kv_token_stride,
-                   kv_head_stride, KV_GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr,
-                   DS_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, WG: gl.constexpr):
+                   slopes_ptr, dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k, key0, kv_head,
+                   kv_token_stride, kv_head_stride, KV_GROUP: gl.constexpr, D: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                   ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+                   OUT_SCALE: gl.constexpr, WG: gl.constexpr):
     """One consumer warpgroup: dK, dV of keys key0 + 64 WG + [0, 64) over the query tiles the producer
-    streams, stored (rows < n_k) at the end."""
+    streams, stored (rows < n_k) at the end. A tile is masked unless every query of it sees every key of
+    this warpgroup's and it has no row past n_q."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -123,6 +146,8 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     dtype: gl.constexpr = q_smem.dtype
+    BANDED: gl.constexpr = CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0
+    WINDOWED: gl.constexpr = WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0
     shift = n_k - n_q
     krow0 = key0 + WG * CONSUMER_ROWS
     k = k_smem.index(WG)
@@ -131,9 +156,14 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
     dv = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=acc_layout)
     st_zero = gl.zeros([CONSUMER_ROWS, BLOCK_M], gl.float32, layout=st_layout)
     key_rows = krow0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
-    t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, CAUSAL)
+    t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
     per_head = ntiles - t0
-    last_rows = n_q - (ntiles - 1) * BLOCK_M  # valid rows of the last query tile
+    last_tile = gl.cdiv(n_q, BLOCK_M) - 1  # the sequence's last query tile, and its rows
+    last_rows = n_q - last_tile * BLOCK_M
+    if WINDOWED:
+        # This warpgroup's clean query tiles, [clean_start, clean_end) (below n_q's last partial tile).
+        _, clean_start, clean_end, _ = _query_ranges(krow0, n_q, n_k, BLOCK_M, CONSUMER_ROWS, CAUSAL,
+                                                     WINDOW_LEFT, WINDOW_RIGHT)
     # Parities of the per-slot tail barriers, a bit per slot (a slot's barrier is re-armed only after
     # both warpgroups released the slot, so warpgroup 0 cannot arrive twice before warpgroup 1 waited).
     tail_phases = gl.to_tensor(0)
@@ -141,6 +171,10 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
     for g in range(KV_GROUP):
         head = kv_head * KV_GROUP + g
         stat_base = head.to(gl.int64) * q_tokens + q_start
+        if ALIBI:  # slopes [1, H] in units of the unscaled scores, of this query head
+            slope = gl.load(slopes_ptr + head)
+        else:
+            slope = 0.0
         for t in range(t0, ntiles):
             i = g * per_head + (t - t0)
             slot = i % STAGES
@@ -152,7 +186,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q = q_smem.index(slot)
             do = do_smem.index(slot)
-            tail = (t == ntiles - 1) & (last_rows < BLOCK_M)
+            tail = (t == last_tile) & (last_rows < BLOCK_M)
             if tail:
                 # The tile's rows past n_q are other tokens: zeroed before any product.
                 if WG == 0:
@@ -166,16 +200,24 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
             st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=(st_tok, ))
+            st, tanh_st = _capped_biased(st, krow0 - (m0 + shift), slope, SOFTCAP, ALIBI, CONSUMER_ROWS,
+                                         BLOCK_M, st_layout)
             pt = gl.exp2((st - gl.expand_dims(lse, 0)) * QK_SCALE)
-            masked = tail
-            if CAUSAL:  # some query of the tile before some key of this warpgroup's
-                masked = masked | (m0 + shift < krow0 + CONSUMER_ROWS)
+            if WINDOWED:
+                masked = (m0 < clean_start) | (m0 >= clean_end)
+            else:
+                masked = tail
+                if CAUSAL:  # some query of the tile before some key of this warpgroup's
+                    masked = masked | (m0 + shift < krow0 + CONSUMER_ROWS)
             if masked:
                 keep = gl.expand_dims(cols < n_q, 0)
-                if CAUSAL:
-                    keep = keep & (gl.expand_dims(cols + shift, 0) >= gl.expand_dims(key_rows, 1))
+                if BANDED:  # common._band of queries cols (at key positions cols + shift), keys key_rows
+                    keep = _band(keep, gl.expand_dims(cols + shift, 0), gl.expand_dims(key_rows, 1), 0,
+                                 CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
                 pt = gl.where(keep, pt, 0.0)
             p_op = gl.convert_layout(pt.to(dtype), op_layout)
+            if SOFTCAP > 0:  # dS^T takes the cap's derivative, 1 - tanh^2: folded into P^T here
+                pt = pt * (1.0 - tanh_st * tanh_st)
             dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
             dst = pt * (dpt - gl.expand_dims(delta, 0))
@@ -194,15 +236,16 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
 @gluon.jit
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                    q_start, n_q, n_k, key0, kv_row, kv_col, kv_head, q_token_stride, q_head_stride,
-                   KV_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr):
+                   KV_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                   WINDOW_RIGHT: gl.constexpr):
     """The 1-warp load partition: K and V of the block (two 64-row halves each) once, then the Q and dO
     tiles of each query head of the group into the ring as slots free."""
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):
         _tma_load(k_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, k_smem.index(w))
         _tma_load(v_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, v_smem.index(w))
-    t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, CAUSAL)
+    t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
     per_head = ntiles - t0
     for g in range(KV_GROUP):
         q_row, q_col = _tile_origin(q_start, kv_head * KV_GROUP + g, q_token_stride, q_head_stride)
@@ -218,10 +261,11 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_s
 
 @gluon.jit
 def attention_bwd_dkdv_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-    dk_ptr, dv_ptr,
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+    params_ptr, dk_ptr, dv_ptr,
     NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
-    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
     OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     STRIDE_ALIGN: gl.constexpr, FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
@@ -245,16 +289,19 @@ def attention_bwd_dkdv_kernel(
                    kv_head_stride, KV_MAX_LEN, D, FILL_BLOCK, FILL_ROWS)
     else:
         _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr,
-              params_ptr, dk_ptr, dv_ptr, sequence, kv_head, slot, kv_tokens, kv_token_stride,
-              kv_head_stride, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, QK_SCALE, DS_SCALE, OUT_SCALE,
-              BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS)
+              slopes_ptr, params_ptr, dk_ptr, dv_ptr, sequence, kv_head, slot, kv_tokens, kv_token_stride,
+              kv_head_stride, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+              SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN,
+              CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit
-def _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-          dk_ptr, dv_ptr, sequence, kv_head, block, kv_tokens, kv_token_stride, kv_head_stride,
+def _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+          params_ptr, dk_ptr, dv_ptr, sequence, kv_head, block, kv_tokens, kv_token_stride, kv_head_stride,
           KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr,
-          CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+          CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+          SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+          OUT_SCALE: gl.constexpr,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Key block `block` of (sequence, kv head): the warp-specialized dk/dv (rows < n_k only)."""
@@ -286,16 +333,19 @@ def _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv
         # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
         gl.warp_specialize([
             (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_bar, lse_ptr,
-                              delta_ptr, dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k, key0, kv_head,
-                              kv_token_stride, kv_head_stride, KV_GROUP, D, BLOCK_M, STAGES, CAUSAL, QK_SCALE,
-                              DS_SCALE, OUT_SCALE, 0)),
+                              delta_ptr, slopes_ptr, dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k,
+                              key0, kv_head, kv_token_stride, kv_head_stride, KV_GROUP, D, BLOCK_M, BLOCK_N,
+                              STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE,
+                              OUT_SCALE, 0)),
             (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_bar, lse_ptr,
-                              delta_ptr, dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k, key0, kv_head,
-                              kv_token_stride, kv_head_stride, KV_GROUP, D, BLOCK_M, STAGES, CAUSAL, QK_SCALE,
-                              DS_SCALE, OUT_SCALE, 1)),
+                              delta_ptr, slopes_ptr, dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k,
+                              key0, kv_head, kv_token_stride, kv_head_stride, KV_GROUP, D, BLOCK_M, BLOCK_N,
+                              STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE,
+                              OUT_SCALE, 1)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
                               empty, q_start, n_q, n_k, key0, kv_row, kv_col, kv_head, q_token_stride,
-                              q_head_stride, KV_GROUP, BLOCK_M, STAGES, CAUSAL)),
+                              q_head_stride, KV_GROUP, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW_LEFT,
+                              WINDOW_RIGHT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -306,11 +356,15 @@ def _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv
 
 @gluon.jit
 def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar, lse_ptr, delta_ptr, dq_ptr,
-                 q_tokens, q_start, n_q, n_k, key_first, key_end, start_m, head, q_token_stride,
+                 q_tokens, q_start, n_q, n_k, key_first, key_end, slope, start_m, head, q_token_stride,
                  q_head_stride, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr, WG: gl.constexpr):
+                 CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                 SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr,
+                 DS_SCALE: gl.constexpr, WG: gl.constexpr):
     """One consumer warpgroup: dQ of queries start_m + 64 WG + [0, 64) over the key tiles from key_first
-    to key_end (the block's band, as the producer loads them), stored (rows < n_q) at the end."""
+    to key_end (the block's band, as the producer loads them), stored (rows < n_q) at the end. A tile is
+    masked unless every query of this warpgroup's sees every key of it (the band's edges, the sequence's
+    last tile)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -319,6 +373,7 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar,
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_smem.dtype
+    BANDED: gl.constexpr = CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0
     shift = n_k - n_q
     row0 = start_m + WG * CONSUMER_ROWS
     rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
@@ -331,7 +386,8 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar,
     s_zero = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
     # This warpgroup's clean key blocks (every key of them seen by every one of its queries, < n_k).
-    _, _, clean_end, _ = _key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, -1, -1)
+    _, clean_start, clean_end, _ = _key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                                               WINDOW_RIGHT)
     mbarrier.wait(q_bar.index(WG), 0)  # always: the load must land before the program may end
     for j in range(num_key_blocks):
         slot = j % STAGES
@@ -350,14 +406,22 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar,
         s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        s, tanh_s = _capped_biased(s, row0 + (shift - key_start), slope, SOFTCAP, ALIBI, CONSUMER_ROWS,
+                                   BLOCK_N, s_layout)
         p = gl.exp2((s - gl.expand_dims(lse, 1)) * QK_SCALE)
+        if SOFTCAP > 0:  # dS takes the cap's derivative, 1 - tanh^2: folded into P here
+            p = p * (1.0 - tanh_s * tanh_s)
         dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
         ds = p * (dp - gl.expand_dims(delta, 1))
-        if key_start >= clean_end:  # the band's edge and the sequence's last tile
+        masked = key_start >= clean_end  # the band's right edge and the sequence's last tile
+        if WINDOW_LEFT >= 0:  # and its left edge
+            masked = masked | (key_start < clean_start)
+        if masked:  # select, not multiply: outside the band P may be inf, and dP NaN past n_k
             keys = key_start + gl.arange(0, BLOCK_N, layout=col_layout)
             keep = gl.expand_dims(keys < n_k, 0)
-            if CAUSAL:
-                keep = keep & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + shift, 1))
+            if BANDED:  # common._band of queries rows (at key positions rows + shift), keys `keys`
+                keep = _band(keep, gl.expand_dims(rows + shift, 1), gl.expand_dims(keys, 0), 0, CAUSAL,
+                             WINDOW_LEFT, WINDOW_RIGHT)
             ds = gl.where(keep, ds, 0.0)
         ds_op = gl.convert_layout(ds.to(dtype), op_layout)
         dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
@@ -386,10 +450,11 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
 
 @gluon.jit
 def attention_bwd_dq_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-    dq_ptr,
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+    params_ptr, dq_ptr,
     NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
-    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
     FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
@@ -411,18 +476,19 @@ def attention_bwd_dq_kernel(
         _zero_tail(dq_ptr, dq_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride, q_head_stride,
                    Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
     else:
-        _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-            dq_ptr, sequence, head, slots - 2 - slot, q_tokens, q_token_stride, q_head_stride, KV_GROUP, D,
-            Q_MAX_LEN, KV_MAX_LEN, CAUSAL, QK_SCALE, DS_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN,
-            CONSUMER_REGS, PRODUCER_REGS)
+        _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+            params_ptr, dq_ptr, sequence, head, slots - 2 - slot, q_tokens, q_token_stride, q_head_stride,
+            KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE,
+            DS_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit
-def _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, params_ptr,
-        dq_ptr, sequence, head, block, q_tokens, q_token_stride, q_head_stride, KV_GROUP: gl.constexpr,
-        D: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr,
-        QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+def _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+        params_ptr, dq_ptr, sequence, head, block, q_tokens, q_token_stride, q_head_stride,
+        KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr,
+        CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+        ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr):
     """Query block `block` of (sequence, head): the warp-specialized dq (rows < n_q only)."""
     q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
@@ -434,8 +500,15 @@ def _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_o
         kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
         q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
         kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
-        key_first, _, _, key_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, -1, -1)
+        # The key blocks some query of the block sees (its band): the producer loads, both consumers
+        # visit, exactly those.
+        key_first, _, _, key_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                                               WINDOW_RIGHT)
         num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
+        if ALIBI:  # slopes [1, H] in units of the unscaled scores
+            slope = gl.load(slopes_ptr + head)
+        else:
+            slope = 0.0
 
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
@@ -456,13 +529,13 @@ def _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_o
 
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar, lse_ptr,
-                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, start_m, head,
-                            q_token_stride, q_head_stride, D, BLOCK_N, STAGES, CAUSAL, QK_SCALE, DS_SCALE,
-                            0)),
+                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, slope,
+                            start_m, head, q_token_stride, q_head_stride, D, BLOCK_N, STAGES, CAUSAL,
+                            WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, 0)),
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar, lse_ptr,
-                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, start_m, head,
-                            q_token_stride, q_head_stride, D, BLOCK_N, STAGES, CAUSAL, QK_SCALE, DS_SCALE,
-                            1)),
+                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, slope,
+                            start_m, head, q_token_stride, q_head_stride, D, BLOCK_N, STAGES, CAUSAL,
+                            WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, 1)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready,
                             empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, BLOCK_N,
                             STAGES)),

@@ -104,7 +104,9 @@ def forward_kernel(p: Problem, dtype) -> str:
 
 def backward_portable_reason(p: Problem, dtype) -> str | None:
     """Why the problem's backward runs the portable kernel on the triton backend, or None: it runs the
-    Hopper one (kernels/hopper_backward.py), whichever forward ran."""
+    Hopper one (kernels/hopper_backward.py), whichever forward ran, with every option the portable one
+    takes (causal, a window, a soft cap, ALiBi). A causal soft cap takes it too: `portable_reason`'s
+    rule against the Hopper kernel there was measured on the forward only."""
     if requested(BACKWARD_KERNEL_ENV) == "portable":
         return f"{BACKWARD_KERNEL_ENV}=portable"
     if p.backend != "triton":
@@ -114,8 +116,6 @@ def backward_portable_reason(p: Problem, dtype) -> str | None:
     if p.head_dim not in HOPPER_BACKWARD_TILES:
         # D = 256: dK and dV (64 rows x 256, float32) alone fill a consumer thread's 256 registers.
         return f"head dimension {p.head_dim} (only {sorted(HOPPER_BACKWARD_TILES)})"
-    if p.window != (None, None) or p.softcap is not None or p.alibi:
-        return "a window, soft cap or ALiBi (only plain and causal attention)"
     if requested(BACKWARD_KERNEL_ENV) == "auto":
         if max(p.max_seq_len, p.kv_max_seq_len) < HOPPER_BACKWARD_MIN_LENGTH:
             shortest = HOPPER_BACKWARD_MIN_LENGTH

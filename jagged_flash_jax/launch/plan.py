@@ -376,7 +376,7 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
     if dlse is not None:
         delta = delta - lse_gradient(lse, dlse, p.scale * p.out_scale)
     if p.hopper_backward:
-        return _hopper_backward(run, p, q, k, v, q_offsets, kv_offsets, lse, delta, do)
+        return _hopper_backward(run, p, q, k, v, q_offsets, kv_offsets, lse, delta, do, slopes)
     # The dk/dv programs' q and do, key-major, for TF32 products; else q and do again (unused).
     qdo_key_major = key_major(p, q.dtype, "q_do")
     q_km, do_km = ([_tokens_contiguous(run, p, x, p.num_heads, p.q_tokens) for x in (q, do)]
@@ -408,19 +408,21 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
     return grads["dq"], grads["dk"], grads["dv"]
 
 
-def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, lse, delta, do):
+def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, lse, delta, do, slopes=None):
     """The Hopper backward (kernels/hopper_backward.py): a dk/dv launch (per (sequence or zero fill, kv
     head): the key blocks of 128, then a tail-zeroing program) and a dq launch (per (sequence or fill,
     head): the query blocks of 128, then a tail-zeroing program), each on one axis, q, do, k, v as TMA
-    descriptors over the forward's 2-D views (see `_hopper_forward`)."""
+    descriptors over the forward's 2-D views, and the window, soft cap and ALiBi slopes as the forward
+    takes them (see `_hopper_forward`)."""
     tiles = HOPPER_BACKWARD_TILES[p.head_dim]
     params, constants = _common(p)
     views = _tma_views(p, (q, do), (k, v))
     shared = {name: constants[name] for name in (
-        "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")}
+        "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "WINDOW_LEFT", "WINDOW_RIGHT", "SOFTCAP",
+        "ALIBI", "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")}
     shared.update(DS_SCALE=p.scale * p.out_scale, CONSUMER_REGS=HOPPER_CONSUMER_REGS,
                   PRODUCER_REGS=HOPPER_PRODUCER_REGS)
-    arrays = (*views, lse, delta, q_offsets, kv_offsets)
+    arrays = (*views, lse, delta, q_offsets, kv_offsets, _slopes(p, slopes))
     # Two consumer warpgroups of 64 rows: the dk/dv program's keys, the dq program's queries.
     dkdv, dq = tiles["dkdv"], tiles["dq"]
     blocks = p.blocks(dkdv.block_n, p.kv_tokens, p.kv_max_seq_len)

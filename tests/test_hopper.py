@@ -36,7 +36,7 @@ from helpers import (
 )
 
 import jagged_flash_jax as jfa
-from jagged_flash_jax import configs
+from jagged_flash_jax import configs, transforms
 from jagged_flash_jax.launch import hopper as hopper_launch
 from jagged_flash_jax.launch import plan
 
@@ -553,8 +553,13 @@ def test_rows_no_block_computes_are_zero_and_inf(layout, causal, forward_kernels
 def backward_kernels(monkeypatch):
     """The backward kernel chosen for each call (launch/hopper.py's answer), on a Hopper GPU, the Hopper
     backward asked for wherever it can run (these short sequences take the portable one under "auto");
-    and, last in the list, how many times plan.backward went to `_hopper_backward` (the spy: "ran")."""
+    and, last in the list, how many times plan.backward went to `_hopper_backward` (the spy: "ran").
+    JAX's and the transforms' caches are cleared first: a problem traced by an earlier test of the same
+    process (the operand poisoned differs, the Problem not) would replay its kernels past the spy."""
     chosen = _recorded_choices(monkeypatch, configs.BACKWARD_KERNEL_ENV, "backward_kernel")
+    jax.clear_caches()
+    transforms._forward_fn.cache_clear()
+    transforms._backward_fn.cache_clear()
     launch = plan._hopper_backward
 
     def spy(*args, **kwargs):

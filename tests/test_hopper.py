@@ -694,9 +694,14 @@ def test_backward_keeps_inf_and_nan_in_unattended_tokens_out_with_the_options(op
 
 
 @pytest.mark.gpu
-def test_backward_is_bitwise_deterministic_with_both_hopper_kernels(backward_kernels, monkeypatch):
+@pytest.mark.parametrize("options", [{}, dict(window=(70, 10), softcap=20.0, alibi=True)],
+                         ids=["causal", "causal-all-options"])
+def test_backward_is_bitwise_deterministic_with_both_hopper_kernels(backward_kernels, monkeypatch, options):
     """A jitted forward + backward, the Hopper forward and backward together, run twice: the same bits
-    (no atomics: one writer per element), all finite."""
+    (no atomics: one writer per element), all finite; with a window, a soft cap and ALiBi too."""
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = jnp.asarray([0.3, 0.1, 0.05, 0.02], jnp.float32)
     monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
     batch = Batch.make([300, 5, 128, 0, 257], 4, 128, kv_lengths=[260, 9, 300, 4, 100], kv_heads=2, seed=1,
                        scale=0.5)
@@ -706,7 +711,7 @@ def test_backward_is_bitwise_deterministic_with_both_hopper_kernels(backward_ker
     @jax.jit
     def step(q, k, v, do):
         o, vjp = jax.vjp(lambda q, k, v: jfa.jagged_attention(q, k, v, offsets, 256, kv_offsets=kv_offsets,
-                                                              causal=True), q, k, v)
+                                                              causal=True, **options), q, k, v)
         return o, *vjp(do)
 
     first = jax.block_until_ready(step(q, k, v, do))

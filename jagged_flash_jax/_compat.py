@@ -63,6 +63,7 @@ class _Internals:
     interpreted_function: type  # InterpretedFunction: what `@triton.jit` gives under TRITON_INTERPRET=1
     jit_function: type  # JITFunction: what it gives otherwise
     patch_lang_tensor: object  # interpreter._patch_lang_tensor, replaced while a kernel runs
+    patch_lang: object  # interpreter._patch_lang, replaced while a kernel runs
 
 
 def _version(text: str) -> tuple[int, int] | None:
@@ -92,7 +93,7 @@ def triton_internals() -> _Internals:
         interpreter = importlib.import_module("triton.runtime.interpreter")
         jit = importlib.import_module("triton.runtime.jit")
         return _Internals(interpreter, interpreter.InterpretedFunction, jit.JITFunction,
-                          interpreter._patch_lang_tensor)
+                          interpreter._patch_lang_tensor, interpreter._patch_lang)
     except (ImportError, AttributeError) as err:
         raise UnsupportedTritonError(
             f"backend='interpret' needs an internal of Triton's interpreter that triton {found} lacks "
@@ -224,8 +225,23 @@ def _interpreted_language(internals: _Internals):
         original_patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
+    original_patch_lang = internals.patch_lang
+    patched = set()  # id(globals) of the functions whose triton.language modules this run has patched
+
+    def patch_lang(fn):
+        # Triton patches triton.language anew at every call of a `@triton.jit` function inside a kernel
+        # (inspect.getmembers over tl, tl.math and tl.tensor: some 40% of an interpreted kernel's time)
+        # and never undoes those patches. A patch depends only on the language modules in fn's globals,
+        # and nothing undoes it before the grid's end: once per globals in a run does the same. The
+        # grid's own call (the first) patches, and its scope undoes that at the grid's end as before.
+        if id(fn.__globals__) in patched:
+            return _NoPatches()
+        patched.add(id(fn.__globals__))
+        return original_patch_lang(fn)
+
     state = _language_state()  # the twins go with everything else the interpreter changes there
     internals.interpreter._patch_lang_tensor = patch_lang_tensor
+    internals.interpreter._patch_lang = patch_lang
     for module in _language_modules():
         for attr, value in list(vars(module).items()):
             if isinstance(value, internals.jit_function):
@@ -236,7 +252,15 @@ def _interpreted_language(internals: _Internals):
         yield
     finally:
         internals.interpreter._patch_lang_tensor = original_patch
+        internals.interpreter._patch_lang = original_patch_lang
         _restore_language(state)
+
+
+class _NoPatches:
+    """The scope of a patch already made (the interpreter's _LangPatchScope's interface)."""
+
+    def restore(self) -> None:
+        pass
 
 
 _MISSING = object()

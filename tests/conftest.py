@@ -1,5 +1,6 @@
-"""The test session: 4 CPU devices for the sharding tests, hypothesis profiles, and the `gpu` marker
-(tests that need a GPU with jax-triton skip elsewhere). Tests import what they share from helpers.py."""
+"""The test session: 4 CPU devices for the sharding tests, hypothesis profiles, the `gpu` marker
+(tests that need a GPU with jax-triton skip elsewhere), and the longest tests first. Tests import what
+they share from helpers.py."""
 
 from __future__ import annotations
 
@@ -23,9 +24,34 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 from helpers import GPU_AVAILABLE  # noqa: E402
 
+# The longest tests (a process or a notebook kernel of their own, or the interpreter's many programs),
+# longest first: they start first, on the first xdist worker (pyproject's addopts: --dist worksteal
+# gives each worker half of the tests in order, and an idle worker takes half of the other's rest), and
+# the workers end together on short tests. test_install.py's checks share one child process: together.
+LONGEST_FIRST = (
+    "tests/test_memory_safety.py::test_adversarial_offsets_are_memory_safe",
+    "notebooks/flax_model.ipynb",
+    "notebooks/quickstart.ipynb",
+    "tests/test_install.py",
+    "tests/test_properties.py::test_kernels_on_random_batches",
+    "tests/test_readme.py::test_readme_block_runs",
+    "tests/test_hopper.py::test_the_hopper_",
+    "tests/test_launchers.py::test_first_use_from_several_threads",
+    "tests/test_transforms.py::test_heads_shard_map_with_check_vma",
+    "tests/test_transforms.py::test_data_parallel_jit_and_shard_map",
+    "tests/test_properties.py::test_xla_backend_on_random_batches",
+    "tests/test_benchmarks.py::test_quick_run",
+)
+
+
+def _rank(item) -> int:
+    return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)),
+                len(LONGEST_FIRST))
+
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a GPU with jax-triton")
     for item in items:
         if "gpu" in item.keywords and not GPU_AVAILABLE:
             item.add_marker(skip)
+    items.sort(key=_rank)  # stable: the rest keep their order

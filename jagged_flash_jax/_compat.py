@@ -64,6 +64,7 @@ class _Internals:
     jit_function: type  # JITFunction: what it gives otherwise
     patch_lang_tensor: object  # interpreter._patch_lang_tensor, replaced while a kernel runs
     patch_lang: object  # interpreter._patch_lang, replaced while a kernel runs
+    get_np_dtype: object  # interpreter._get_np_dtype, replaced while a kernel runs
 
 
 def _version(text: str) -> tuple[int, int] | None:
@@ -93,7 +94,7 @@ def triton_internals() -> _Internals:
         interpreter = importlib.import_module("triton.runtime.interpreter")
         jit = importlib.import_module("triton.runtime.jit")
         return _Internals(interpreter, interpreter.InterpretedFunction, jit.JITFunction,
-                          interpreter._patch_lang_tensor, interpreter._patch_lang)
+                          interpreter._patch_lang_tensor, interpreter._patch_lang, interpreter._get_np_dtype)
     except (ImportError, AttributeError) as err:
         raise UnsupportedTritonError(
             f"backend='interpret' needs an internal of Triton's interpreter that triton {found} lacks "
@@ -239,9 +240,26 @@ def _interpreted_language(internals: _Internals):
         patched.add(id(fn.__globals__))
         return original_patch_lang(fn)
 
+    original_np_dtype = internals.get_np_dtype
+    language = importlib.import_module("triton.language")
+    np_dtypes = {}
+
+    def np_dtype(tt_dtype):
+        # Triton builds a dict of its 19 scalar types at every call (for each operand of each operation):
+        # the answer depends on the scalar type alone (a block's is its element's), kept here by it.
+        # Pointer types (not hashable) go to Triton's function as before.
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, language.block_type) else tt_dtype
+        if type(scalar) is not language.dtype:
+            return original_np_dtype(tt_dtype)
+        found = np_dtypes.get(scalar)
+        if found is None:
+            found = np_dtypes[scalar] = original_np_dtype(scalar)
+        return found
+
     state = _language_state()  # the twins go with everything else the interpreter changes there
     internals.interpreter._patch_lang_tensor = patch_lang_tensor
     internals.interpreter._patch_lang = patch_lang
+    internals.interpreter._get_np_dtype = np_dtype
     for module in _language_modules():
         for attr, value in list(vars(module).items()):
             if isinstance(value, internals.jit_function):
@@ -253,6 +271,7 @@ def _interpreted_language(internals: _Internals):
     finally:
         internals.interpreter._patch_lang_tensor = original_patch
         internals.interpreter._patch_lang = original_patch_lang
+        internals.interpreter._get_np_dtype = original_np_dtype
         _restore_language(state)
 
 

@@ -181,7 +181,8 @@ def test_triton_inside_the_supported_range_is_accepted(monkeypatch, version):
     _compat.triton_internals()
 
 
-@pytest.mark.parametrize("internal", ["_patch_lang_tensor", "_patch_lang", "InterpretedFunction"])
+@pytest.mark.parametrize("internal", ["_patch_lang_tensor", "_patch_lang", "_get_np_dtype",
+                                      "InterpretedFunction"])
 def test_a_missing_triton_internal_is_refused(monkeypatch, internal):
     from triton.runtime import interpreter
 

@@ -337,7 +337,7 @@ def _forward_fn(p: Problem):
         o, lse = _forward_fn(fold.problem)(*_operands(operands, fold.problem))
         return (fold.unarray(o), fold.unstats(lse)), (True, True)
 
-    return call
+    return jax.jit(call)  # see `_backward_fn`
 
 
 @functools.cache
@@ -362,7 +362,9 @@ def _backward_fn(p: Problem, with_dlse: bool):
         grads = _backward_fn(fold.problem, with_dlse)(*_operands(operands, fold.problem, with_dlse))
         return tuple(fold.unarray(g) for g in grads), (True, True, True)
 
-    return call
+    # Jitted, one function per problem (this cache): called eagerly, the ops would run one by one, and
+    # the xla backend's lax.scan would be compiled again at every call (its body is a new closure).
+    return jax.jit(call)
 
 
 def _with_auto_axes(p: Problem, fn, args, result_types, backward: bool):

@@ -1,6 +1,6 @@
 """The test session: 4 CPU devices for the sharding tests, hypothesis profiles, the `gpu` marker
-(tests that need a GPU with jax-triton skip elsewhere), and the longest tests first. Tests import what
-they share from helpers.py."""
+(tests that need a GPU with jax-triton skip elsewhere), the longest tests first, and no traced program
+kept from one test to the next. Tests import what they share from helpers.py."""
 
 from __future__ import annotations
 
@@ -55,3 +55,14 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and not GPU_AVAILABLE:
             item.add_marker(skip)
     items.sort(key=_rank)  # stable: the rest keep their order
+
+
+@pytest.fixture(autouse=True)
+def _fresh_programs():
+    """The op jits its programs once per problem (jagged_flash_jax.transforms' caches): each test starts
+    without them, so that what it patches (plan.key_major, plan.L2_REUSE_BYTES, a spy) reaches a trace
+    of its own instead of one cached by an earlier test in the same worker."""
+    from jagged_flash_jax import transforms
+
+    transforms._forward_fn.cache_clear()
+    transforms._backward_fn.cache_clear()

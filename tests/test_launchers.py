@@ -27,7 +27,7 @@ import triton.language as tl
 from helpers import Batch, reference
 
 import jagged_flash_jax as jfa
-from jagged_flash_jax import _compat, api, configs, kernels
+from jagged_flash_jax import _compat, api, configs, kernels, transforms
 from jagged_flash_jax.configs import BlockSizes, KernelConfig
 from jagged_flash_jax.kernels import params as param
 from jagged_flash_jax.launch import gpu, plan
@@ -203,10 +203,18 @@ def test_the_interpret_backend_refuses_an_unsupported_triton_at_trace_time(monke
 # ---------------------------------------------------------------------------------------------------
 
 
+def _fresh_traces():
+    """The op's programs are jitted once per problem (transforms' caches): cleared, so that the next
+    call is traced again and the fake jax_triton records its launches."""
+    transforms._forward_fn.cache_clear()
+    transforms._backward_fn.cache_clear()
+
+
 def _clear_backend_caches():
     # Without its cache, _warn_fallback would warn every time: the fallback test says so, not an error here.
     for cached in (gpu.jax_triton_module, gpu.unavailable_reason, api._warn_fallback):
         getattr(cached, "cache_clear", lambda: None)()
+    _fresh_traces()
 
 
 @pytest.fixture
@@ -456,6 +464,7 @@ def test_gpu_launcher_groups_programs_by_sequence_past_l2(fake_jax_triton, monke
     vjp(jnp.ones_like(o))
     grids = [call["grid"] for call in fake_jax_triton.calls]
     monkeypatch.setattr(plan, "L2_REUSE_BYTES", 9216)
+    _fresh_traces()
     jax.vjp(op, q)
     # forward: 3 sequences (with the fill) * 4 heads * 3 slots; backward: * 6 slots; the preprocess
     # keeps its own grid.
@@ -606,6 +615,7 @@ def _forward_kernel(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_heads
     """The attention kernel that the forward of one call launches (float32 may launch transposes
     first), on 40 query tokens of 4 heads."""
     fake.calls.clear()
+    _fresh_traces()
     tokens, kv_tokens = 40, 50 if cross else 40
     shape = lambda t, h: (t, h, dim) if layout == "THD" else (h, t, dim)  # noqa: E731
     q = jnp.ones(shape(tokens, 4), dtype)
@@ -828,6 +838,7 @@ def _backward_kernels(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_hea
         return jnp.sum(o.astype(jnp.float32))
 
     fake.calls.clear()
+    _fresh_traces()
     jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv)
     names = {getattr(kernels, name): name for name in (*HOPPER_BACKWARD, *PORTABLE_BACKWARD)}
     # (the portable backward launches once or twice: dq and dk/dv apart when their tiles differ)

@@ -123,6 +123,33 @@ def test_vmap_folds_into_one_launch(monkeypatch):
     assert count == 1 and problem.num_segments == V  # batched offsets: folded into segments
 
 
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_eager_calls_trace_once(backend, monkeypatch):
+    """Called eagerly (no jax.jit around it), the op and its gradient are traced and compiled once per
+    problem: the second call of the same shapes runs the compiled program (on xla, each eager call
+    compiled its lax.scan again, about 0.3 s each even for tiny inputs), with the same numbers."""
+    from jagged_flash_jax import reference
+
+    traced = []
+    for module, name in ((reference, "forward"), (reference, "backward"), (plan, "forward"),
+                         (plan, "backward")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, functools.partial(
+            lambda original, label, *a, **kw: traced.append(label) or original(*a, **kw), original, name))
+    q, k, v = arrays("THD", batch=())
+    q, k, v = (x[:11] for x in (q, k, v))  # a token count of its own: no problem cached by another test
+    offsets = jnp.asarray([0, 4, 4, 11], jnp.int32)
+    op = functools.partial(jfa.jagged_attention, max_seq_len=5, causal=True, backend=backend)
+    grad = jax.grad(lambda q, k, v: jnp.sum(op(q, k, v, offsets) ** 2), argnums=(0, 1, 2))
+    first = (op(q, k, v, offsets), grad(q, k, v))
+    assert traced.count("forward") >= 1 and traced.count("backward") == 1
+    traced.clear()
+    second = (op(q, k, v, offsets), grad(q, k, v))
+    assert traced == []
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Autodiff modes
 # ---------------------------------------------------------------------------------------------------

@@ -319,7 +319,12 @@ class _Fold:
         return q_offsets, kv_offsets
 
 
-@functools.cache
+# The most problems whose jitted programs are kept (each holds its compiled executables once called
+# eagerly): an eager loop over batches of ever new token counts does not grow memory without bound.
+PROGRAMS_KEPT = 256
+
+
+@functools.lru_cache(maxsize=PROGRAMS_KEPT)
 def _forward_fn(p: Problem):
     partitioned = _partitioned(p, _run_forward, backward=False)
 
@@ -340,7 +345,7 @@ def _forward_fn(p: Problem):
     return jax.jit(call)  # see `_backward_fn`
 
 
-@functools.cache
+@functools.lru_cache(maxsize=PROGRAMS_KEPT)
 def _backward_fn(p: Problem, with_dlse: bool):
     partitioned = _partitioned(p, functools.partial(_run_backward, with_dlse=with_dlse), backward=True,
                                with_dlse=with_dlse)

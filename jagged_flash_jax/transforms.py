@@ -372,6 +372,13 @@ def _backward_fn(p: Problem, with_dlse: bool):
     return jax.jit(call)
 
 
+def clear_programs() -> None:
+    """Forget the per-problem programs (`_forward_fn`, `_backward_fn`): the next call of each problem is
+    traced again. For tests and probes that change what a trace reads (a plan rule, a tile table)."""
+    _forward_fn.cache_clear()
+    _backward_fn.cache_clear()
+
+
 def _with_auto_axes(p: Problem, fn, args, result_types, backward: bool):
     """Run `fn` with explicit mesh axes turned into auto ones (custom_partitioning works with those),
     checking the shardings at trace time, and give results the shardings of `result_types`."""

@@ -64,5 +64,4 @@ def _fresh_programs():
     of its own instead of one cached by an earlier test in the same worker."""
     from jagged_flash_jax import transforms
 
-    transforms._forward_fn.cache_clear()
-    transforms._backward_fn.cache_clear()
+    transforms.clear_programs()

@@ -558,8 +558,7 @@ def backward_kernels(monkeypatch):
     process (the operand poisoned differs, the Problem not) would replay its kernels past the spy."""
     chosen = _recorded_choices(monkeypatch, configs.BACKWARD_KERNEL_ENV, "backward_kernel")
     jax.clear_caches()
-    transforms._forward_fn.cache_clear()
-    transforms._backward_fn.cache_clear()
+    transforms.clear_programs()
     launch = plan._hopper_backward
 
     def spy(*args, **kwargs):

@@ -203,18 +203,10 @@ def test_the_interpret_backend_refuses_an_unsupported_triton_at_trace_time(monke
 # ---------------------------------------------------------------------------------------------------
 
 
-def _fresh_traces():
-    """The op's programs are jitted once per problem (transforms' caches): cleared, so that the next
-    call is traced again and the fake jax_triton records its launches."""
-    transforms._forward_fn.cache_clear()
-    transforms._backward_fn.cache_clear()
-
-
 def _clear_backend_caches():
     # Without its cache, _warn_fallback would warn every time: the fallback test says so, not an error here.
     for cached in (gpu.jax_triton_module, gpu.unavailable_reason, api._warn_fallback):
         getattr(cached, "cache_clear", lambda: None)()
-    _fresh_traces()
 
 
 @pytest.fixture
@@ -464,7 +456,7 @@ def test_gpu_launcher_groups_programs_by_sequence_past_l2(fake_jax_triton, monke
     vjp(jnp.ones_like(o))
     grids = [call["grid"] for call in fake_jax_triton.calls]
     monkeypatch.setattr(plan, "L2_REUSE_BYTES", 9216)
-    _fresh_traces()
+    transforms.clear_programs()  # traced afresh: the fake jax_triton records this call's launches
     jax.vjp(op, q)
     # forward: 3 sequences (with the fill) * 4 heads * 3 slots; backward: * 6 slots; the preprocess
     # keeps its own grid.
@@ -615,7 +607,7 @@ def _forward_kernel(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_heads
     """The attention kernel that the forward of one call launches (float32 may launch transposes
     first), on 40 query tokens of 4 heads."""
     fake.calls.clear()
-    _fresh_traces()
+    transforms.clear_programs()  # traced afresh: the fake jax_triton records this call's launches
     tokens, kv_tokens = 40, 50 if cross else 40
     shape = lambda t, h: (t, h, dim) if layout == "THD" else (h, t, dim)  # noqa: E731
     q = jnp.ones(shape(tokens, 4), dtype)
@@ -838,7 +830,7 @@ def _backward_kernels(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_hea
         return jnp.sum(o.astype(jnp.float32))
 
     fake.calls.clear()
-    _fresh_traces()
+    transforms.clear_programs()  # traced afresh: the fake jax_triton records this call's launches
     jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv)
     names = {getattr(kernels, name): name for name in (*HOPPER_BACKWARD, *PORTABLE_BACKWARD)}
     # (the portable backward launches once or twice: dq and dk/dv apart when their tiles differ)

@@ -245,8 +245,7 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False)
             # The plan runs when a problem is first traced: without this, the jitted ops and the
             # transforms' cached functions would replay the first variant's kernels.
             jax.clear_caches()
-            transforms._forward_fn.cache_clear()
-            transforms._backward_fn.cache_clear()
+            transforms.clear_programs()
             for offsets, int64 in cases:
                 case = json.dumps([offsets, int64])
                 print("start", case, variant, flush=True)

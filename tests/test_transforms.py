@@ -356,7 +356,7 @@ def test_heads_shard_map_with_check_vma():
     q, k, v = arrays("THD", batch=())
     offsets = jnp.asarray(OFFSETS, jnp.int32)
     heads = P(None, "model", None)
-    # The unsharded gradients, jitted (an eager grad of the xla backend compiles its operations one by one).
+    # The unsharded gradients, as one jitted program.
     want = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention("xla")(q, k, v, offsets) ** 2), (0, 1, 2)))(
         q, k, v)
     for backend in ("xla", "interpret"):

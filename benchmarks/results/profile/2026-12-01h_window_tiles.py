@@ -2,13 +2,20 @@
 the step and of each kernel, and the outputs' (gradients') largest difference from the first variant.
 Not yet run (no GPU was lent when it was written). On the H200, from the repository root:
   python3 benchmarks/results/profile/2026-12-01h_window_tiles.py \
-      L4096-w256,L16384-w256,L4096-w1024,L16384-w1024,L2048,L1024 L4096-w256,L16384-w256,L4096-w1024,L16384-w1024
+      L4096-w256,L16384-w256,L4096-w1024,L16384-w1024,L2048,L1024 \
+      L4096-w256,L16384-w256,L4096-w1024,L16384-w1024
 (forward tiles for the first list, with JAGGED_FLASH_JAX_FORWARD=hopper; the dq tiles of the backward
 for the second), writing $OUT/tiles.json."""
-import os, sys, time, json
-import jax, jax.numpy as jnp
-from jagged_flash_jax import configs, transforms
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
 from benchmarks import cases, impls, timing
+from jagged_flash_jax import configs, transforms
 
 K = configs.KernelConfig
 FWD = [("F128x128s2", K(128, 128, num_warps=4, num_stages=2, max_registers=168)),
@@ -22,7 +29,9 @@ BWD = [("Bdq128s2", bwd(2, 128)), ("Bdq64s3", bwd(3, 64)), ("Bdq64s2", bwd(2, 64
 out = []
 
 def run(case, mode, label):
-    jax.clear_caches(); transforms._forward_fn.cache_clear(); transforms._backward_fn.cache_clear()
+    jax.clear_caches()
+    transforms._forward_fn.cache_clear()
+    transforms._backward_fn.cache_clear()
     attend, prepare = impls.jfa(case, "triton")
     sets = [prepare(s) for s in cases.input_sets(case, "bfloat16", 3)]
     step = impls.timed_function(attend, mode)
@@ -42,7 +51,7 @@ def run(case, mode, label):
     return res
 
 def maxrel(a, b):
-    a = jax.tree.leaves(a); b = jax.tree.leaves(b)
+    a, b = jax.tree.leaves(a), jax.tree.leaves(b)
     return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))) /
                      (float(jnp.max(jnp.abs(y.astype(jnp.float32)))) + 1e-30)) for x, y in zip(a, b))
 
@@ -57,7 +66,8 @@ for case in cases.select(sys.argv[1].split(","), quick=False):
             ref = res if ref is None else ref
             if res is not ref:
                 print(f"    maxrel vs {FWD[0][0]}: {maxrel(res, ref):.3g}", flush=True)
-configs.HOPPER_FORWARD_TILES.update(base_f[0]); configs.HOPPER_FORWARD_NARROW_TILES.update(base_f[1])
+configs.HOPPER_FORWARD_TILES.update(base_f[0])
+configs.HOPPER_FORWARD_NARROW_TILES.update(base_f[1])
 os.environ.pop("JAGGED_FLASH_JAX_FORWARD")
 base_b = dict(configs.HOPPER_BACKWARD_TILES)
 for case in cases.select(sys.argv[2].split(","), quick=False) if len(sys.argv) > 2 else []:

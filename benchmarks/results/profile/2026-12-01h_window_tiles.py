@@ -30,8 +30,7 @@ out = []
 
 def run(case, mode, label):
     jax.clear_caches()
-    transforms._forward_fn.cache_clear()
-    transforms._backward_fn.cache_clear()
+    transforms.clear_programs()
     attend, prepare = impls.jfa(case, "triton")
     sets = [prepare(s) for s in cases.input_sets(case, "bfloat16", 3)]
     step = impls.timed_function(attend, mode)

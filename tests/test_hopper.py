@@ -601,8 +601,8 @@ BACKWARD_CASES = {
                                       window=(60, 130)),
     # A right window and a soft cap, MQA (the forward's case).
     "cross-window-right-softcap-mqa": CASES["cross-window-right-softcap-mqa"],
-    # Narrow bands (the forward's cases): a dk/dv warpgroup passes the query tiles that see none of its
-    # keys, the tail tile included (then warpgroup 1 zeroes its rows past n_q alone).
+    # Narrow bands (the forward's cases, where the forward's warpgroups pass tiles): the backward of a
+    # forward that computed some tiles in one warpgroup only.
     "narrow-window-causal-gqa": CASES["narrow-window-causal-gqa"],
     "cross-narrow-window-both": CASES["cross-narrow-window-both"],
     # A soft cap alone, D = 64, at scores large enough against it that its derivative matters.

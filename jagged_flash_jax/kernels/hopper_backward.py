@@ -78,8 +78,6 @@ from .hopper import (
     PARAM_Q_TOKEN_STRIDE,
     PARAM_Q_TOKENS,
     _capped_biased,
-    _own_tiles,
-    _pass_slot,
     _program,
     _publish,
     _tile_origin,
@@ -124,14 +122,6 @@ def _query_tiles(key0, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, C
     return first, end
 
 
-@gluon.jit
-def _own_query_tiles(krow0, n_q, n_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                     WINDOW_RIGHT: gl.constexpr):
-    """`_query_tiles` of one consumer warpgroup's keys [krow0, +64): empty when they are all past n_k."""
-    first, end = _query_tiles(krow0, n_q, n_k, BLOCK_M, CONSUMER_ROWS, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
-    return first, gl.where(krow0 < n_k, end, first)
-
-
 # ---------------------------------------------------------------------------------------------------
 # dk / dv
 # ---------------------------------------------------------------------------------------------------
@@ -174,15 +164,8 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
         # This warpgroup's clean query tiles, [clean_start, clean_end) (below n_q's last partial tile).
         _, clean_start, clean_end, _ = _query_ranges(krow0, n_q, n_k, BLOCK_M, CONSUMER_ROWS, CAUSAL,
                                                      WINDOW_LEFT, WINDOW_RIGHT)
-    # Under a window, the query tiles each warpgroup computes, [first, end) of the program's: those whose
-    # queries see one of its 64 keys (none when its keys are all past n_k); it passes the others,
-    # leaving the tensor cores to the other warpgroup. Without one both compute every tile.
-    if WINDOWED:
-        first0, end0 = _own_query_tiles(key0, n_q, n_k, BLOCK_M, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
-        first1, end1 = _own_query_tiles(key0 + CONSUMER_ROWS, n_q, n_k, BLOCK_M, CAUSAL, WINDOW_LEFT,
-                                        WINDOW_RIGHT)
     # Parities of the per-slot tail barriers, a bit per slot (a slot's barrier is re-armed only after
-    # both warpgroups released the slot, so one arrival cannot come before the other warpgroup waited).
+    # both warpgroups released the slot, so warpgroup 0 cannot arrive twice before warpgroup 1 waited).
     tail_phases = gl.to_tensor(0)
     mbarrier.wait(kv_bar, 0)  # always: the loads must land before the program may end
     for g in range(KV_GROUP):
@@ -204,65 +187,45 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
             q = q_smem.index(slot)
             do = do_smem.index(slot)
             tail = (t == last_tile) & (last_rows < BLOCK_M)
-            if WINDOWED:
-                computes0 = (t >= first0) & (t < end0)
-                computes1 = (t >= first1) & (t < end1)
-                used = computes0 | computes1
-                if WG == 0:
-                    computes = computes0
-                    zeroes = computes0
-                    waits = False
-                else:
-                    computes = computes1
-                    zeroes = ~computes0  # (in a tile that is used: warpgroup 1 computes it)
-                    waits = computes0 & computes1
-            else:
-                used = True
-                computes = True
-                zeroes = WG == 0
-                waits = WG == 1
             if tail:
-                # The tile's rows past n_q are other tokens: zeroed before any product, by warpgroup 0
-                # when it computes this tile (it signals the other), else by warpgroup 1.
-                if used:
-                    if zeroes:
-                        _zero_rows(q, last_rows, BLOCK_M)
-                        _zero_rows(do, last_rows, BLOCK_M)
-                        _publish()
-                        mbarrier.arrive(tail_bar.index(slot), count=1)
-                    elif waits:
-                        mbarrier.wait(tail_bar.index(slot), (tail_phases >> slot) & 1)
-                    tail_phases = tail_phases ^ (1 << slot)
-            if computes:
-                st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-                dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-                st = warpgroup_mma_wait(1, deps=(st_tok, ))
-                st, tanh_st = _capped_biased(st, krow0 - (m0 + shift), slope, SOFTCAP, ALIBI, CONSUMER_ROWS,
-                                             BLOCK_M, st_layout)
-                pt = gl.exp2((st - gl.expand_dims(lse, 0)) * QK_SCALE)
-                if WINDOWED:
-                    masked = (m0 < clean_start) | (m0 >= clean_end)
+                # The tile's rows past n_q are other tokens: zeroed before any product.
+                if WG == 0:
+                    _zero_rows(q, last_rows, BLOCK_M)
+                    _zero_rows(do, last_rows, BLOCK_M)
+                    _publish()
+                    mbarrier.arrive(tail_bar.index(slot), count=1)
                 else:
-                    masked = tail
-                    if CAUSAL:  # some query of the tile before some key of this warpgroup's
-                        masked = masked | (m0 + shift < krow0 + CONSUMER_ROWS)
-                if masked:
-                    keep = gl.expand_dims(cols < n_q, 0)
-                    if BANDED:  # common._band of queries cols (at key positions cols + shift), keys key_rows
-                        keep = _band(keep, gl.expand_dims(cols + shift, 0), gl.expand_dims(key_rows, 1), 0,
-                                     CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
-                    pt = gl.where(keep, pt, 0.0)
-                p_op = gl.convert_layout(pt.to(dtype), op_layout)
-                if SOFTCAP > 0:  # dS^T takes the cap's derivative, 1 - tanh^2: folded into P^T here
-                    pt = pt * (1.0 - tanh_st * tanh_st)
-                dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
-                dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
-                dst = pt * (dpt - gl.expand_dims(delta, 0))
-                if tail:  # past n_q dP^T reads zeroed rows, but keep 0 exactly
-                    dst = gl.where(gl.expand_dims(cols < n_q, 0), dst, 0.0)
-                ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-                dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
-                dv, dk, ds_op, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, ds_op, p_op))
+                    mbarrier.wait(tail_bar.index(slot), (tail_phases >> slot) & 1)
+                tail_phases = tail_phases ^ (1 << slot)
+            st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st_tok, ))
+            st, tanh_st = _capped_biased(st, krow0 - (m0 + shift), slope, SOFTCAP, ALIBI, CONSUMER_ROWS,
+                                         BLOCK_M, st_layout)
+            pt = gl.exp2((st - gl.expand_dims(lse, 0)) * QK_SCALE)
+            if WINDOWED:
+                masked = (m0 < clean_start) | (m0 >= clean_end)
+            else:
+                masked = tail
+                if CAUSAL:  # some query of the tile before some key of this warpgroup's
+                    masked = masked | (m0 + shift < krow0 + CONSUMER_ROWS)
+            if masked:
+                keep = gl.expand_dims(cols < n_q, 0)
+                if BANDED:  # common._band of queries cols (at key positions cols + shift), keys key_rows
+                    keep = _band(keep, gl.expand_dims(cols + shift, 0), gl.expand_dims(key_rows, 1), 0,
+                                 CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
+                pt = gl.where(keep, pt, 0.0)
+            p_op = gl.convert_layout(pt.to(dtype), op_layout)
+            if SOFTCAP > 0:  # dS^T takes the cap's derivative, 1 - tanh^2: folded into P^T here
+                pt = pt * (1.0 - tanh_st * tanh_st)
+            dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            if tail:  # past n_q dP^T reads zeroed rows, but keep 0 exactly
+                dst = gl.where(gl.expand_dims(cols < n_q, 0), dst, 0.0)
+            ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+            dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+            dv, dk, ds_op, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, ds_op, p_op))
             mbarrier.arrive(empty.index(slot), count=1)
     _store_rows(dk_ptr, dk, kv_start, krow0, n_k, kv_head, DS_SCALE, kv_token_stride, kv_head_stride, D,
                 acc_layout)
@@ -425,30 +388,16 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar,
     # This warpgroup's clean key blocks (every key of them seen by every one of its queries, < n_k).
     _, clean_start, clean_end, _ = _key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, WINDOW_LEFT,
                                                WINDOW_RIGHT)
-    # Under a window, the key tiles this warpgroup computes, [lo, hi): it passes the others of the
-    # block's band (kernels/hopper.py's `_own_tiles`); warpgroup 1 always ends at the block's last tile.
-    if WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0:
-        lo, hi = _own_tiles(row0, n_q, n_k, key_first, num_key_blocks, BLOCK_N, CAUSAL, WINDOW_LEFT,
-                            WINDOW_RIGHT)
-        _, hi0 = _own_tiles(start_m, n_q, n_k, key_first, num_key_blocks, BLOCK_N, CAUSAL, WINDOW_LEFT,
-                            WINDOW_RIGHT)
-    else:
-        lo = 0
-        hi = num_key_blocks
-        hi0 = num_key_blocks
     mbarrier.wait(q_bar.index(WG), 0)  # always: the load must land before the program may end
-    for j in range(0, lo):
-        _pass_slot(ready, empty, j, STAGES)
-    for j in range(lo, hi):
+    for j in range(num_key_blocks):
         slot = j % STAGES
         key_start = key_first + j * BLOCK_N
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
         k = k_smem.index(slot)
         v = v_smem.index(slot)
         if (j == num_key_blocks - 1) & (key_start + BLOCK_N > n_k):
-            # K rows past n_k (other tokens, maybe NaN): zeroed before dS K reads them, by warpgroup 0
-            # when it computes this tile too (it signals the other), else by the one that does.
-            if (WG == 0) | (hi0 < num_key_blocks):
+            # K rows past n_k (other tokens, maybe NaN): zeroed before dS K reads them.
+            if WG == 0:
                 _zero_rows(k, n_k - key_start, BLOCK_N)
                 _publish()
                 mbarrier.arrive(tail_bar, count=1)
@@ -478,8 +427,6 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar,
         dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
         dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
         mbarrier.arrive(empty.index(slot), count=1)
-    for j in range(hi, num_key_blocks):
-        _pass_slot(ready, empty, j, STAGES)
     _store_rows(dq_ptr, dq, q_start, row0, n_q, head, DS_SCALE, q_token_stride, q_head_stride, D, acc_layout)
 
 

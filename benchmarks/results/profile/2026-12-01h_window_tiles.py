@@ -1,4 +1,5 @@
-"""Hopper tile sweep with per-warpgroup tile skipping: per case, mode and variant, CUPTI device time of
+"""Hopper tile sweep with per-warpgroup tile skipping (the forward's; the backward's was measured slower
+and dropped, see 2026-12-01i_window_skip.md): per case, mode and variant, CUPTI device time of
 the step and of each kernel, and the outputs' (gradients') largest difference from the first variant.
 Not yet run (no GPU was lent when it was written). On the H200, from the repository root:
   python3 benchmarks/results/profile/2026-12-01h_window_tiles.py \

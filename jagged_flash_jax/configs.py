@@ -88,6 +88,13 @@ HOPPER_FORWARD_TILES = {
     128: KernelConfig(128, 128, num_warps=4, num_stages=2, max_registers=168),
     256: KernelConfig(128, 64, num_warps=4, num_stages=2, max_registers=168),
 }
+# Bands at most HOPPER_NARROW_BAND keys wide (a sliding window's left + right, see band_width) take these
+# key tiles instead: a consumer warpgroup computes only the key tiles its own 64 queries see, and with
+# 64-key tiles it skips a larger share of the block's band (at w = 256, 5 of 6 tiles against 3 of 3).
+HOPPER_NARROW_BAND = 512
+HOPPER_FORWARD_NARROW_TILES = {
+    128: KernelConfig(128, 64, num_warps=4, num_stages=3, max_registers=168),
+}
 # Sequences (the longer of max_seq_len and kv_max_seq_len) up to this many tokens run the portable
 # forward: there its tiles fitted to the lengths, and no pre-filled output, win (H200, D = 128: L256
 # 0.31 against 0.41 ms, rec-long 0.29 against 0.31, L1024 0.61 against 0.63; L2048 1.03 against 0.92).
@@ -250,6 +257,14 @@ def band_width(window: tuple[int | None, int | None], causal: bool) -> int | Non
     position's), which keys the tile table as a sequence length would; None where a side is unbounded."""
     left, right = window[0], 0 if causal else window[1]
     return None if left is None or right is None else left + right
+
+
+def hopper_forward_tiles(head_dim: int, band: int | None) -> KernelConfig:
+    """The Hopper forward's tiles for a (padded) head dimension of HOPPER_FORWARD_TILES and the band's
+    width (None: unbounded)."""
+    if band is not None and band <= HOPPER_NARROW_BAND and head_dim in HOPPER_FORWARD_NARROW_TILES:
+        return HOPPER_FORWARD_NARROW_TILES[head_dim]
+    return HOPPER_FORWARD_TILES[head_dim]
 
 
 def default_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None,

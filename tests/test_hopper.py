@@ -265,6 +265,13 @@ CASES = {
     # Both bounds and ALiBi at D = 256 (64-key tiles), more queries than keys: queries past the band.
     "cross-window-both-alibi-D256": dict(lengths=[17, 200, 90, 140], kv_lengths=[30, 120, 90, 0], heads=2,
                                          dim=256, max_seq_len=192, window=(30, 70), alibi=True),
+    # Narrow bands (64-key tiles): each consumer warpgroup computes only the tiles its own rows see, so
+    # one warpgroup passes tiles the other computes (the first, the last, the last block's tail tile),
+    # and in the last blocks of 150 and 70 tokens warpgroup 1 has no row or few.
+    "narrow-window-causal-gqa": dict(lengths=[150, 70, 1, 200, 0, 64], heads=4, kv_heads=2, dim=128,
+                                     max_seq_len=192, causal=True, window=(8, None)),
+    "cross-narrow-window-both": dict(lengths=[130, 5, 0, 250], kv_lengths=[140, 9, 3, 200], heads=2, dim=128,
+                                     max_seq_len=256, window=(6, 5)),
     # Everything at once, causal with n_q > n_k (whole query blocks see no key), GQA.
     "cross-causal-all-options-gqa": dict(lengths=[200, 9, 130], kv_lengths=[60, 9, 300], heads=4, kv_heads=2,
                                          dim=128, max_seq_len=256, kv_max_seq_len=100, causal=True,
@@ -594,6 +601,10 @@ BACKWARD_CASES = {
                                       window=(60, 130)),
     # A right window and a soft cap, MQA (the forward's case).
     "cross-window-right-softcap-mqa": CASES["cross-window-right-softcap-mqa"],
+    # Narrow bands (the forward's cases, where the forward's warpgroups pass tiles): the backward of a
+    # forward that computed some tiles in one warpgroup only.
+    "narrow-window-causal-gqa": CASES["narrow-window-causal-gqa"],
+    "cross-narrow-window-both": CASES["cross-narrow-window-both"],
     # A soft cap alone, D = 64, at scores large enough against it that its derivative matters.
     "softcap-D64": dict(lengths=[300, 0, 129, 64], heads=2, dim=64, max_seq_len=256, scale=1.0, softcap=3.0),
     # ALiBi alone (`slopes_for`'s slopes, one steep); cross both ways, GQA, keys truncated.
@@ -624,7 +635,8 @@ def check_backward(case: str, layout: str, precision: str, backward_kernels, wan
     ("window-left-causal-gqa", "THD"), ("window-left-causal-gqa", "HTD"), ("window-left-D64", "HTD"),
     ("cross-window-right-gqa", "THD"), ("cross-window-both-D64-gqa", "THD"),
     ("cross-window-both-D64-gqa", "HTD"), ("cross-window-right-softcap-mqa", "HTD"), ("softcap-D64", "THD"),
-    ("cross-alibi-gqa", "HTD"), ("cross-causal-all-options-gqa", "THD"),
+    ("cross-alibi-gqa", "HTD"), ("narrow-window-causal-gqa", "THD"), ("narrow-window-causal-gqa", "HTD"),
+    ("cross-narrow-window-both", "THD"), ("cross-causal-all-options-gqa", "THD"),
     ("cross-causal-all-options-gqa", "HTD"), ("cross-causal-all-options-D64-mqa", "THD")], ids=str)
 def test_backward_matches_float64(case, layout, backward_kernels):
     check_backward(case, layout, "bf16", backward_kernels)

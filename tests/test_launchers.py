@@ -757,6 +757,22 @@ def test_the_hopper_launch_passes_the_options(hopper_gpu):
     assert (call["args"][5].shape, call["args"][5].dtype) == ((1, 4), jnp.float32)  # traced here
 
 
+@pytest.mark.parametrize("window,causal,narrow", [
+    ((8, 2), False, True), ((500, 12), False, True), ((500, 13), False, False), ((512, None), True, True),
+    ((8, None), False, False), ((None, 8), True, False), ((None, None), True, False)])
+def test_narrow_bands_take_the_hopper_forwards_narrow_tiles(hopper_gpu, window, causal, narrow):
+    """A band of at most configs.HOPPER_NARROW_BAND keys (left + right, right 0 under causal; a side
+    without a bound is no narrow band, nor is causal alone) takes configs.HOPPER_FORWARD_NARROW_TILES;
+    the rest HOPPER_FORWARD_TILES."""
+    q = jnp.ones((1040, 4, 128), jnp.bfloat16)
+    jfa.jagged_attention(q, q, q, jnp.asarray([0, 15, 1040], jnp.int32), 1024, window=window, causal=causal,
+                         backend="triton")
+    (call,) = hopper_gpu.calls
+    want = (configs.HOPPER_FORWARD_NARROW_TILES if narrow else configs.HOPPER_FORWARD_TILES)[128]
+    assert (call["BLOCK_M"], call["BLOCK_N"], call["STAGES"]) == (want.block_m, want.block_n, want.num_stages)
+    assert tuple(call["args"][1].block_shape) == (want.block_n, 128)  # k's TMA tile
+
+
 def test_the_hopper_launch_zeroes_its_own_outputs():
     """The plan's Hopper launch, recorded: o and the log-sum-exp are the kernel's outputs, no input
     (the kernel writes 0 and +inf where it computes nothing); its grid has the portable forward's

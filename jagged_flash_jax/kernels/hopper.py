@@ -268,6 +268,35 @@ def _program(params_ptr, BLOCKS: gl.constexpr, NUM_HEADS: gl.constexpr):
 
 
 @gluon.jit
+def _pass_slot(ready, empty, j, STAGES: gl.constexpr):
+    """Release ring tile j, which this consumer warpgroup skips, once it is loaded: so that the arrival
+    never counts toward the slot's next use, which needs the other consumer's too."""
+    mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+    mbarrier.arrive(empty.index(j % STAGES), count=1)
+
+
+@gluon.jit
+def _pass_tiles(k_ready, v_ready, k_empty, v_empty, first, end, STAGES: gl.constexpr):
+    """`_pass_slot` of the key and value tiles [first, end), in the producer's order."""
+    for j in range(first, end):
+        _pass_slot(k_ready, k_empty, j, STAGES)
+        _pass_slot(v_ready, v_empty, j, STAGES)
+
+
+@gluon.jit
+def _own_tiles(row0, n_q, n_k, key_first, num_key_blocks, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):
+    """[lo, hi) of the program's key tiles (from key_first) that some query of one consumer warpgroup's,
+    [row0, +64), sees: its own band within the block's (common._key_ranges over its rows), empty when
+    its rows are all past n_q."""
+    first, _, _, end = _key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
+    lo = gl.minimum((first - key_first) // BLOCK_N, num_key_blocks)
+    hi = gl.minimum(gl.maximum(gl.cdiv(end - key_first, BLOCK_N), lo), num_key_blocks)
+    hi = gl.where(row0 < n_q, hi, lo)
+    return lo, hi
+
+
+@gluon.jit
 def _issue_kv(desc, bar, buf, row, col):
     mbarrier.expect(bar, desc.block_type.nbytes)
     _tma_load(desc, [row, col], bar, buf)
@@ -315,22 +344,42 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
     _, clean_start, clean_end, _ = _key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, WINDOW_LEFT,
                                                WINDOW_RIGHT)
 
+    # The tiles this warpgroup computes, [lo, hi): under a window a warpgroup's band may start or end a
+    # tile from the block's (more often with narrow bands' 64-key tiles); it passes the tiles outside,
+    # leaving the tensor cores to the other. Warpgroup 1 (the block's last rows) always ends at the
+    # block's last tile, which warpgroup 0 computes too unless it ends before. (Without a window the
+    # code is that of every tile computed by both.)
+    WINDOWED: gl.constexpr = WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0
+    if WINDOWED:
+        lo, hi = _own_tiles(row0, n_q, n_k, key_first, num_key_blocks, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                            WINDOW_RIGHT)
+        _, hi0 = _own_tiles(start_m, n_q, n_k, key_first, num_key_blocks, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                            WINDOW_RIGHT)
+    else:
+        lo = 0
+        hi = num_key_blocks
+        hi0 = num_key_blocks
+
     m_i = gl.full([CONSUMER_ROWS], -INF, gl.float32, layout=row_layout)
     l_i = gl.full([CONSUMER_ROWS], 0.0, gl.float32, layout=row_layout)
     acc = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bars.index(WG), 0)  # always: the load must land before the program may end
-    if num_key_blocks > 0:
-        # S_0 alone; then S_j with P_{j-1} V_{j-1} in flight; then the last P V.
-        mbarrier.wait(k_ready.index(0), 0)
-        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if WINDOWED:
+        _pass_tiles(k_ready, v_ready, k_empty, v_empty, 0, lo, STAGES)
+    if hi > lo:
+        # S_lo alone; then S_j with P_{j-1} V_{j-1} in flight; then the last P V.
+        ks = lo % STAGES
+        key_start = key_first + lo * BLOCK_N
+        mbarrier.wait(k_ready.index(ks), (lo // STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, key_first, n_k, row0, shift, slope,
-                                           (key_first < clean_start) | (key_first >= clean_end), QK_SCALE,
+        mbarrier.arrive(k_empty.index(ks), count=1)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, slope,
+                                           (key_start < clean_start) | (key_start >= clean_end), QK_SCALE,
                                            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N,
                                            s_layout)
-        for j in range(1, num_key_blocks):
+        for j in range(lo + 1, hi):
             ks = j % STAGES
             vs = (j - 1) % STAGES
             key_start = key_first + j * BLOCK_N
@@ -348,20 +397,25 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
             acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
             mbarrier.arrive(v_empty.index(vs), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        # Warpgroup 0 zeroes the rows of the last value tile past the band's keys (past the sequence's
-        # maybe: other tokens, NaN) and signals the other.
-        last = num_key_blocks - 1
+        # The block's last value tile: its rows past the band's keys (past the sequence's maybe: other
+        # tokens, NaN) are zeroed first, by warpgroup 0 when it computes that tile too (it signals the
+        # other), else by the one warpgroup that does.
+        last = hi - 1
         vs = last % STAGES
         tail = key_end - (key_first + last * BLOCK_N)
         mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
-        if tail < BLOCK_N:
-            if WG == 0:
+        if (hi == num_key_blocks) & (tail < BLOCK_N):
+            if (WG == 0) | (hi0 < num_key_blocks):
                 _zero_rows(v_smem.index(vs), tail, BLOCK_N)
                 _publish()
                 mbarrier.arrive(tail_bar, count=1)
             else:
                 mbarrier.wait(tail_bar, 0)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(vs), acc)
+        if WINDOWED:  # the slot may be needed again: warpgroup 0 can end before the block's last tile
+            mbarrier.arrive(v_empty.index(vs), count=1)
+    if WINDOWED:
+        _pass_tiles(k_ready, v_ready, k_empty, v_empty, hi, num_key_blocks, STAGES)
 
     # Epilogue: rows < n_q only (the fill programs write the others).
     attended = l_i > 0  # false only for queries with no key

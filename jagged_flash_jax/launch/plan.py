@@ -28,11 +28,12 @@ from .._util import cdiv, lse_gradient
 from ..configs import (
     HOPPER_BACKWARD_TILES,
     HOPPER_CONSUMER_REGS,
-    HOPPER_FORWARD_TILES,
     HOPPER_PRODUCER_REGS,
     BlockSizes,
     KernelConfig,
+    band_width,
     head_block,
+    hopper_forward_tiles,
 )
 from ..kernels import params as param
 
@@ -327,7 +328,7 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
     """The Hopper forward (kernels/hopper.py): q, k, v as TMA descriptors over 2-D views whose rows are
     one token stride long; per (sequence or zero fill, head) the query blocks and a tail-zeroing program,
     as the portable forward's slots (Problem.forward_slots), on one axis."""
-    tiles = HOPPER_FORWARD_TILES[p.head_dim]
+    tiles = hopper_forward_tiles(p.head_dim, band_width(p.window, p.causal))
     params, constants = _common(p)
     blocks = p.blocks(tiles.block_m, p.q_tokens, p.max_seq_len)
     slots = blocks + 1

@@ -93,7 +93,7 @@ HOPPER_FORWARD_TILES = {
 # 64-key tiles it skips a larger share of the block's band (at w = 256, 5 of 6 tiles against 3 of 3).
 HOPPER_NARROW_BAND = 512
 HOPPER_FORWARD_NARROW_TILES = {
-    128: KernelConfig(128, 64, num_warps=4, num_stages=3, max_registers=168),
+    128: KernelConfig(128, 64, num_warps=4, num_stages=2, max_registers=168),
 }
 # Sequences (the longer of max_seq_len and kv_max_seq_len) up to this many tokens run the portable
 # forward: there its tiles fitted to the lengths, and no pre-filled output, win (H200, D = 128: L256

@@ -1,7 +1,8 @@
 """Hopper tile sweep with per-warpgroup tile skipping (the forward's; the backward's was measured slower
 and dropped, see 2026-12-01i_window_skip.md): per case, mode and variant, CUPTI device time of
 the step and of each kernel, and the outputs' (gradients') largest difference from the first variant.
-Not yet run (no GPU was lent when it was written). On the H200, from the repository root:
+Its forward part ran on fb6c895 (L16384-w128,L16384-w256,L16384-w512: 2026-12-01h_window_tiles_fb6c895.log,
+which chose 2 stages). On the H200, from the repository root:
   python3 benchmarks/results/profile/2026-12-01h_window_tiles.py \
       L4096-w256,L16384-w256,L4096-w1024,L16384-w1024,L2048,L1024 \
       L4096-w256,L16384-w256,L4096-w1024,L16384-w1024

@@ -220,7 +220,7 @@ def test_merge_attention_edge_cases():
 @pytest.mark.parametrize(("layout", "backend"), [("HTD", "interpret"), ("THD", "xla")])
 def test_vmap_and_jit(layout, backend):
     """vmap (shared and batched offsets: folded into heads and into segments) and jit of return_lse,
-    values and the vjp with an lse cotangent, equal a loop of single calls (eager on the interpreter).
+    values and the vjp with an lse cotangent, equal a loop of single eager calls.
     Cross-attention with MQA and queries without a key (lse -inf): 2 sequences of 3 heads, fewer
     interpreted programs than the GQA case's 4 sequences of 4 heads."""
     batch, spec = _batch("cross-nq>nk-causal-mqa")
@@ -239,10 +239,8 @@ def test_vmap_and_jit(layout, backend):
         out, vjp = jax.vjp(lambda q, k, v: op(q, k, v, offsets), q, k, v)
         return out, vjp((do, dlse))
 
-    # Eager calls on the interpreter; on xla, which compiles each eager call's forward and backward
-    # anew, one jitted call serves both problems.
-    single = with_vjp if backend == "interpret" else jax.jit(with_vjp)
-    loop = [single(q[i], k[i], v[i], do[i], dlse[i], offsets[i]) for i in range(2)]
+    # Eager calls: the two share one problem, compiled once (test_transforms' test_eager_calls_trace_once).
+    loop = [with_vjp(q[i], k[i], v[i], do[i], dlse[i], offsets[i]) for i in range(2)]
     want = jax.tree.map(lambda *x: jnp.stack(x), *loop)
     for offsets_axis in (None, 0):
         got = jax.jit(jax.vmap(with_vjp, in_axes=(0, 0, 0, 0, 0, offsets_axis)))(

@@ -68,8 +68,7 @@ def check(op_name, backend, lengths, heads, kv_heads, dim, max_seq_len, dtype, t
         out, vjp = jax.vjp(op, q, k, v)
         return (out, *vjp(do))
 
-    if backend != "interpret":  # the interpreter's run is the time; its compile is small
-        jax.block_until_ready(forward_backward(q, k, v, do))  # compile
+    jax.block_until_ready(forward_backward(q, k, v, do))  # compile
     start = time.perf_counter()
     got = jax.block_until_ready(forward_backward(q, k, v, do))
     elapsed_ms = 1e3 * (time.perf_counter() - start)

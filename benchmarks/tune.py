@@ -1,11 +1,15 @@
-"""Sweeps kernel tiles per (case, dtype) through the public block_sizes= argument, as benchmarks.run rows
-(OUT/results.json: same workers, timing and crash records), and writes OUT/tuned_configs.json, the table
-$JAGGED_FLASH_JAX_TUNED_CONFIGS takes, in the form of configs.py's built-in table.
+"""Sweeps the portable kernels' tiles per (case, dtype) through the public block_sizes= argument, as
+benchmarks.run rows (OUT/results.json: same workers, timing and crash records), and writes
+OUT/tuned_configs.json, the table $JAGGED_FLASH_JAX_TUNED_CONFIGS takes, in the form of configs.py's
+built-in table. The portable kernels run wherever the Hopper ones would (their tiles are the table's
+"hopper" entries, not block_sizes=): the entries serve every GPU, and Hopper problems the Hopper kernels
+cannot take.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import jax.numpy as jnp
 
@@ -52,7 +56,7 @@ def tile_jobs(case, dtype: str, backend: str, candidates: dict | None = None) ->
             default = configs.default_block_sizes(
                 case.head_dim, dtype, case.max_seq_len, case.kv_max_seq_len,
                 configs.band_width(case.window or (None, None), case.causal))
-            entry = dict(configs.entry_to_json(("", bits, 0, None), default), **tiles)
+            entry = dict(configs.entry_to_json(("", "portable", bits, 0, None), default), **tiles)
             return impls.jfa(case, backend, configs.entry_from_json(entry)[1])
         jobs.append((f"jfa-{backend} {json.dumps(tiles)}", mode, make, backend == "triton"))
     return jobs
@@ -91,6 +95,8 @@ def main(argv=None) -> None:
                         'stages(, max_registers)], ...], "bwd": [[dkdv, dq], ...]}')
     p.set_defaults(cases=TUNE_CASES, dtypes="bfloat16,float32", seconds=0.1)
     args = p.parse_args(argv)
+    for env in (configs.FORWARD_KERNEL_ENV, configs.BACKWARD_KERNEL_ENV):  # for the workers too
+        os.environ[env] = "portable"
     jobs = lambda case, dtype: tile_jobs(case, dtype, args.backend, args.candidates)  # noqa: E731
     results = run.run_cases(args, argv, jobs, "benchmarks.tune")
     if results is None:  # a worker

@@ -273,6 +273,8 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
             _check_offsets_content(x, name, tokens // rows, layout, validate)
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
+    if block_sizes is not None and None in (block_sizes.fwd, block_sizes.dkdv, block_sizes.dq):
+        raise TypeError(f"block_sizes needs a KernelConfig for each of fwd, dkdv and dq, got {block_sizes}")
     # A sequence never attends more than its segment's tokens, whatever max_seq_len says.
     bounds = (("max_seq_len", heads, min(max_seq_len, q_tokens // rows)),
               ("kv_max_seq_len", kv_heads, min(kv_max_seq_len, kv_tokens // rows)))
@@ -298,8 +300,7 @@ def _problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_len, scale
     if backend == "triton":
         from .launch import hopper
 
-        problem = problem.with_(forward_kernel=hopper.forward_kernel(problem, q.dtype),
-                                backward_kernel=hopper.backward_kernel(problem, q.dtype))
+        problem = hopper.with_kernels(problem, q.dtype)
     if backend != "xla":
         plan.check_grid(problem)
     return problem
@@ -454,9 +455,10 @@ def jagged_attention(
       allow_tf32: float32 only: whether the GPU matrix products may use TF32 (with D > 32 the
         forward then reads a transposed copy of v, made once per call, and at D in (64, 128] the
         backward transposed copies of q and the output gradient).
-      block_sizes: tile configuration of the Triton kernels; None picks a tuned default, its blocks
-        cut to the sequence lengths. dq and dk/dv tiles with different warps or stages run in
-        separate launches.
+      block_sizes: tile configuration of the portable Triton kernels; None picks a tuned default, its
+        blocks cut to the sequence lengths. dq and dk/dv tiles with different warps or stages run in
+        separate launches. The Hopper kernels take theirs from the table's "hopper" entries
+        (configs.py; $JAGGED_FLASH_JAX_TUNED_CONFIGS overrides entries).
       validate: also check traced offsets (non-decreasing within [0, T]), with
         `jax.experimental.checkify.check`. The caller functionalizes the check, as for any checkify
         check: `err, out = checkify.checkify(jax.jit(f))(...)`, then `err.throw()` or `err.get()`.

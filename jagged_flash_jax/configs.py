@@ -1,9 +1,10 @@
 """Launch configurations (tile sizes, warps, pipeline stages) of the kernels, and how one is chosen.
 
 `BlockSizes` is a frozen, hashable dataclass so it can be a static argument of jitted functions. The
-GPU table behind `default_block_sizes` is keyed by (GPU name, bits of the inputs, padded head dimension,
-longest max_seq_len covered); `python -m benchmarks.tune` writes entries of exactly that form to a JSON
-file, which $JAGGED_FLASH_JAX_TUNED_CONFIGS merges over the built-in table (measured on an H200). The
+one GPU table, behind `default_block_sizes` (the portable kernels) and `hopper_block_sizes` (the Hopper
+ones), is keyed by (GPU name, kernel family, bits of the inputs, padded head dimension, longest
+max_seq_len covered); `python -m benchmarks.tune` writes entries of exactly that form to a JSON file,
+which $JAGGED_FLASH_JAX_TUNED_CONFIGS merges over the built-in table (measured on an H200). The
 interpreter uses small, deliberately unequal tiles so that CPU tests walk several blocks in every loop.
 """
 
@@ -58,12 +59,13 @@ class BlockSizes:
     """Configurations of the forward, the dk/dv and dq programs, and the preprocess's row block.
 
     dk/dv and dq programs share one backward launch when they have the same num_warps, num_stages and
-    max_registers, and run in a launch each otherwise.
+    max_registers, and run in a launch each otherwise. In the table's "hopper" entries a kernel that has
+    no Hopper version at the entry's head dimension is None (the portable one runs there).
     """
 
-    fwd: KernelConfig
-    dkdv: KernelConfig
-    dq: KernelConfig
+    fwd: KernelConfig | None
+    dkdv: KernelConfig | None
+    dq: KernelConfig | None
     preprocess_block_m: int = 64
 
     @property
@@ -78,45 +80,24 @@ def head_block(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-# The Hopper forward (kernels/hopper.py), by head dimension: 128 query rows (two consumer warpgroups of
-# 64), key tiles of block_n in a ring of num_stages (3 stages of 128 keys exceed shared memory at
-# D = 128), 4 warps requested (the compiled kernel has 12: the consumers and a producer warpgroup, whose
-# count the launch takes from the PTX, see _compat.patch_jax_triton), and max_registers as the cap that
-# setmaxnreg redistributes (HOPPER_CONSUMER_REGS per consumer thread, HOPPER_PRODUCER_REGS per
-# producer's). Measured on the H200: docs/performance.md, "Hopper kernels".
-HOPPER_FORWARD_TILES = {
-    128: KernelConfig(128, 128, num_warps=4, num_stages=2, max_registers=168),
-    256: KernelConfig(128, 64, num_warps=4, num_stages=2, max_registers=168),
-}
-# Bands at most HOPPER_NARROW_BAND keys wide (a sliding window's left + right, see band_width) take these
-# key tiles instead: a consumer warpgroup computes only the key tiles its own 64 queries see, and with
-# 64-key tiles it skips a larger share of the block's band (at w = 256, 5 of 6 tiles against 3 of 3).
-HOPPER_NARROW_BAND = 512
-HOPPER_FORWARD_NARROW_TILES = {
-    128: KernelConfig(128, 64, num_warps=4, num_stages=2, max_registers=168),
-}
+# The Hopper kernels (kernels/hopper.py, kernels/hopper_backward.py) take their tiles from the table's
+# "hopper" entries (BUILTIN_TABLE). Their fixed shapes: the forward's and dq's 128 query rows are two
+# consumer warpgroups of 64, as dk/dv's 128 keys; 4 warps requested (the compiled kernel has 12: the
+# consumers and a producer warpgroup, whose count the launch takes from the PTX, see
+# _compat.patch_jax_triton); num_stages is the kernel's own ring of key (dq: query) tiles; max_registers
+# is the cap that setmaxnreg redistributes, HOPPER_CONSUMER_REGS per consumer thread and
+# HOPPER_PRODUCER_REGS per producer's. Measured on the H200: docs/performance.md, "Hopper kernels".
+HOPPER_CONSUMER_REGS = 240
+HOPPER_PRODUCER_REGS = 24
 # Sequences (the longer of max_seq_len and kv_max_seq_len) up to this many tokens run the portable
 # forward: there its tiles fitted to the lengths, and no pre-filled output, win (H200, D = 128: L256
 # 0.31 against 0.41 ms, rec-long 0.29 against 0.31, L1024 0.61 against 0.63; L2048 1.03 against 0.92).
 HOPPER_FORWARD_MIN_LENGTH = 1025
-HOPPER_CONSUMER_REGS = 240
-HOPPER_PRODUCER_REGS = 24
 # Under "auto" the Hopper backward runs from sequences of this many tokens, and at these head dimensions
 # only: below, and at D = 64, the portable backward is as fast or faster (H200, docs/performance.md,
-# "Hopper kernels"). "hopper" runs it at every length and head dimension of HOPPER_BACKWARD_TILES.
+# "Hopper kernels"). "hopper" runs it wherever the table has its tiles.
 HOPPER_BACKWARD_MIN_LENGTH = 512
 HOPPER_BACKWARD_AUTO_HEAD_DIMS = (128,)
-# The Hopper backward (kernels/hopper_backward.py), by head dimension: the dk/dv program's query tile
-# (block_m; its 128 keys are two consumer warpgroups of 64) and the dq program's key tile (block_n; its
-# 128 queries two warpgroups of 64), each with its ring of num_stages; max_registers as the forward's.
-# D = 256 stays on the portable backward: dK and dV of 64 rows x 256 in float32 need 256 registers
-# per consumer thread on their own. Measured on the H200: docs/performance.md, "Hopper kernels".
-HOPPER_BACKWARD_TILES = {
-    64: dict(dkdv=KernelConfig(64, 128, num_warps=4, num_stages=2, max_registers=168),
-             dq=KernelConfig(128, 128, num_warps=4, num_stages=3, max_registers=168)),
-    128: dict(dkdv=KernelConfig(64, 128, num_warps=4, num_stages=2, max_registers=168),
-              dq=KernelConfig(128, 128, num_warps=4, num_stages=2, max_registers=168)),
-}
 
 INTERPRET_BLOCK_SIZES = BlockSizes(
     fwd=KernelConfig(16, 32),
@@ -129,22 +110,32 @@ INTERPRET_BLOCK_SIZES = BlockSizes(
 # The table: {(gpu, bits, head_dim, max_seq_len): BlockSizes}, and its JSON form (a list of entries)
 # ---------------------------------------------------------------------------------------------------
 
-# gpu: jax.devices()[0].device_kind; bits: 16 or 32 (the inputs' element size); head_dim: the padded
-# head dimension (head_block); max_seq_len: the longest max_seq_len the entry covers (None: any longer).
-TableKey = tuple[str, int, int, "int | None"]
+# gpu: jax.devices()[0].device_kind; kernels: KERNEL_FAMILIES, whose tiles the entry holds; bits: 16 or
+# 32 (the inputs' element size); head_dim: the padded head dimension (head_block; the Hopper kernels do
+# not pad, their entries cover their own head dimension only); max_seq_len: the longest max_seq_len the
+# entry covers (None: any longer), or the widest band (see band_width).
+TableKey = tuple[str, str, int, int, "int | None"]
+KERNEL_FAMILIES = ("portable", "hopper")
 
 
 def entry_to_json(key: TableKey, tiles: BlockSizes) -> dict:
-    gpu, bits, head_dim, max_seq_len = key
-    return dict(gpu=gpu, bits=bits, head_dim=head_dim, max_seq_len=max_seq_len,
-                **{name: list(dataclasses.astuple(getattr(tiles, name))) for name in ("fwd", "dkdv", "dq")},
+    gpu, kernels, bits, head_dim, max_seq_len = key
+    configs = {name: None if getattr(tiles, name) is None else list(dataclasses.astuple(getattr(tiles, name)))
+               for name in ("fwd", "dkdv", "dq")}
+    return dict(gpu=gpu, kernels=kernels, bits=bits, head_dim=head_dim, max_seq_len=max_seq_len, **configs,
                 preprocess_block_m=tiles.preprocess_block_m)
 
 
 def entry_from_json(entry: dict) -> tuple[TableKey, BlockSizes]:
-    key = (str(entry["gpu"]), int(entry["bits"]), int(entry["head_dim"]), entry.get("max_seq_len"))
-    tiles = BlockSizes(*(KernelConfig(*entry[name]) for name in ("fwd", "dkdv", "dq")),
-                       entry.get("preprocess_block_m", 64))
+    """An entry; without "kernels", the portable kernels' (as tables written before the field)."""
+    kernels = str(entry.get("kernels", "portable"))
+    if kernels not in KERNEL_FAMILIES:
+        raise ValueError(f"a tile table entry's kernels must be one of {KERNEL_FAMILIES}, got {kernels!r}")
+    key = (str(entry["gpu"]), kernels, int(entry["bits"]), int(entry["head_dim"]), entry.get("max_seq_len"))
+    tiles = BlockSizes(*(None if entry.get(name) is None else KernelConfig(*entry[name])
+                         for name in ("fwd", "dkdv", "dq")), entry.get("preprocess_block_m", 64))
+    if kernels == "portable" and None in (tiles.fwd, tiles.dkdv, tiles.dq):
+        raise ValueError(f"a portable tile table entry needs fwd, dkdv and dq tiles, got {entry}")
     return key, tiles
 
 
@@ -156,9 +147,15 @@ def table_from_json(entries: list[dict]) -> dict:
     return dict(entry_from_json(entry) for entry in entries)
 
 
-# What `python -m benchmarks.tune` chose on an H200, an entry per benchmark case it was tuned on. Where
-# dq's warps or stages differ from dk/dv's the two run in separate launches. docs/performance.md ("Tile
-# configurations") gives each entry's case and the measurements behind the choices.
+# The portable kernels' entries: what `python -m benchmarks.tune` chose on an H200, an entry per benchmark
+# case it was tuned on. Where dq's warps or stages differ from dk/dv's the two run in separate launches.
+# docs/performance.md ("Tile configurations") gives each entry's case and the measurements behind the
+# choices. Then the Hopper kernels' (16-bit inputs only, fixed shapes: see HOPPER_CONSUMER_REGS), from
+# the sweeps of docs/performance.md, "Hopper kernels": bands of at most 512 keys (a sliding window's,
+# or sequences as short) take 64-key tiles in the forward and in dq, where a consumer warpgroup
+# computes only the key tiles its own 64 queries see; 3 stages of 128 keys exceed shared memory at D = 128,
+# and D = 256 has no Hopper backward (dK and dV of 64 rows x 256 in float32 alone need a consumer thread's
+# 256 registers).
 _H200 = FALLBACK_GPU
 BUILTIN_TABLE = table_from_json([
     dict(gpu=_H200, bits=16, head_dim=32, max_seq_len=256, fwd=[64, 32, 4, 3], dkdv=[32, 64, 4, 3],
@@ -183,6 +180,14 @@ BUILTIN_TABLE = table_from_json([
          dq=[128, 32, 8, 2]),
     dict(gpu=_H200, bits=32, head_dim=256, max_seq_len=None, fwd=[64, 16, 4, 1], dkdv=[16, 64, 4, 1],
          dq=[64, 16, 4, 1], preprocess_block_m=32),
+    dict(gpu=_H200, kernels="hopper", bits=16, head_dim=64, max_seq_len=None, fwd=None,
+         dkdv=[64, 128, 4, 2, 168], dq=[128, 128, 4, 3, 168]),
+    dict(gpu=_H200, kernels="hopper", bits=16, head_dim=128, max_seq_len=512, fwd=[128, 64, 4, 2, 168],
+         dkdv=[64, 128, 4, 2, 168], dq=[128, 64, 4, 2, 168]),
+    dict(gpu=_H200, kernels="hopper", bits=16, head_dim=128, max_seq_len=None, fwd=[128, 128, 4, 2, 168],
+         dkdv=[64, 128, 4, 2, 168], dq=[128, 128, 4, 2, 168]),
+    dict(gpu=_H200, kernels="hopper", bits=16, head_dim=256, max_seq_len=None, fwd=[128, 64, 4, 2, 168],
+         dkdv=None, dq=None),
 ])
 
 
@@ -210,21 +215,23 @@ def current_gpu() -> str:
         return FALLBACK_GPU
 
 
-def table_key(head_dim: int, dtype, max_seq_len: int, gpu: str | None = None,
-              table: dict | None = None) -> TableKey | None:
-    """The entry a problem takes: the GPU's own entries, else FALLBACK_GPU's, for the inputs' bits; among
-    them the smallest padded head dimension that covers head_dim, then the shortest max_seq_len bucket
-    that covers max_seq_len (the longest for longer ones). None when no entry covers head_dim."""
+def table_key(head_dim: int, dtype, max_seq_len: int, gpu: str | None = None, table: dict | None = None,
+              kernels: str = "portable") -> TableKey | None:
+    """The entry a problem takes: the GPU's own entries of the kernel family, else FALLBACK_GPU's, for
+    the inputs' bits; among them the smallest padded head dimension that covers head_dim, then the
+    shortest max_seq_len bucket that covers max_seq_len (the longest for longer ones). None when no entry
+    covers head_dim."""
     table = BUILTIN_TABLE if table is None else table
     bits = 16 if np.dtype(dtype).itemsize <= 2 else 32
     block_d = head_block(head_dim)
     for name in dict.fromkeys((gpu or current_gpu(), FALLBACK_GPU)):
-        dims = sorted(d for g, b, d, _ in table if (g, b) == (name, bits) and d >= block_d)
+        family = (name, kernels, bits)
+        dims = sorted(d for *key, d, _ in table if tuple(key) == family and d >= block_d)
         if dims:
-            lengths = sorted((float("inf") if n is None else n, n) for g, b, d, n in table
-                             if (g, b, d) == (name, bits, dims[0]))
+            lengths = sorted((float("inf") if n is None else n, n) for *key, d, n in table
+                             if (*key, d) == (*family, dims[0]))
             covering = [n for bound, n in lengths if max_seq_len <= bound]
-            return name, bits, dims[0], covering[0] if covering else lengths[-1][1]
+            return *family, dims[0], covering[0] if covering else lengths[-1][1]
     return None
 
 
@@ -259,24 +266,34 @@ def band_width(window: tuple[int | None, int | None], causal: bool) -> int | Non
     return None if left is None or right is None else left + right
 
 
-def hopper_forward_tiles(head_dim: int, band: int | None) -> KernelConfig:
-    """The Hopper forward's tiles for a (padded) head dimension of HOPPER_FORWARD_TILES and the band's
-    width (None: unbounded)."""
-    if band is not None and band <= HOPPER_NARROW_BAND and head_dim in HOPPER_FORWARD_NARROW_TILES:
-        return HOPPER_FORWARD_NARROW_TILES[head_dim]
-    return HOPPER_FORWARD_TILES[head_dim]
+def _entry(kernels: str, head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None,
+           band: int | None) -> tuple[TableKey | None, dict]:
+    """The key of the kernel family's entry for the problem, keyed by the most keys one query sees: the
+    longer of max_seq_len and kv_max_seq_len (default: max_seq_len), or `band` where shorter (a sliding
+    window's width, whose blocks are shaped like short sequences'); and the table (the built-in one with
+    $JAGGED_FLASH_JAX_TUNED_CONFIGS merged over it)."""
+    table = load_table(os.environ.get(TUNED_CONFIGS_ENV) or None)
+    longest = max(max_seq_len, max_seq_len if kv_max_seq_len is None else kv_max_seq_len)
+    keys = longest if band is None else min(longest, band)
+    return table_key(head_dim, dtype, keys, table=table, kernels=kernels), table
 
 
 def default_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None,
                         band: int | None = None) -> BlockSizes:
-    """Tiles for the GPU kernels: the table's entry by GPU, element size, padded head dimension and the
-    longer of max_seq_len and kv_max_seq_len (default: max_seq_len), or `band` where shorter (the most
-    keys one query sees: a sliding window's width, whose blocks are shaped like short sequences'),
-    fitted to both lengths."""
-    kv_max_seq_len = max_seq_len if kv_max_seq_len is None else kv_max_seq_len
-    table = load_table(os.environ.get(TUNED_CONFIGS_ENV) or None)
-    longest = max(max_seq_len, kv_max_seq_len)
-    key = table_key(head_dim, dtype, longest if band is None else min(longest, band), table=table)
+    """Tiles for the portable GPU kernels: the table's entry by GPU, element size, padded head dimension
+    and the most keys one query sees (see `_entry`), fitted to both lengths."""
+    key, table = _entry("portable", head_dim, dtype, max_seq_len, kv_max_seq_len, band)
     if key is None:
         raise ValueError(f"no tile configuration covers head dimension {head_dim} (at most {MAX_HEAD_DIM})")
+    kv_max_seq_len = max_seq_len if kv_max_seq_len is None else kv_max_seq_len
     return fit_to_lengths(table[key], max_seq_len, kv_max_seq_len)
+
+
+def hopper_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None,
+                       band: int | None = None) -> BlockSizes | None:
+    """Tiles for the Hopper kernels, as `default_block_sizes` chooses them from the table's "hopper"
+    entries, of exactly this head dimension (the kernels do not pad it) and not fitted (their shapes are
+    fixed); None where there is no entry (no Hopper kernel runs). A kernel whose tiles are None runs its
+    portable version."""
+    key, table = _entry("hopper", head_dim, dtype, max_seq_len, kv_max_seq_len, band)
+    return table[key] if key is not None and key[3] == head_dim else None

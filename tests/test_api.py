@@ -90,6 +90,9 @@ def bad_calls():
                        "allow_tf32 must be a bool"),
         "block_sizes": (lambda: std(q, k, v, OFFSETS, 8, block_sizes=(64, 64)), TypeError,
                         "block_sizes must be a BlockSizes"),
+        "block_sizes without dq": (lambda: std(q, k, v, OFFSETS, 8, block_sizes=jfa.BlockSizes(
+            jfa.KernelConfig(16, 16), jfa.KernelConfig(16, 16), None)), TypeError,
+            "block_sizes needs a KernelConfig for each of fwd, dkdv and dq"),
         "tile": (lambda: jfa.KernelConfig(48, 64), ValueError, "power of two"),
         # (16384 sequences + the fill) x 2 heads x (2**17 blocks of 16 rows + 1) programs > 2**31 - 1.
         "grid": (lambda: jax.eval_shape(

@@ -47,13 +47,17 @@ from jagged_flash_jax.launch import plan
 
 def _problem(dim: int, causal: bool, layout: str, dtype, **kernels_and_options):
     """A Problem of 4 query heads over 2 kv heads (GQA), 64 query and 48 key tokens (cross-attention),
-    with q and k-shaped zero arrays and its offsets."""
+    with the table's Hopper tiles for it (at these lengths, D = 128's 64-key ones), q and k-shaped zero
+    arrays and its offsets."""
     shape = lambda tokens, heads: (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)  # noqa: E731
     q, kv = jnp.zeros(shape(64, 4), dtype), jnp.zeros(shape(48, 2), dtype)
+    band = configs.band_width(kernels_and_options.get("window", (None, None)), causal)
     p = plan.Problem(layout=layout, num_heads=4, num_kv_heads=2, head_dim=dim, batch=2, num_segments=1,
                      q_tokens=64, kv_tokens=48, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=40,
                      kv_max_seq_len=50, causal=causal, scale=0.1, out_scale=1.0, input_precision="tf32",
-                     block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", **kernels_and_options)
+                     block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton",
+                     hopper_tiles=configs.hopper_block_sizes(dim, dtype, 40, 50, band),
+                     **kernels_and_options)
     return p, q, kv, jnp.asarray([[0, 10, 64]], jnp.int32)
 
 
@@ -160,11 +164,11 @@ def check_compiled(ptx: str, metadata: dict):
     assert metadata["shared"] <= 232448
 
 
-# (dim, causal, layout, dtype, options): one compile per head dimension (their tiles differ: 128x128 at
-# D = 128, 128x64 at D = 256), every option on at both (a window's two bounds, a soft cap and ALiBi,
-# the constexprs that add code to the score tile), causal at one and not at the other, each layout and
-# 16-bit type once. The kernel with options off is the same less those branches; the GPU run (CASES
-# below) launches it plain, causal and with the options at both head dimensions.
+# (dim, causal, layout, dtype, options): one compile per head dimension (at these lengths both take
+# 128x64 tiles, the narrow bands' at D = 128), every option on at both (a window's two bounds, a soft
+# cap and ALiBi, the constexprs that add code to the score tile), causal at one and not at the other,
+# each layout and 16-bit type once. The kernel with options off is the same less those branches; the
+# GPU run (CASES below) launches it plain, causal and with the options at both head dimensions.
 COMPILE_CASES = [(128, True, "HTD", jnp.float16, dict(window=(16, 4), softcap=5.0, alibi=True)),
                  (256, False, "THD", jnp.bfloat16, dict(window=(40, 8), softcap=50.0, alibi=True))]
 
@@ -186,12 +190,12 @@ def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype, optio
     assert time.perf_counter() - start < 60
 
 
-# (dim, causal, layout, dtype, options): both head dimensions (their dq pipelines differ: 2 and 3
-# stages), each layout and 16-bit type once; causal without options at D = 64 (the kernels' paths
-# without a window: the dk/dv programs' causal tile test), every option on at D = 128 (a window's two
-# bounds, a soft cap and ALiBi: the windowed tile ranges and masks, the score transform, the cap's
-# derivative), not causal. The GPU run (BACKWARD_CASES below) launches both head dimensions plain,
-# causal and with the options.
+# (dim, causal, layout, dtype, options): both head dimensions (their dq pipelines differ: 128 keys on
+# 3 stages, and at these lengths D = 128's narrow 64 keys on 2), each layout and 16-bit type once;
+# causal without options at D = 64 (the kernels' paths without a window: the dk/dv programs' causal
+# tile test), every option on at D = 128 (a window's two bounds, a soft cap and ALiBi: the windowed
+# tile ranges and masks, the score transform, the cap's derivative), not causal. The GPU run
+# (BACKWARD_CASES below) launches both head dimensions plain, causal and with the options.
 BACKWARD_COMPILE_CASES = [(64, True, "THD", jnp.bfloat16, {}),
                           (128, False, "HTD", jnp.float16, dict(window=(40, 8), softcap=5.0, alibi=True))]
 

@@ -701,7 +701,7 @@ def test_vmap_keeps_the_hopper_forward_only_with_one_segment(hopper_gpu):
 
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
 def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
-    """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 200, kv_max_seq_len 30,
+    """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 600, kv_max_seq_len 30,
     causal: one launch of 3 x 4 x 2 programs ((sequences and the zero fill) x heads x (128-query blocks
     and the tail-zeroing slot)), q, k, v as TMA descriptors over 2-D views one token stride wide, o and
     the log-sum-exp as outputs (no pre-filled input: the kernel zeroes what it does not compute), 4
@@ -711,7 +711,7 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
     q_shape, kv_shape = ((40, 4, 128), (50, 2, 128)) if layout == "THD" else ((4, 40, 128), (2, 50, 128))
     q, kv = jnp.ones(q_shape, bf16), jnp.ones(kv_shape, bf16)
-    o = jfa.jagged_attention(q, kv, kv, jnp.asarray([0, 15, 40], jnp.int32), 200,
+    o = jfa.jagged_attention(q, kv, kv, jnp.asarray([0, 15, 40], jnp.int32), 600,
                              kv_offsets=jnp.asarray([0, 20, 50], jnp.int32), kv_max_seq_len=30, scale=0.5,
                              causal=True, layout=layout, backend="triton")
     assert o.shape == q_shape
@@ -736,7 +736,7 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     assert tuple(call.pop("out_type")) == (_sds(q_shape, bf16), _sds((1, 4, 40), f32))
     options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
     assert options == (4, 1, {"maxnreg": 168})
-    assert call == dict(NUM_HEADS=4, KV_GROUP=2, D=128, Q_MAX_LEN=200, KV_MAX_LEN=30, CAUSAL=True,
+    assert call == dict(NUM_HEADS=4, KV_GROUP=2, D=128, Q_MAX_LEN=600, KV_MAX_LEN=30, CAUSAL=True,
                         WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
                         QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, FILL_BLOCK=plan.FILL_BLOCK, OUT_SCALE=1.0,
                         BLOCK_M=128, BLOCK_N=128, STAGES=2, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
@@ -757,20 +757,54 @@ def test_the_hopper_launch_passes_the_options(hopper_gpu):
     assert (call["args"][5].shape, call["args"][5].dtype) == ((1, 4), jnp.float32)  # traced here
 
 
-@pytest.mark.parametrize("window,causal,narrow", [
-    ((8, 2), False, True), ((500, 12), False, True), ((500, 13), False, False), ((512, None), True, True),
-    ((8, None), False, False), ((None, 8), True, False), ((None, None), True, False)])
-def test_narrow_bands_take_the_hopper_forwards_narrow_tiles(hopper_gpu, window, causal, narrow):
-    """A band of at most configs.HOPPER_NARROW_BAND keys (left + right, right 0 under causal; a side
-    without a bound is no narrow band, nor is causal alone) takes configs.HOPPER_FORWARD_NARROW_TILES;
-    the rest HOPPER_FORWARD_TILES."""
+@pytest.mark.parametrize("window,causal,max_seq_len,narrow", [
+    ((8, 2), False, 1024, True), ((500, 12), False, 1024, True), ((500, 13), False, 1024, False),
+    ((512, None), True, 1024, True), ((8, None), False, 1024, False), ((None, 8), True, 1024, False),
+    ((None, None), True, 1024, False), ((None, None), False, 512, True), ((None, None), False, 513, False)])
+def test_narrow_bands_take_the_hopper_kernels_narrow_tiles(hopper_gpu, monkeypatch, window, causal,
+                                                           max_seq_len, narrow):
+    """At D = 128 a band of at most 512 keys (left + right, right 0 under causal; a side without a
+    bound is no narrow band, nor is causal alone), or sequences as short, take the table's 64-key tiles
+    in the forward and dq (dk/dv's are the same in both entries); the rest 128-key tiles."""
+    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "hopper")
     q = jnp.ones((1040, 4, 128), jnp.bfloat16)
-    jfa.jagged_attention(q, q, q, jnp.asarray([0, 15, 1040], jnp.int32), 1024, window=window, causal=causal,
-                         backend="triton")
-    (call,) = hopper_gpu.calls
-    want = (configs.HOPPER_FORWARD_NARROW_TILES if narrow else configs.HOPPER_FORWARD_TILES)[128]
-    assert (call["BLOCK_M"], call["BLOCK_N"], call["STAGES"]) == (want.block_m, want.block_n, want.num_stages)
-    assert tuple(call["args"][1].block_shape) == (want.block_n, 128)  # k's TMA tile
+    jax.grad(lambda q: jnp.sum(jfa.jagged_attention(
+        q, q, q, jnp.asarray([0, 15, 1040], jnp.int32), max_seq_len, window=window, causal=causal,
+        backend="triton").astype(jnp.float32)))(q)
+    forward, *_, dkdv, dq = hopper_gpu.calls
+    assert (forward["kernel"], dq["kernel"]) == (kernels.hopper_attention_fwd_kernel,
+                                                 kernels.hopper_attention_bwd_dq_kernel)
+    want = configs.BUILTIN_TABLE[(configs.FALLBACK_GPU, "hopper", 16, 128, 512 if narrow else None)]
+    assert want.fwd.block_n == want.dq.block_n == (64 if narrow else 128)
+    for call, tiles in ((forward, want.fwd), (dq, want.dq)):
+        assert (call["BLOCK_M"], call["BLOCK_N"], call["STAGES"]) == (tiles.block_m, tiles.block_n,
+                                                                      tiles.num_stages)
+        assert tuple(call["args"][2].block_shape) == (tiles.block_n, 128)  # v's TMA tile
+    assert (dkdv["BLOCK_M"], dkdv["BLOCK_N"]) == (want.dkdv.block_m, want.dkdv.block_n)
+
+
+def test_the_hopper_tiles_come_from_the_table(hopper_gpu, tmp_path, monkeypatch):
+    """The table's "hopper" entries, of exactly the problem's head dimension (the Hopper kernels do not
+    pad): an override file replaces them as it does the portable ones; a kernel whose tiles are None,
+    or a head dimension with no entry, runs the portable kernel."""
+    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "hopper")
+    table, hopper = configs.BUILTIN_TABLE, (H200, "hopper", 16, 128)
+    assert configs.hopper_block_sizes(128, jnp.bfloat16, 4096) == table[(*hopper, None)]
+    assert configs.hopper_block_sizes(128, jnp.float16, 4096, band=300) == table[(*hopper, 512)]
+    for head_dim, dtype in ((96, jnp.bfloat16), (32, jnp.bfloat16), (128, jnp.float32), (512, jnp.float16)):
+        assert configs.hopper_block_sizes(head_dim, dtype, 4096) is None, (head_dim, dtype)
+    assert configs.hopper_block_sizes(256, jnp.bfloat16, 4096).dq is None
+    entry = dict(gpu=H200, kernels="hopper", bits=16, head_dim=128, max_seq_len=None,
+                 fwd=[128, 32, 4, 3, 160], dkdv=None, dq=[128, 32, 4, 4, 160])
+    monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, _override(tmp_path, entry))
+    q = jnp.ones((1040, 4, 128), jnp.bfloat16)
+    jax.grad(lambda q: jnp.sum(jfa.jagged_attention(
+        q, q, q, jnp.asarray([0, 15, 1040], jnp.int32), 1024, backend="triton").astype(jnp.float32)))(q)
+    forward, *_, backward = hopper_gpu.calls
+    assert forward["kernel"] is kernels.hopper_attention_fwd_kernel
+    assert (forward["BLOCK_N"], forward["STAGES"], forward["backend_options"]) == (32, 3, {"maxnreg": 160})
+    # dk/dv has no tiles in the entry: the whole backward stays portable (one kernel family per pass).
+    assert backward["kernel"] is kernels.attention_bwd_kernel
 
 
 def test_the_hopper_launch_zeroes_its_own_outputs():
@@ -788,7 +822,8 @@ def test_the_hopper_launch_zeroes_its_own_outputs():
     base = dict(layout="THD", num_heads=4, num_kv_heads=4, head_dim=256, num_segments=1, q_tokens=300,
                 kv_tokens=300, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=260, kv_max_seq_len=300,
                 causal=False, scale=0.1, out_scale=0.5, input_precision="tf32",
-                block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper")
+                block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper",
+                hopper_tiles=configs.hopper_block_sizes(256, jnp.float16, 260, 300))
     offsets = jnp.asarray([[0, 40, 300]], jnp.int32)
     for batch, grid in ((2, 3 * 4 * 4), (0, 1 * 4 * 4)):  # 3 query blocks of 128 and the tail slot
         calls.clear()
@@ -946,10 +981,10 @@ def test_vmap_keeps_the_hopper_backward_only_with_one_segment(hopper_backward_gp
 
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
 def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layout):
-    """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 200, kv_max_seq_len 30,
+    """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 600, kv_max_seq_len 30,
     causal, FBGEMM-like out_scale: after the preprocess, a dk/dv launch of 3 x 2 x 2 programs ((sequences
     and the zero fill) x kv heads x (128-key blocks and the tail-zeroing slot)) and a dq launch of
-    3 x 4 x 2 (one 128-query block of min(200, 40) tokens, and the tail slot), q, do, k, v as TMA
+    3 x 4 x 2 (one 128-query block of min(600, 40) tokens, and the tail slot), q, do, k, v as TMA
     descriptors over 2-D views one token stride wide, the log-sum-exp and delta [1, H, 40], and the
     outputs as the kernels' own (no pre-filled input)."""
     from triton.experimental.gluon import language as gl
@@ -959,7 +994,7 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
     q, kv = jnp.ones(q_shape, bf16), jnp.ones(kv_shape, bf16)
     hopper_backward_gpu.calls.clear()
     jax.grad(lambda q, k, v: jnp.sum(jfa.jagged_attention(
-        q, k, v, jnp.asarray([0, 15, 40], jnp.int32), 200, kv_offsets=jnp.asarray([0, 20, 50], jnp.int32),
+        q, k, v, jnp.asarray([0, 15, 40], jnp.int32), 600, kv_offsets=jnp.asarray([0, 20, 50], jnp.int32),
         kv_max_seq_len=30, scale=0.5, causal=True, layout=layout, backend="triton").astype(jnp.float32)),
         argnums=(0, 1, 2))(q, kv, kv)
     *_, dkdv, dq = hopper_backward_gpu.calls
@@ -990,7 +1025,7 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
             heads = dict(NUM_KV_HEADS=2, OUT_SCALE=1.0, BLOCK_M=64, BLOCK_N=128, STAGES=2)
         else:
             heads = dict(NUM_HEADS=4, BLOCK_M=128, BLOCK_N=128, STAGES=2)
-        assert call == dict(KV_GROUP=2, D=128, Q_MAX_LEN=200, KV_MAX_LEN=30, CAUSAL=True, WINDOW_LEFT=-1,
+        assert call == dict(KV_GROUP=2, D=128, Q_MAX_LEN=600, KV_MAX_LEN=30, CAUSAL=True, WINDOW_LEFT=-1,
                             WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False, QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16,
                             FILL_BLOCK=plan.FILL_BLOCK, DS_SCALE=0.5,
                             CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
@@ -1170,16 +1205,17 @@ def test_the_gpu_launcher_applies_the_is_im2col_shim(fake_jax_triton, monkeypatc
 # ---------------------------------------------------------------------------------------------------
 
 H200 = configs.FALLBACK_GPU
+PORTABLE = (H200, "portable")  # the first two fields of a key of the portable kernels' entries on an H200
 
 
 @pytest.mark.parametrize("head_dim,dtype,max_seq_len,key", [
-    (8, jnp.float32, 16, (H200, 32, 32, 256)),  # the smallest padded D and length bucket that cover
-    (64, jnp.bfloat16, 256, (H200, 16, 64, 256)),
-    (64, jnp.bfloat16, 300, (H200, 16, 64, None)),
-    (8, jnp.float32, 5000, (H200, 32, 32, 256)),  # longer than every bucket of D = 32: the longest
-    (100, jnp.float16, 1024, (H200, 16, 128, 1024)),
-    (100, jnp.float16, 1025, (H200, 16, 128, None)),
-    (256, jnp.float32, 5, (H200, 32, 256, None)),
+    (8, jnp.float32, 16, (*PORTABLE, 32, 32, 256)),  # the smallest padded D and length bucket that cover
+    (64, jnp.bfloat16, 256, (*PORTABLE, 16, 64, 256)),
+    (64, jnp.bfloat16, 300, (*PORTABLE, 16, 64, None)),
+    (8, jnp.float32, 5000, (*PORTABLE, 32, 32, 256)),  # longer than every bucket of D = 32: the longest
+    (100, jnp.float16, 1024, (*PORTABLE, 16, 128, 1024)),
+    (100, jnp.float16, 1025, (*PORTABLE, 16, 128, None)),
+    (256, jnp.float32, 5, (*PORTABLE, 32, 256, None)),
     (257, jnp.float32, 5, None),
 ])
 def test_table_key_buckets(head_dim, dtype, max_seq_len, key):
@@ -1190,11 +1226,11 @@ def test_table_key_buckets(head_dim, dtype, max_seq_len, key):
 
 def test_a_gpu_with_entries_of_its_own_takes_them():
     tiles = BlockSizes(KernelConfig(32, 32, 2, 2), KernelConfig(32, 32, 2, 2), KernelConfig(32, 32, 2, 2))
-    table = {**configs.BUILTIN_TABLE, ("NVIDIA B200", 32, 64, None): tiles}
+    table = {**configs.BUILTIN_TABLE, ("NVIDIA B200", "portable", 32, 64, None): tiles}
     key = configs.table_key(40, jnp.float32, 4096, gpu="NVIDIA B200", table=table)
-    assert key == ("NVIDIA B200", 32, 64, None)
+    assert key == ("NVIDIA B200", "portable", 32, 64, None)
     # Its table has no 16-bit entries: those fall back.
-    assert configs.table_key(40, jnp.bfloat16, 64, gpu="NVIDIA B200", table=table) == (H200, 16, 64, 256)
+    assert configs.table_key(40, jnp.bfloat16, 64, gpu="NVIDIA B200", table=table) == (*PORTABLE, 16, 64, 256)
 
 
 def test_default_block_sizes_reads_the_builtin_table(monkeypatch):
@@ -1244,12 +1280,12 @@ def test_the_override_file_replaces_and_adds_entries(tmp_path, monkeypatch):
     assert configs.default_block_sizes(8, jnp.float32, 100) == BlockSizes(
         KernelConfig(16, 16, 1, 1), KernelConfig(16, 32, 2, 1), KernelConfig(32, 16, 2, 1), 16)
     untouched = configs.default_block_sizes(64, jnp.float32, 100)
-    assert untouched == configs.BUILTIN_TABLE[(H200, 32, 64, 256)]
+    assert untouched == configs.BUILTIN_TABLE[(*PORTABLE, 32, 64, 256)]
     monkeypatch.setattr(configs, "current_gpu", lambda: "NVIDIA B200")
     assert configs.default_block_sizes(64, jnp.float32, 100) == BlockSizes(
         KernelConfig(128, 128, 8, 4), KernelConfig(64, 64, 8, 4), KernelConfig(64, 64, 8, 4))
     monkeypatch.delenv(configs.TUNED_CONFIGS_ENV)
-    assert configs.default_block_sizes(8, jnp.float32, 100) == configs.BUILTIN_TABLE[(H200, 32, 32, 256)]
+    assert configs.default_block_sizes(8, jnp.float32, 100) == configs.BUILTIN_TABLE[(*PORTABLE, 32, 32, 256)]
 
 
 def test_a_malformed_override_file_is_refused(tmp_path, monkeypatch):
@@ -1258,6 +1294,14 @@ def test_a_malformed_override_file_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, str(path))
     with pytest.raises(ValueError, match=configs.TUNED_CONFIGS_ENV):
         configs.default_block_sizes(8, jnp.float32, 16)
+    entry = dict(gpu=H200, bits=32, head_dim=32, max_seq_len=None, fwd=[16, 16], dkdv=[16, 16], dq=[16, 16])
+    for name, change, message in (("family", dict(kernels="ampere"), "kernels must be one of"),
+                                  ("no-dq", dict(dq=None), "portable tile table entry needs fwd, dkdv")):
+        path = tmp_path / f"{name}.json"  # a path each: load_table caches by path
+        path.write_text(json.dumps([{**entry, **change}]))
+        monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, str(path))
+        with pytest.raises(ValueError, match=message):
+            configs.default_block_sizes(8, jnp.float32, 16)
 
 
 def test_the_gpu_launcher_takes_its_tiles_from_the_table(fake_jax_triton, tmp_path, monkeypatch):
@@ -1289,14 +1333,14 @@ def test_a_window_keys_the_table_by_its_width(fake_jax_triton, monkeypatch):
     assert configs.band_width((100, 28), causal=False) == 128
     assert configs.band_width((100, None), causal=False) is None
     assert configs.band_width((None, 0), causal=False) is None
-    short = configs.BUILTIN_TABLE[(H200, 16, 128, 256)]
+    short = configs.BUILTIN_TABLE[(*PORTABLE, 16, 128, 256)]
     assert configs.default_block_sizes(128, jnp.bfloat16, 16384, band=256) == short
     assert configs.default_block_sizes(128, jnp.bfloat16, 16384, band=257) == configs.BUILTIN_TABLE[
-        (H200, 16, 128, 1024)]
+        (*PORTABLE, 16, 128, 1024)]
     assert configs.default_block_sizes(128, jnp.bfloat16, 200, band=5000) == short
     q = jnp.ones((600, 1, 128), jnp.bfloat16)
     for window, causal, want in (((256, 0), False, short.fwd), ((256, None), True, short.fwd),
-                                 ((256, None), False, configs.BUILTIN_TABLE[(H200, 16, 128, None)].fwd)):
+                                 ((256, None), False, configs.BUILTIN_TABLE[(*PORTABLE, 16, 128, None)].fwd)):
         fake_jax_triton.calls.clear()
         jfa.jagged_attention(q, q, q, [0, 600], 2048, window=window, causal=causal, backend="triton")
         (forward,) = fake_jax_triton.calls

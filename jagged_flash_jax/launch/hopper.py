@@ -1,7 +1,7 @@
 """Which forward and backward kernels a problem of the triton backend runs: the Hopper ones
 (kernels/hopper.py, kernels/hopper_backward.py, Gluon) or the portable ones, each chosen on its own.
-Chosen once, when api.py builds the Problem (its static `forward_kernel` and `backward_kernel` fields),
-so that jit caches one trace per choice.
+Chosen once, when api.py builds the Problem (`with_kernels`: its static `hopper_tiles`,
+`forward_kernel` and `backward_kernel` fields), so that jit caches one trace per choice.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import numpy as np
 
 from ..configs import (
     BACKWARD_KERNEL_ENV,
+    BUILTIN_TABLE,
+    FALLBACK_GPU,
     FORWARD_KERNEL_ENV,
     HOPPER_BACKWARD_AUTO_HEAD_DIMS,
     HOPPER_BACKWARD_MIN_LENGTH,
-    HOPPER_BACKWARD_TILES,
     HOPPER_FORWARD_MIN_LENGTH,
-    HOPPER_FORWARD_TILES,
     KERNEL_CHOICES,
+    band_width,
+    hopper_block_sizes,
 )
 from .plan import Problem
 
@@ -78,6 +80,19 @@ def _device_reason(p: Problem, dtype) -> str | None:
     return None
 
 
+def _tiles_reason(p: Problem, dtype, *kernels: str) -> str | None:
+    """Why the table has no Hopper tiles of `kernels` ("fwd"; "dkdv" and "dq") for the problem, or
+    None."""
+    if np.dtype(dtype).itemsize != 2:
+        return f"{np.dtype(dtype).name} inputs (16-bit only)"
+    has = lambda tiles: tiles is not None and None not in (getattr(tiles, k) for k in kernels)  # noqa: E731
+    if not has(p.hopper_tiles):
+        dims = sorted({key[3] for key, tiles in BUILTIN_TABLE.items()
+                       if key[:2] == (FALLBACK_GPU, "hopper") and has(tiles)})
+        return f"head dimension {p.head_dim} (the built-in table has Hopper tiles at {dims})"
+    return None
+
+
 def portable_reason(p: Problem, dtype) -> str | None:
     """Why the problem's forward runs the portable kernel on the triton backend, or None: it runs the
     Hopper one."""
@@ -85,11 +100,8 @@ def portable_reason(p: Problem, dtype) -> str | None:
         return f"{FORWARD_KERNEL_ENV}=portable"
     if p.backend != "triton":
         return f"backend {p.backend!r}"
-    itemsize = np.dtype(dtype).itemsize
-    if itemsize != 2:
-        return f"{np.dtype(dtype).name} inputs (16-bit only)"
-    if p.head_dim not in HOPPER_FORWARD_TILES:
-        return f"head dimension {p.head_dim} (only {sorted(HOPPER_FORWARD_TILES)})"
+    if reason := _tiles_reason(p, dtype, "fwd"):
+        return reason
     if requested() == "auto" and max(p.max_seq_len, p.kv_max_seq_len) < HOPPER_FORWARD_MIN_LENGTH:
         return f"sequences of at most {HOPPER_FORWARD_MIN_LENGTH - 1} tokens (the portable forward is faster)"
     if requested() == "auto" and p.softcap is not None and p.causal:
@@ -111,11 +123,8 @@ def backward_portable_reason(p: Problem, dtype) -> str | None:
         return f"{BACKWARD_KERNEL_ENV}=portable"
     if p.backend != "triton":
         return f"backend {p.backend!r}"
-    if np.dtype(dtype).itemsize != 2:
-        return f"{np.dtype(dtype).name} inputs (16-bit only)"
-    if p.head_dim not in HOPPER_BACKWARD_TILES:
-        # D = 256: dK and dV (64 rows x 256, float32) alone fill a consumer thread's 256 registers.
-        return f"head dimension {p.head_dim} (only {sorted(HOPPER_BACKWARD_TILES)})"
+    if reason := _tiles_reason(p, dtype, "dkdv", "dq"):
+        return reason
     if requested(BACKWARD_KERNEL_ENV) == "auto":
         if max(p.max_seq_len, p.kv_max_seq_len) < HOPPER_BACKWARD_MIN_LENGTH:
             shortest = HOPPER_BACKWARD_MIN_LENGTH
@@ -128,3 +137,11 @@ def backward_portable_reason(p: Problem, dtype) -> str | None:
 def backward_kernel(p: Problem, dtype) -> str:
     """"hopper" or "portable": see `backward_portable_reason`."""
     return "portable" if backward_portable_reason(p, dtype) else "hopper"
+
+
+def with_kernels(p: Problem, dtype) -> Problem:
+    """`p` with the table's Hopper tiles for it (configs.hopper_block_sizes) and its forward and backward
+    kernels chosen."""
+    p = p.with_(hopper_tiles=hopper_block_sizes(p.head_dim, dtype, p.max_seq_len, p.kv_max_seq_len,
+                                                band_width(p.window, p.causal)))
+    return p.with_(forward_kernel=forward_kernel(p, dtype), backward_kernel=backward_kernel(p, dtype))

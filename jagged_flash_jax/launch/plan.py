@@ -26,14 +26,11 @@ import jax.numpy as jnp
 from .. import kernels
 from .._util import cdiv, lse_gradient
 from ..configs import (
-    HOPPER_BACKWARD_TILES,
     HOPPER_CONSUMER_REGS,
     HOPPER_PRODUCER_REGS,
     BlockSizes,
     KernelConfig,
-    band_width,
     head_block,
-    hopper_forward_tiles,
 )
 from ..kernels import params as param
 
@@ -88,6 +85,9 @@ class Problem:
     window: tuple[int | None, int | None] = (None, None)
     softcap: float | None = None  # scores become softcap * tanh(scores / softcap), on the scaled scores
     alibi: bool = False  # the slopes [Z, H] come as an operand (transforms.ForwardArgs.slopes)
+    # The Hopper kernels' tiles (configs.hopper_block_sizes), None where the table has none; set with
+    # the kernels below by launch/hopper.py when the problem is built.
+    hopper_tiles: BlockSizes | None = None
     # "hopper" (kernels/hopper.py) or "portable": chosen by launch/hopper.py when the problem is built.
     # The Hopper kernel takes one offsets segment: a problem that vmap or partitioning gives several
     # runs the portable one (see `hopper_forward`).
@@ -328,7 +328,7 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
     """The Hopper forward (kernels/hopper.py): q, k, v as TMA descriptors over 2-D views whose rows are
     one token stride long; per (sequence or zero fill, head) the query blocks and a tail-zeroing program,
     as the portable forward's slots (Problem.forward_slots), on one axis."""
-    tiles = hopper_forward_tiles(p.head_dim, band_width(p.window, p.causal))
+    tiles = p.hopper_tiles.fwd
     params, constants = _common(p)
     blocks = p.blocks(tiles.block_m, p.q_tokens, p.max_seq_len)
     slots = blocks + 1
@@ -415,7 +415,7 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
     head): the query blocks of 128, then a tail-zeroing program), each on one axis, q, do, k, v as TMA
     descriptors over the forward's 2-D views, and the window, soft cap and ALiBi slopes as the forward
     takes them (see `_hopper_forward`)."""
-    tiles = HOPPER_BACKWARD_TILES[p.head_dim]
+    tiles = p.hopper_tiles
     params, constants = _common(p)
     views = _tma_views(p, (q, do), (k, v))
     shared = {name: constants[name] for name in (
@@ -425,7 +425,7 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
                   PRODUCER_REGS=HOPPER_PRODUCER_REGS)
     arrays = (*views, lse, delta, q_offsets, kv_offsets, _slopes(p, slopes))
     # Two consumer warpgroups of 64 rows: the dk/dv program's keys, the dq program's queries.
-    dkdv, dq = tiles["dkdv"], tiles["dq"]
+    dkdv, dq = tiles.dkdv, tiles.dq
     blocks = p.blocks(dkdv.block_n, p.kv_tokens, p.kv_max_seq_len)
     dkdv_call = KernelCall(
         kernels.hopper_attention_bwd_dkdv_kernel, grid=((p.batch + 1) * p.num_kv_heads * (blocks + 1),),

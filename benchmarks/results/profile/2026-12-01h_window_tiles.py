@@ -2,12 +2,14 @@
 and dropped, see 2026-12-01i_window_skip.md): per case, mode and variant, CUPTI device time of
 the step and of each kernel, and the outputs' (gradients') largest difference from the first variant.
 Its forward part ran on fb6c895 (L16384-w128,L16384-w256,L16384-w512: 2026-12-01h_window_tiles_fb6c895.log,
-which chose 2 stages). On the H200, from the repository root:
+which chose 2 stages), its backward part on 802aa47 (2026-12-02a_bwd_window_tiles_802aa47.log, which chose
+64-key dq tiles on 2 stages for narrow bands). On the H200, from the repository root:
   python3 benchmarks/results/profile/2026-12-01h_window_tiles.py \
       L4096-w256,L16384-w256,L4096-w1024,L16384-w1024,L2048,L1024 \
       L4096-w256,L16384-w256,L4096-w1024,L16384-w1024
 (forward tiles for the first list, with JAGGED_FLASH_JAX_FORWARD=hopper; the dq tiles of the backward
-for the second), writing $OUT/tiles.json."""
+for the second; a list of no case, e.g. "none", skips its part), writing $OUT/tiles.json."""
+import dataclasses
 import json
 import os
 import sys
@@ -56,29 +58,34 @@ def maxrel(a, b):
     return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))) /
                      (float(jnp.max(jnp.abs(y.astype(jnp.float32)))) + 1e-30)) for x, y in zip(a, b))
 
+# The variants replace both D = 128 "hopper" entries of the table (configs.BUILTIN_TABLE; until 802aa47
+# they were configs.HOPPER_FORWARD_TILES, HOPPER_FORWARD_NARROW_TILES and HOPPER_BACKWARD_TILES).
+ENTRIES = [(configs.FALLBACK_GPU, "hopper", 16, 128, n) for n in (512, None)]
+BASE = {key: configs.BUILTIN_TABLE[key] for key in ENTRIES}
+
+
+def use(**tiles):
+    for key in ENTRIES:
+        configs.BUILTIN_TABLE[key] = dataclasses.replace(BASE[key], **tiles)
+    configs.load_table.cache_clear()
+
+
+def sweep(names, mode, variants):
+    for case in cases.select(names.split(","), quick=False):
+        ref = None
+        for label, tiles in variants:
+            use(**tiles)
+            res = run(case, mode, label)
+            if res is not None:
+                ref = res if ref is None else ref
+                if res is not ref:
+                    print(f"    maxrel vs {variants[0][0]}: {maxrel(res, ref):.3g}", flush=True)
+    use()
+
+
 os.environ["JAGGED_FLASH_JAX_FORWARD"] = "hopper"
-base_f = (dict(configs.HOPPER_FORWARD_TILES), dict(configs.HOPPER_FORWARD_NARROW_TILES))
-for case in cases.select(sys.argv[1].split(","), quick=False):
-    ref = None
-    for label, tile in FWD:
-        configs.HOPPER_FORWARD_TILES[128] = configs.HOPPER_FORWARD_NARROW_TILES[128] = tile
-        res = run(case, "fwd", label)
-        if res is not None:
-            ref = res if ref is None else ref
-            if res is not ref:
-                print(f"    maxrel vs {FWD[0][0]}: {maxrel(res, ref):.3g}", flush=True)
-configs.HOPPER_FORWARD_TILES.update(base_f[0])
-configs.HOPPER_FORWARD_NARROW_TILES.update(base_f[1])
+sweep(sys.argv[1], "fwd", [(label, dict(fwd=tile)) for label, tile in FWD])
 os.environ.pop("JAGGED_FLASH_JAX_FORWARD")
-base_b = dict(configs.HOPPER_BACKWARD_TILES)
-for case in cases.select(sys.argv[2].split(","), quick=False) if len(sys.argv) > 2 else []:
-    ref = None
-    for label, tile in BWD:
-        configs.HOPPER_BACKWARD_TILES[128] = tile
-        res = run(case, "fwd+bwd", label)
-        if res is not None:
-            ref = res if ref is None else ref
-            if res is not ref:
-                print(f"    maxrel vs {BWD[0][0]}: {maxrel(res, ref):.3g}", flush=True)
-configs.HOPPER_BACKWARD_TILES.update(base_b)
+if len(sys.argv) > 2:
+    sweep(sys.argv[2], "fwd+bwd", BWD)
 json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "tiles.json"), "w"), indent=1)

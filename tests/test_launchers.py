@@ -248,8 +248,15 @@ def fake_jax_triton(fake_gpu, monkeypatch):
         def from_array(cls, array, block_shape, layout=None):
             return cls(array, tuple(block_shape), layout)
 
+    def reset():
+        """Forget the recorded launches and the programs of eager calls, so that the next call is traced
+        afresh and its launches recorded."""
+        module.calls.clear()
+        transforms.clear_programs()
+
     module.triton_call = triton_call
     module.TensorDescriptor = TensorDescriptor
+    module.reset = reset
     module.params = {}
     monkeypatch.setattr(plan, "_params", params)
     monkeypatch.setitem(sys.modules, "jax_triton", module)
@@ -456,7 +463,7 @@ def test_gpu_launcher_groups_programs_by_sequence_past_l2(fake_jax_triton, monke
     vjp(jnp.ones_like(o))
     grids = [call["grid"] for call in fake_jax_triton.calls]
     monkeypatch.setattr(plan, "L2_REUSE_BYTES", 9216)
-    transforms.clear_programs()  # traced afresh: the fake jax_triton records this call's launches
+    fake_jax_triton.reset()
     jax.vjp(op, q)
     # forward: 3 sequences (with the fill) * 4 heads * 3 slots; backward: * 6 slots; the preprocess
     # keeps its own grid.
@@ -606,8 +613,7 @@ def _forward_kernel(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_heads
                     segments=False, fbgemm=False, max_seq_len=32, **options):
     """The attention kernel that the forward of one call launches (float32 may launch transposes
     first), on 40 query tokens of 4 heads."""
-    fake.calls.clear()
-    transforms.clear_programs()  # traced afresh: the fake jax_triton records this call's launches
+    fake.reset()
     tokens, kv_tokens = 40, 50 if cross else 40
     shape = lambda t, h: (t, h, dim) if layout == "THD" else (h, t, dim)  # noqa: E731
     q = jnp.ones(shape(tokens, 4), dtype)
@@ -692,7 +698,7 @@ def test_vmap_keeps_the_hopper_forward_only_with_one_segment(hopper_gpu):
     op = lambda q, o: jfa.jagged_attention(q, q, q, o, 32, layout="HTD", backend="triton")  # noqa: E731
     for offsets_axis, kernel in ((None, kernels.hopper_attention_fwd_kernel),
                                  (0, kernels.attention_fwd_kernel)):
-        hopper_gpu.calls.clear()
+        hopper_gpu.reset()
         batched_offsets = offsets if offsets_axis is None else jnp.stack([offsets] * 3)
         jax.vmap(op, in_axes=(0, offsets_axis))(q, batched_offsets)
         # (custom_vmap traces the unbatched problem too, before its rule: the last launch is the rule's)
@@ -880,8 +886,7 @@ def _backward_kernels(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_hea
         o = o[0] if isinstance(o, tuple) else o
         return jnp.sum(o.astype(jnp.float32))
 
-    fake.calls.clear()
-    transforms.clear_programs()  # traced afresh: the fake jax_triton records this call's launches
+    fake.reset()
     jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv)
     names = {getattr(kernels, name): name for name in (*HOPPER_BACKWARD, *PORTABLE_BACKWARD)}
     # (the portable backward launches once or twice: dq and dk/dv apart when their tiles differ)
@@ -923,7 +928,7 @@ def test_no_key_tokens_keep_both_kernels_portable(hopper_backward_gpu, monkeypat
         o = jfa.jagged_attention(q, k, v, offsets, 2048, kv_offsets=kv_offsets, backend="triton")
         return jnp.sum(o.astype(jnp.float32))
 
-    hopper_backward_gpu.calls.clear()
+    hopper_backward_gpu.reset()
     jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv)
     launched = {call["kernel"] for call in hopper_backward_gpu.calls}
     hopper = {getattr(kernels, name) for name in ("hopper_attention_fwd_kernel", *HOPPER_BACKWARD)}
@@ -973,7 +978,7 @@ def test_vmap_keeps_the_hopper_backward_only_with_one_segment(hopper_backward_gp
                                                    backend="triton").astype(jnp.float32))
     for offsets_axis, kernel in ((None, kernels.hopper_attention_bwd_dq_kernel),
                                  (0, kernels.attention_bwd_kernel)):
-        hopper_backward_gpu.calls.clear()
+        hopper_backward_gpu.reset()
         batched_offsets = offsets if offsets_axis is None else jnp.stack([offsets] * 3)
         jax.vmap(jax.grad(op), in_axes=(0, offsets_axis))(q, batched_offsets)
         assert hopper_backward_gpu.calls[-1]["kernel"] is kernel
@@ -992,7 +997,7 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
     bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
     q_shape, kv_shape = ((40, 4, 128), (50, 2, 128)) if layout == "THD" else ((4, 40, 128), (2, 50, 128))
     q, kv = jnp.ones(q_shape, bf16), jnp.ones(kv_shape, bf16)
-    hopper_backward_gpu.calls.clear()
+    hopper_backward_gpu.reset()
     jax.grad(lambda q, k, v: jnp.sum(jfa.jagged_attention(
         q, k, v, jnp.asarray([0, 15, 40], jnp.int32), 600, kv_offsets=jnp.asarray([0, 20, 50], jnp.int32),
         kv_max_seq_len=30, scale=0.5, causal=True, layout=layout, backend="triton").astype(jnp.float32)),
@@ -1038,7 +1043,7 @@ def test_the_hopper_backward_launches_pass_the_options(hopper_backward_gpu):
     scale), float32, before the params."""
     q = jnp.ones((40, 4, 128), jnp.bfloat16)
     slopes = jnp.asarray([0.5, 0.25, 0.125, 1.0], jnp.float32)
-    hopper_backward_gpu.calls.clear()
+    hopper_backward_gpu.reset()
     jax.grad(lambda q: jnp.sum(jfa.jagged_attention(
         q, q, q, jnp.asarray([0, 15, 40], jnp.int32), 32, scale=0.5, window=(8, 2), softcap=5.0,
         alibi_slopes=slopes, backend="triton").astype(jnp.float32)))(q)
@@ -1341,7 +1346,7 @@ def test_a_window_keys_the_table_by_its_width(fake_jax_triton, monkeypatch):
     q = jnp.ones((600, 1, 128), jnp.bfloat16)
     for window, causal, want in (((256, 0), False, short.fwd), ((256, None), True, short.fwd),
                                  ((256, None), False, configs.BUILTIN_TABLE[(*PORTABLE, 16, 128, None)].fwd)):
-        fake_jax_triton.calls.clear()
+        fake_jax_triton.reset()
         jfa.jagged_attention(q, q, q, [0, 600], 2048, window=window, causal=causal, backend="triton")
         (forward,) = fake_jax_triton.calls
         assert (forward["BLOCK_M"], forward["BLOCK_N"], forward["num_warps"]) == (

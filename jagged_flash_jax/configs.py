@@ -107,7 +107,8 @@ INTERPRET_BLOCK_SIZES = BlockSizes(
 )
 
 # ---------------------------------------------------------------------------------------------------
-# The table: {(gpu, bits, head_dim, max_seq_len): BlockSizes}, and its JSON form (a list of entries)
+# The table: {(gpu, kernels, bits, head_dim, max_seq_len): BlockSizes}, and its JSON form (a list of
+# entries)
 # ---------------------------------------------------------------------------------------------------
 
 # gpu: jax.devices()[0].device_kind; kernels: KERNEL_FAMILIES, whose tiles the entry holds; bits: 16 or
@@ -296,4 +297,7 @@ def hopper_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: i
     fixed); None where there is no entry (no Hopper kernel runs). A kernel whose tiles are None runs its
     portable version."""
     key, table = _entry("hopper", head_dim, dtype, max_seq_len, kv_max_seq_len, band)
-    return table[key] if key is not None and key[3] == head_dim else None
+    if key is None:
+        return None
+    _, _, _, entry_head_dim, _ = key
+    return table[key] if entry_head_dim == head_dim else None

@@ -763,6 +763,17 @@ def test_the_hopper_launch_passes_the_options(hopper_gpu):
     assert (call["args"][5].shape, call["args"][5].dtype) == ((1, 4), jnp.float32)  # traced here
 
 
+def _step_launches(fake, tokens: int, max_seq_len: int, **options) -> list[dict]:
+    """The launches of one gradient of jagged_attention (q = k = v: `tokens` tokens of 4 heads, D = 128,
+    bfloat16, two sequences, offsets [0, 15, tokens]) on the triton backend, recorded afresh."""
+    q = jnp.ones((tokens, 4, 128), jnp.bfloat16)
+    fake.reset()
+    jax.grad(lambda q: jnp.sum(jfa.jagged_attention(
+        q, q, q, jnp.asarray([0, 15, tokens], jnp.int32), max_seq_len, backend="triton",
+        **options).astype(jnp.float32)))(q)
+    return fake.calls
+
+
 @pytest.mark.parametrize("window,causal,max_seq_len,narrow", [
     ((8, 2), False, 1024, True), ((500, 12), False, 1024, True), ((500, 13), False, 1024, False),
     ((512, None), True, 1024, True), ((8, None), False, 1024, False), ((None, 8), True, 1024, False),
@@ -773,11 +784,7 @@ def test_narrow_bands_take_the_hopper_kernels_narrow_tiles(hopper_gpu, monkeypat
     bound is no narrow band, nor is causal alone), or sequences as short, take the table's 64-key tiles
     in the forward and dq (dk/dv's are the same in both entries); the rest 128-key tiles."""
     monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "hopper")
-    q = jnp.ones((1040, 4, 128), jnp.bfloat16)
-    jax.grad(lambda q: jnp.sum(jfa.jagged_attention(
-        q, q, q, jnp.asarray([0, 15, 1040], jnp.int32), max_seq_len, window=window, causal=causal,
-        backend="triton").astype(jnp.float32)))(q)
-    forward, *_, dkdv, dq = hopper_gpu.calls
+    forward, *_, dkdv, dq = _step_launches(hopper_gpu, 1040, max_seq_len, window=window, causal=causal)
     assert (forward["kernel"], dq["kernel"]) == (kernels.hopper_attention_fwd_kernel,
                                                  kernels.hopper_attention_bwd_dq_kernel)
     want = configs.BUILTIN_TABLE[(configs.FALLBACK_GPU, "hopper", 16, 128, 512 if narrow else None)]
@@ -803,10 +810,7 @@ def test_the_hopper_tiles_come_from_the_table(hopper_gpu, tmp_path, monkeypatch)
     entry = dict(gpu=H200, kernels="hopper", bits=16, head_dim=128, max_seq_len=None,
                  fwd=[128, 32, 4, 3, 160], dkdv=None, dq=[128, 32, 4, 4, 160])
     monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, _override(tmp_path, entry))
-    q = jnp.ones((1040, 4, 128), jnp.bfloat16)
-    jax.grad(lambda q: jnp.sum(jfa.jagged_attention(
-        q, q, q, jnp.asarray([0, 15, 1040], jnp.int32), 1024, backend="triton").astype(jnp.float32)))(q)
-    forward, *_, backward = hopper_gpu.calls
+    forward, *_, backward = _step_launches(hopper_gpu, 1040, 1024)
     assert forward["kernel"] is kernels.hopper_attention_fwd_kernel
     assert (forward["BLOCK_N"], forward["STAGES"], forward["backend_options"]) == (32, 3, {"maxnreg": 160})
     # dk/dv has no tiles in the entry: the whole backward stays portable (one kernel family per pass).
@@ -1041,13 +1045,9 @@ def test_the_hopper_backward_launches_pass_the_options(hopper_backward_gpu):
     """A window, a soft cap and ALiBi reach both Hopper backward kernels as the forward gets them: the
     window's bounds, the cap in units of the unscaled scores, and the slopes [1, H] (divided by the
     scale), float32, before the params."""
-    q = jnp.ones((40, 4, 128), jnp.bfloat16)
     slopes = jnp.asarray([0.5, 0.25, 0.125, 1.0], jnp.float32)
-    hopper_backward_gpu.reset()
-    jax.grad(lambda q: jnp.sum(jfa.jagged_attention(
-        q, q, q, jnp.asarray([0, 15, 40], jnp.int32), 32, scale=0.5, window=(8, 2), softcap=5.0,
-        alibi_slopes=slopes, backend="triton").astype(jnp.float32)))(q)
-    *_, dkdv, dq = hopper_backward_gpu.calls
+    *_, dkdv, dq = _step_launches(hopper_backward_gpu, 40, 32, scale=0.5, window=(8, 2), softcap=5.0,
+                                  alibi_slopes=slopes)
     for call, kernel in ((dkdv, kernels.hopper_attention_bwd_dkdv_kernel),
                          (dq, kernels.hopper_attention_bwd_dq_kernel)):
         assert call["kernel"] is kernel

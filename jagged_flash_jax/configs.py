@@ -89,6 +89,9 @@ def head_block(head_dim: int) -> int:
 # HOPPER_PRODUCER_REGS per producer's. Measured on the H200: docs/performance.md, "Hopper kernels".
 HOPPER_CONSUMER_REGS = 240
 HOPPER_PRODUCER_REGS = 24
+# The Hopper kernels take 16-bit inputs (bfloat16, float16) only: the table refuses "hopper" entries of
+# other bits (entry_from_json), so that a problem's Hopper tiles alone say whether a Hopper kernel runs.
+HOPPER_BITS = 16
 # Sequences (the longer of max_seq_len and kv_max_seq_len) up to this many tokens run the portable
 # forward: there its tiles fitted to the lengths, and no pre-filled output, win (H200, D = 128: L256
 # 0.31 against 0.41 ms, rec-long 0.29 against 0.31, L1024 0.61 against 0.63; L2048 1.03 against 0.92).
@@ -137,6 +140,9 @@ def entry_from_json(entry: dict) -> tuple[TableKey, BlockSizes]:
                          for name in ("fwd", "dkdv", "dq")), entry.get("preprocess_block_m", 64))
     if kernels == "portable" and None in (tiles.fwd, tiles.dkdv, tiles.dq):
         raise ValueError(f"a portable tile table entry needs fwd, dkdv and dq tiles, got {entry}")
+    if kernels == "hopper" and key[2] != HOPPER_BITS:
+        raise ValueError(f"a hopper tile table entry's bits must be {HOPPER_BITS} (the Hopper kernels take "
+                         f"16-bit inputs only), got {entry}")
     return key, tiles
 
 
@@ -206,6 +212,20 @@ def load_table(path: str | None) -> dict:
     return table
 
 
+def active_table() -> dict:
+    """The table the tiles come from: the built-in one with $JAGGED_FLASH_JAX_TUNED_CONFIGS merged over it."""
+    return load_table(os.environ.get(TUNED_CONFIGS_ENV) or None)
+
+
+def hopper_head_dims(*kernels: str) -> list[int]:
+    """The head dimensions at which the active table has Hopper tiles of every kernel named ("fwd",
+    "dkdv", "dq"), for this GPU or FALLBACK_GPU."""
+    gpus = (current_gpu(), FALLBACK_GPU)
+    return sorted({head_dim for (gpu, family, _, head_dim, _), tiles in active_table().items()
+                   if gpu in gpus and family == "hopper"
+                   and None not in (getattr(tiles, kernel) for kernel in kernels)})
+
+
 def current_gpu() -> str:
     """The name of the first device (jax.devices()[0].device_kind), e.g. "NVIDIA H200"."""
     try:
@@ -268,25 +288,25 @@ def band_width(window: tuple[int | None, int | None], causal: bool) -> int | Non
 
 
 def _entry(kernels: str, head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None,
-           band: int | None) -> tuple[TableKey | None, dict]:
+           band: int | None) -> tuple[TableKey | None, dict, int]:
     """The key of the kernel family's entry for the problem, keyed by the most keys one query sees: the
-    longer of max_seq_len and kv_max_seq_len (default: max_seq_len), or `band` where shorter (a sliding
-    window's width, whose blocks are shaped like short sequences'); and the table (the built-in one with
-    $JAGGED_FLASH_JAX_TUNED_CONFIGS merged over it)."""
-    table = load_table(os.environ.get(TUNED_CONFIGS_ENV) or None)
-    longest = max(max_seq_len, max_seq_len if kv_max_seq_len is None else kv_max_seq_len)
+    longer of max_seq_len and kv_max_seq_len, or `band` where shorter (a sliding window's width, whose
+    blocks are shaped like short sequences'); the table (`active_table`); and kv_max_seq_len (default:
+    max_seq_len)."""
+    table = active_table()
+    kv_max_seq_len = max_seq_len if kv_max_seq_len is None else kv_max_seq_len
+    longest = max(max_seq_len, kv_max_seq_len)
     keys = longest if band is None else min(longest, band)
-    return table_key(head_dim, dtype, keys, table=table, kernels=kernels), table
+    return table_key(head_dim, dtype, keys, table=table, kernels=kernels), table, kv_max_seq_len
 
 
 def default_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None,
                         band: int | None = None) -> BlockSizes:
     """Tiles for the portable GPU kernels: the table's entry by GPU, element size, padded head dimension
     and the most keys one query sees (see `_entry`), fitted to both lengths."""
-    key, table = _entry("portable", head_dim, dtype, max_seq_len, kv_max_seq_len, band)
+    key, table, kv_max_seq_len = _entry("portable", head_dim, dtype, max_seq_len, kv_max_seq_len, band)
     if key is None:
         raise ValueError(f"no tile configuration covers head dimension {head_dim} (at most {MAX_HEAD_DIM})")
-    kv_max_seq_len = max_seq_len if kv_max_seq_len is None else kv_max_seq_len
     return fit_to_lengths(table[key], max_seq_len, kv_max_seq_len)
 
 
@@ -296,7 +316,7 @@ def hopper_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: i
     entries, of exactly this head dimension (the kernels do not pad it) and not fitted (their shapes are
     fixed); None where there is no entry (no Hopper kernel runs). A kernel whose tiles are None runs its
     portable version."""
-    key, table = _entry("hopper", head_dim, dtype, max_seq_len, kv_max_seq_len, band)
+    key, table, _ = _entry("hopper", head_dim, dtype, max_seq_len, kv_max_seq_len, band)
     if key is None:
         return None
     _, _, _, entry_head_dim, _ = key

@@ -817,6 +817,32 @@ def test_the_hopper_tiles_come_from_the_table(hopper_gpu, tmp_path, monkeypatch)
     assert backward["kernel"] is kernels.attention_bwd_kernel
 
 
+@pytest.mark.parametrize("head_dim,dtype,override,want", [
+    (128, jnp.bfloat16, False, None),
+    (128, jnp.float32, False, "float32 inputs (the Hopper kernels take 16-bit inputs only)"),
+    (64, jnp.float16, False, "head dimension 64 (the tile table has Hopper fwd tiles at head dimensions "
+                             "[128, 256])"),
+    (64, jnp.float16, True, None),
+    (32, jnp.bfloat16, True, "head dimension 32 (the tile table has Hopper fwd tiles at head dimensions "
+                             "[64, 128, 256])")])
+def test_why_the_forward_is_portable_comes_from_the_active_table(hopper_gpu, tmp_path, monkeypatch,
+                                                                 head_dim, dtype, override, want):
+    """The Hopper forward runs where the problem's tiles, from the table an override file may extend,
+    have a forward (the built-in table has none at D = 64); the reason otherwise names the inputs' type,
+    or the head dimensions of that table."""
+    if override:
+        monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, _override(tmp_path, dict(
+            gpu=H200, kernels="hopper", bits=16, head_dim=64, max_seq_len=None, fwd=[128, 64, 4, 2, 168],
+            dkdv=[64, 128, 4, 2, 168], dq=[128, 128, 4, 3, 168])))
+    q = jnp.ones((2000, 2, head_dim), dtype)
+    offsets = jnp.asarray([0, 2000], jnp.int32)
+    p = api._problem(q, q, q, offsets, offsets, max_seq_len=2000, kv_max_seq_len=2000, scale=0.1,
+                     out_scale=1.0, causal=False, layout="THD", allow_tf32=True, backend="triton",
+                     block_sizes=None, self_attention=True, validate=False)  # with_kernels' choice
+    assert hopper_launch.portable_reason(p, dtype) == want
+    assert p.forward_kernel == ("hopper" if want is None else "portable")
+
+
 def test_the_hopper_launch_zeroes_its_own_outputs():
     """The plan's Hopper launch, recorded: o and the log-sum-exp are the kernel's outputs, no input
     (the kernel writes 0 and +inf where it computes nothing); its grid has the portable forward's
@@ -1301,7 +1327,8 @@ def test_a_malformed_override_file_is_refused(tmp_path, monkeypatch):
         configs.default_block_sizes(8, jnp.float32, 16)
     entry = dict(gpu=H200, bits=32, head_dim=32, max_seq_len=None, fwd=[16, 16], dkdv=[16, 16], dq=[16, 16])
     for name, change, message in (("family", dict(kernels="ampere"), "kernels must be one of"),
-                                  ("no-dq", dict(dq=None), "portable tile table entry needs fwd, dkdv")):
+                                  ("no-dq", dict(dq=None), "portable tile table entry needs fwd, dkdv"),
+                                  ("hopper-32bit", dict(kernels="hopper"), "hopper tile table entry's bits")):
         path = tmp_path / f"{name}.json"  # a path each: load_table caches by path
         path.write_text(json.dumps([{**entry, **change}]))
         monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, str(path))

@@ -353,8 +353,11 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
     if WINDOWED:
         lo, hi = _own_tiles(row0, n_q, n_k, key_first, num_key_blocks, BLOCK_N, CAUSAL, WINDOW_LEFT,
                             WINDOW_RIGHT)
-        _, hi0 = _own_tiles(start_m, n_q, n_k, key_first, num_key_blocks, BLOCK_N, CAUSAL, WINDOW_LEFT,
-                            WINDOW_RIGHT)
+        if WG == 0:  # warpgroup 0's end: its own
+            hi0 = hi
+        else:
+            _, hi0 = _own_tiles(start_m, n_q, n_k, key_first, num_key_blocks, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                                WINDOW_RIGHT)
     else:
         lo = 0
         hi = num_key_blocks

@@ -14,15 +14,15 @@ import numpy as np
 
 from ..configs import (
     BACKWARD_KERNEL_ENV,
-    BUILTIN_TABLE,
-    FALLBACK_GPU,
     FORWARD_KERNEL_ENV,
     HOPPER_BACKWARD_AUTO_HEAD_DIMS,
     HOPPER_BACKWARD_MIN_LENGTH,
+    HOPPER_BITS,
     HOPPER_FORWARD_MIN_LENGTH,
     KERNEL_CHOICES,
     band_width,
     hopper_block_sizes,
+    hopper_head_dims,
 )
 from .plan import Problem
 
@@ -81,16 +81,15 @@ def _device_reason(p: Problem, dtype) -> str | None:
 
 
 def _tiles_reason(p: Problem, dtype, *kernels: str) -> str | None:
-    """Why the table has no Hopper tiles of `kernels` ("fwd"; "dkdv" and "dq") for the problem, or
-    None."""
-    if np.dtype(dtype).itemsize != 2:
-        return f"{np.dtype(dtype).name} inputs (16-bit only)"
-    has = lambda tiles: tiles is not None and None not in (getattr(tiles, k) for k in kernels)  # noqa: E731
-    if not has(p.hopper_tiles):
-        dims = sorted({key[3] for key, tiles in BUILTIN_TABLE.items()
-                       if key[:2] == (FALLBACK_GPU, "hopper") and has(tiles)})
-        return f"head dimension {p.head_dim} (the built-in table has Hopper tiles at {dims})"
-    return None
+    """Why the problem has no Hopper tiles of `kernels` ("fwd"; "dkdv" and "dq"), or None. The tiles
+    (`with_kernels`, from the table) decide; the table's rules only word the reason."""
+    tiles = p.hopper_tiles
+    if tiles is not None and None not in (getattr(tiles, kernel) for kernel in kernels):
+        return None
+    if np.dtype(dtype).itemsize * 8 != HOPPER_BITS:
+        return f"{np.dtype(dtype).name} inputs (the Hopper kernels take {HOPPER_BITS}-bit inputs only)"
+    return (f"head dimension {p.head_dim} (the tile table has Hopper {'/'.join(kernels)} tiles at head "
+            f"dimensions {hopper_head_dims(*kernels)})")
 
 
 def portable_reason(p: Problem, dtype) -> str | None:

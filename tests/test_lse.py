@@ -220,9 +220,10 @@ def test_merge_attention_edge_cases():
 @pytest.mark.parametrize(("layout", "backend"), [("HTD", "interpret"), ("THD", "xla")])
 def test_vmap_and_jit(layout, backend):
     """vmap (shared and batched offsets: folded into heads and into segments) and jit of return_lse,
-    values and the vjp with an lse cotangent, equal a loop of single eager calls.
-    Cross-attention with MQA and queries without a key (lse -inf): 2 sequences of 3 heads, fewer
-    interpreted programs than the GQA case's 4 sequences of 4 heads."""
+    values and the vjp with an lse cotangent, equal a loop of single eager calls on the xla backend
+    (checked against float64 by test_lse_and_its_gradient_match_float64; the interpreter runs the
+    batched calls only). Cross-attention with MQA and queries without a key (lse -inf): 2 sequences of
+    3 heads, fewer interpreted programs than the GQA case's 4 sequences of 4 heads."""
     batch, spec = _batch("cross-nq>nk-causal-mqa")
     rng = np.random.default_rng(4)
     q, k, v, do = (jnp.stack([x, 0.5 * x + 0.3]) for x in batch.arrays(jnp.float32, layout))
@@ -231,16 +232,15 @@ def test_vmap_and_jit(layout, backend):
     offsets = jnp.asarray(np.stack([batch.offsets, batch.offsets]), jnp.int32)
     kv_offsets = jnp.asarray(batch.kv_offsets, jnp.int32)
 
-    def op(q, k, v, offsets):
-        return jfa.jagged_attention(q, k, v, offsets, kv_offsets=kv_offsets, layout=layout, backend=backend,
-                                    allow_tf32=False, return_lse=True, **spec)
-
-    def with_vjp(q, k, v, do, dlse, offsets):
-        out, vjp = jax.vjp(lambda q, k, v: op(q, k, v, offsets), q, k, v)
+    def with_vjp(q, k, v, do, dlse, offsets, backend=backend):
+        op = lambda q, k, v: jfa.jagged_attention(  # noqa: E731
+            q, k, v, offsets, kv_offsets=kv_offsets, layout=layout, backend=backend, allow_tf32=False,
+            return_lse=True, **spec)
+        out, vjp = jax.vjp(op, q, k, v)
         return out, vjp((do, dlse))
 
     # Eager calls: the two share one problem, compiled once (test_transforms' test_eager_calls_trace_once).
-    loop = [with_vjp(q[i], k[i], v[i], do[i], dlse[i], offsets[i]) for i in range(2)]
+    loop = [with_vjp(q[i], k[i], v[i], do[i], dlse[i], offsets[i], "xla") for i in range(2)]
     want = jax.tree.map(lambda *x: jnp.stack(x), *loop)
     for offsets_axis in (None, 0):
         got = jax.jit(jax.vmap(with_vjp, in_axes=(0, 0, 0, 0, 0, offsets_axis)))(

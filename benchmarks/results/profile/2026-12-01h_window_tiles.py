@@ -8,7 +8,9 @@ which chose 2 stages), its backward part on 802aa47 (2026-12-02a_bwd_window_tile
       L4096-w256,L16384-w256,L4096-w1024,L16384-w1024,L2048,L1024 \
       L4096-w256,L16384-w256,L4096-w1024,L16384-w1024
 (forward tiles for the first list, with JAGGED_FLASH_JAX_FORWARD=hopper; the dq tiles of the backward
-for the second; a list of no case, e.g. "none", skips its part), writing $OUT/tiles.json."""
+for the second; a list of no case, e.g. "none", skips its part), writing $OUT/tiles.json. A third list
+sweeps dk/dv's query tiles (64 and 32 rows) under the narrow-band entry's dq tiles (ran on 228a1ac:
+2026-12-02h_dkdv_window_tiles_228a1ac.log)."""
 import dataclasses
 import json
 import os
@@ -30,6 +32,11 @@ def bwd(st2, bn):
     return dict(dkdv=K(64, 128, num_warps=4, num_stages=2, max_registers=168),
                 dq=K(128, bn, num_warps=4, num_stages=st2, max_registers=168))
 BWD = [("Bdq128s2", bwd(2, 128)), ("Bdq64s3", bwd(3, 64)), ("Bdq64s2", bwd(2, 64))]
+def narrow(rows, stages):  # the narrow-band entry's dq tiles, dk/dv's query tiles of `rows`
+    return dict(dkdv=K(rows, 128, num_warps=4, num_stages=stages, max_registers=168),
+                dq=K(128, 64, num_warps=4, num_stages=2, max_registers=168))
+DKDV = [("Bkv64s2", narrow(64, 2)), ("Bkv32s2", narrow(32, 2)), ("Bkv32s3", narrow(32, 3)),
+        ("Bkv32s4", narrow(32, 4))]
 out = []
 
 def run(case, mode, label):
@@ -88,4 +95,6 @@ sweep(sys.argv[1], "fwd", [(label, dict(fwd=tile)) for label, tile in FWD])
 os.environ.pop("JAGGED_FLASH_JAX_FORWARD")
 if len(sys.argv) > 2:
     sweep(sys.argv[2], "fwd+bwd", BWD)
+if len(sys.argv) > 3:
+    sweep(sys.argv[3], "fwd+bwd", DKDV)
 json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "tiles.json"), "w"), indent=1)

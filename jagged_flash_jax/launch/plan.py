@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -333,8 +334,11 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
     blocks = p.blocks(tiles.block_m, p.q_tokens, p.max_seq_len)
     slots = blocks + 1
     views = _tma_views(p, (q,), (k, v))
+    # Experimental: $JAGGED_FLASH_JAX_HOPPER_PROGRAMS > 0 runs that many persistent programs.
+    programs = int(os.environ.get("JAGGED_FLASH_JAX_HOPPER_PROGRAMS") or 0)
     call = KernelCall(
-        kernels.hopper_attention_fwd_kernel, grid=(p.sequence_heads * slots,),
+        kernels.hopper_attention_fwd_kernel,
+        grid=(min(programs, p.sequence_heads * slots) if programs else p.sequence_heads * slots,),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                     jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
         params=_pack({**params, param.HOPPER_FWD_BLOCKS: blocks,
@@ -344,7 +348,7 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
             "SOFTCAP", "ALIBI", "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")},
             "OUT_SCALE": p.out_scale, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
             "STAGES": tiles.num_stages, "CONSUMER_REGS": HOPPER_CONSUMER_REGS,
-            "PRODUCER_REGS": HOPPER_PRODUCER_REGS},
+            "PRODUCER_REGS": HOPPER_PRODUCER_REGS, "PERSISTENT": programs > 0},
         # Gluon's pipeline is the kernel's own (STAGES): Triton's num_stages does nothing here.
         num_warps=tiles.num_warps, num_stages=1, max_registers=tiles.max_registers,
         # The query tile is one consumer warpgroup's 64 rows.

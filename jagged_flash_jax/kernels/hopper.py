@@ -468,13 +468,13 @@ def _consume(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, 
 @gluon.jit
 def attention_fwd_kernel(
     q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr,
-    o_ptr, lse_ptr,
+    o_ptr, lse_ptr, counter_ptr,
     NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
     KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
     FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    PERSISTENT: gl.constexpr = False,
+    PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = False,
 ):
     """o and the base-2 log-sum-exp of one block of BLOCK_M (= 128, two warpgroups') queries of one
     (sequence, head), or a zero fill, on a one-axis grid of (sequence or fill, head, slot), slots
@@ -509,10 +509,10 @@ def attention_fwd_kernel(
                 _zero_uncovered(o_ptr, lse_ptr, q_offsets_ptr, batch, head, sequence - batch, fill_chunk,
                                 q_tokens, q_token_stride, q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
         _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr,
-                   lse_ptr, gl.program_id(0), batch * NUM_HEADS * blocks, gl.num_programs(0), blocks,
+                   lse_ptr, counter_ptr, gl.program_id(0), batch * NUM_HEADS * blocks, gl.num_programs(0), blocks,
                    q_tokens, kv_tokens, q_token_stride, q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN,
                    KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, OUT_SCALE,
-                   BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS)
+                   BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS, DYNAMIC)
     else:
         sequence, head, slot, slots = _program(params_ptr, PARAM_HOPPER_FWD_BLOCKS, NUM_HEADS)
         slot = slots - 1 - slot  # counting down: the tail-zeroing program is slot 0
@@ -534,10 +534,10 @@ def attention_fwd_kernel(
             _, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
             if (slot - 1) * BLOCK_M < n_q:  # else no query: no shared memory, no partitions
                 _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr,
-                           o_ptr, lse_ptr, item, item + 1, 1, blocks, q_tokens, kv_tokens, q_token_stride,
-                           q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
-                           WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES,
-                           STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS)
+                           o_ptr, lse_ptr, counter_ptr, item, item + 1, 1, blocks, q_tokens, kv_tokens,
+                           q_token_stride, q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN,
+                           CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, OUT_SCALE, BLOCK_M,
+                           BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS, False)
 
 
 @gluon.jit
@@ -562,72 +562,183 @@ def _block(q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM
 
 
 @gluon.jit
+def _no_queries(q_offsets_ptr, item, blocks, q_tokens, NUM_HEADS: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+                BLOCK_M: gl.constexpr):
+    """Whether query block `item` (see `_block`) starts past its sequence's n_q."""
+    sequence = item // (NUM_HEADS * blocks)
+    start_m = (blocks - 1 - item % blocks) * BLOCK_M
+    _, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+    return start_m >= n_q
+
+
+@gluon.jit
+def _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS: gl.constexpr,
+           Q_MAX_LEN: gl.constexpr, BLOCK_M: gl.constexpr):
+    """DYNAMIC: the next query block with queries from the launch's counter (zeroed by the launcher),
+    or a number >= end when none is left."""
+    item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+    skip = (item < end) & _no_queries(q_offsets_ptr, gl.minimum(item, end - 1), blocks, q_tokens, NUM_HEADS,
+                                      Q_MAX_LEN, BLOCK_M)
+    while skip:
+        item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+        skip = (item < end) & _no_queries(q_offsets_ptr, gl.minimum(item, end - 1), blocks, q_tokens,
+                                          NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+    return item
+
+
+@gluon.jit
+def _hand_out(items, item_full, item_empty, i, item):
+    """DYNAMIC: the producer's i-th item into the 2-slot ring the consumers read it from."""
+    slot = i % 2
+    mbarrier.wait(item_empty.index(slot), ((i // 2) & 1) ^ 1)  # fresh barriers: phase 1 counts as complete
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    items.index(slot).store(gl.full([1], item, gl.int32, layout))
+    _partition_barrier()
+    mbarrier.arrive(item_full.index(slot), count=1)
+
+
+@gluon.jit
+def _receive(items, item_full, item_empty, i):
+    """DYNAMIC: a consumer's i-th item, from the ring `_hand_out` fills."""
+    slot = i % 2
+    mbarrier.wait(item_full.index(slot), (i // 2) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    item = gl.max(items.index(slot).load(layout), axis=0)
+    _partition_barrier()
+    mbarrier.arrive(item_empty.index(slot), count=1)
+    return item
+
+
+@gluon.jit
+def _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
+                  v_empty, q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, q_token_stride,
+                  q_head_stride, kv_token_stride, kv_head_stride, t, count, NUM_HEADS: gl.constexpr,
+                  KV_GROUP: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr,
+                  CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """`_produce` for query block `item` if it has queries: (t, count) after it."""
+    _, head, q_start, n_q, kv_start, _, start_m, key_first, _, num_key_blocks = _block(
+        q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
+        KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    if start_m < n_q:
+        q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
+        kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
+        _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready,
+                 k_empty, v_empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, t, count & 1,
+                 BLOCK_N, STAGES)
+        t += num_key_blocks
+        count += 1
+    return t, count
+
+
+@gluon.jit
 def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
-                   v_empty, q_offsets_ptr, kv_offsets_ptr, params_ptr, first, end, step, blocks, q_tokens,
-                   kv_tokens, q_token_stride, q_head_stride, NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr,
-                   Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr,
-                   WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr):
+                   v_empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr, kv_offsets_ptr,
+                   params_ptr, first, end, step, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                   NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+                   KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                   WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr, DYNAMIC: gl.constexpr):
     """The load partition: `_produce` for the query blocks first, first + step, ... < end that have
-    queries, the ring's position and the query tiles' phase running on."""
+    queries (DYNAMIC: those `_fetch` takes from the counter, each handed out to the consumers, then
+    the end), the ring's position and the query tiles' phase running on."""
     kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
     kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
     t = 0
     count = 0
-    for item in range(first, end, step):
-        _, head, q_start, n_q, kv_start, _, start_m, key_first, _, num_key_blocks = _block(
-            q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
-            KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-        if start_m < n_q:
-            q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
-            kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
-            _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready,
-                     k_empty, v_empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, t, count & 1,
-                     BLOCK_N, STAGES)
-            t += num_key_blocks
-            count += 1
+    if DYNAMIC:
+        i = 0
+        item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+        while item < end:
+            _hand_out(items, item_full, item_empty, i, item)
+            t, count = _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
+                                     v_ready, k_empty, v_empty, q_offsets_ptr, kv_offsets_ptr, item, blocks,
+                                     q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
+                                     kv_head_stride, t, count, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN,
+                                     CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES)
+            i += 1
+            item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+        _hand_out(items, item_full, item_empty, i, end)
+    else:
+        for item in range(first, end, step):
+            t, count = _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
+                                     v_ready, k_empty, v_empty, q_offsets_ptr, kv_offsets_ptr, item, blocks,
+                                     q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
+                                     kv_head_stride, t, count, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN,
+                                     CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _consume_item(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
+                  lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, item, blocks, q_tokens, kv_tokens,
+                  q_token_stride, q_head_stride, t, count, tails, NUM_HEADS: gl.constexpr, D: gl.constexpr,
+                  Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, QK_SCALE: gl.constexpr,
+                  OUT_SCALE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                  WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+    """`_consume` for query block `item` if it has queries: (t, count, tails) after it."""
+    _, head, q_start, n_q, _, n_k, start_m, key_first, key_end, num_key_blocks = _block(
+        q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
+        KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    if start_m < n_q:
+        if ALIBI:  # slopes [1, NUM_HEADS] in units of the unscaled scores (one offsets segment)
+            slope = gl.load(slopes_ptr + head)
+        else:
+            slope = 0.0
+        tails = _consume(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
+                         tail_bar, o_ptr, lse_ptr, q_start, n_q, n_k, key_first, key_end, slope, start_m,
+                         head, q_tokens, q_token_stride, q_head_stride, t, count & 1, tails, D, QK_SCALE,
+                         OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, STAGES, WG)
+        t += num_key_blocks
+        count += 1
+    return t, count, tails
 
 
 @gluon.jit
 def _consumer_loop(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
-                   lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, first, end, step, blocks, q_tokens,
-                   kv_tokens, q_token_stride, q_head_stride, NUM_HEADS: gl.constexpr, D: gl.constexpr,
-                   Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, QK_SCALE: gl.constexpr,
-                   OUT_SCALE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                   WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+                   lse_ptr, items, item_full, item_empty, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, first,
+                   end, step, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                   NUM_HEADS: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+                   KV_MAX_LEN: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+                   CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, WG: gl.constexpr, DYNAMIC: gl.constexpr):
     """A consumer warpgroup: `_consume` for the query blocks `_producer_loop` loads, in its order."""
     t = 0
     count = 0
     tails = 0
-    for item in range(first, end, step):
-        _, head, q_start, n_q, _, n_k, start_m, key_first, key_end, num_key_blocks = _block(
-            q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
-            KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-        if start_m < n_q:
-            if ALIBI:  # slopes [1, NUM_HEADS] in units of the unscaled scores (one offsets segment)
-                slope = gl.load(slopes_ptr + head)
-            else:
-                slope = 0.0
-            tails = _consume(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
-                             tail_bar, o_ptr, lse_ptr, q_start, n_q, n_k, key_first, key_end, slope, start_m,
-                             head, q_tokens, q_token_stride, q_head_stride, t, count & 1, tails, D, QK_SCALE,
-                             OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, STAGES, WG)
-            t += num_key_blocks
-            count += 1
+    if DYNAMIC:
+        i = 0
+        item = _receive(items, item_full, item_empty, i)
+        while item < end:
+            t, count, tails = _consume_item(
+                q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
+                lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, item, blocks, q_tokens, kv_tokens,
+                q_token_stride, q_head_stride, t, count, tails, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE,
+                OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, WG)
+            i += 1
+            item = _receive(items, item_full, item_empty, i)
+    else:
+        for item in range(first, end, step):
+            t, count, tails = _consume_item(
+                q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
+                lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, item, blocks, q_tokens, kv_tokens,
+                q_token_stride, q_head_stride, t, count, tails, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE,
+                OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, WG)
 
 
 @gluon.jit
 def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr, lse_ptr,
-               first, end, step, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+               counter_ptr, first, end, step, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
                NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
                KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr,
                OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
-               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """The query blocks first, first + step, ... < end (see `_block`): the warp-specialized attention
-    (rows < n_q only), its shared memory and barriers set up once."""
+               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The query blocks first, first + step, ... < end (see `_block`; DYNAMIC: those taken from the
+    counter): the warp-specialized attention (rows < n_q only), its shared memory and barriers set up
+    once."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
@@ -639,9 +750,14 @@ def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    item_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for w in gl.static_range(2):
         mbarrier.init(q_bars.index(w), count=1)
         mbarrier.init(q_free.index(w), count=1)
+        mbarrier.init(item_full.index(w), count=1)
+        mbarrier.init(item_empty.index(w), count=2)  # one arrival per consumer
     mbarrier.init(tail_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
@@ -653,18 +769,19 @@ def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr
     # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
     gl.warp_specialize([
         (_consumer_loop, (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar,
-                          o_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, first, end, step, blocks,
+                          o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, first, end, step, blocks,
                           q_tokens, kv_tokens, q_token_stride, q_head_stride, NUM_HEADS, D, Q_MAX_LEN,
                           KV_MAX_LEN, QK_SCALE, OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
-                          BLOCK_M, BLOCK_N, STAGES, 0)),
+                          BLOCK_M, BLOCK_N, STAGES, 0, DYNAMIC)),
         (_consumer_loop, (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar,
-                          o_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, first, end, step, blocks,
+                          o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, first, end, step, blocks,
                           q_tokens, kv_tokens, q_token_stride, q_head_stride, NUM_HEADS, D, Q_MAX_LEN,
                           KV_MAX_LEN, QK_SCALE, OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
-                          BLOCK_M, BLOCK_N, STAGES, 1)),
+                          BLOCK_M, BLOCK_N, STAGES, 1, DYNAMIC)),
         (_producer_loop, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready,
-                          k_empty, v_empty, q_offsets_ptr, kv_offsets_ptr, params_ptr, first, end, step, blocks,
+                          k_empty, v_empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr,
+                          kv_offsets_ptr, params_ptr, first, end, step, blocks,
                           q_tokens, kv_tokens, q_token_stride, q_head_stride, NUM_HEADS, KV_GROUP, Q_MAX_LEN,
                           KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES,
-                          STRIDE_ALIGN)),
+                          STRIDE_ALIGN, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -100,6 +100,8 @@ def _tensor_descriptor(jax_triton, x: jax.Array, block: tuple[int, ...]):
 def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     jax_triton = jax_triton_module()
     options = {} if call.max_registers is None else {"backend_options": {"maxnreg": call.max_registers}}
+    if call.zeroed_outputs:
+        options["zeroed_outputs"] = call.zeroed_outputs
     arrays = list(arrays)
     for index, block in call.descriptors:
         arrays[index] = _tensor_descriptor(jax_triton, arrays[index], block)

@@ -193,6 +193,8 @@ class KernelCall:
     # (array index, block shape): arrays the GPU launcher passes as TMA descriptors of that block over
     # the array (2-D), instead of as pointers (the Hopper forward's).
     descriptors: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # Outputs the launcher zeroes before the kernel runs (jax-triton's zeroed_outputs).
+    zeroed_outputs: tuple[int, ...] = ()
 
 
 Runner = Callable[[KernelCall, Sequence[jax.Array]], Sequence[jax.Array]]
@@ -336,11 +338,15 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
     views = _tma_views(p, (q,), (k, v))
     # Experimental: $JAGGED_FLASH_JAX_HOPPER_PROGRAMS > 0 runs that many persistent programs.
     programs = int(os.environ.get("JAGGED_FLASH_JAX_HOPPER_PROGRAMS") or 0)
+    # Experimental: with $JAGGED_FLASH_JAX_HOPPER_DYNAMIC=1 they take the query blocks from a counter.
+    dynamic = programs > 0 and os.environ.get("JAGGED_FLASH_JAX_HOPPER_DYNAMIC") == "1"
     call = KernelCall(
         kernels.hopper_attention_fwd_kernel,
         grid=(min(programs, p.sequence_heads * slots) if programs else p.sequence_heads * slots,),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
-                    jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
+                    jax.ShapeDtypeStruct(p.stats_shape, jnp.float32),
+                    jax.ShapeDtypeStruct((1,), jnp.int32)),  # the DYNAMIC schedule's counter
+        zeroed_outputs=(2,) if dynamic else (),
         params=_pack({**params, param.HOPPER_FWD_BLOCKS: blocks,
                       param.HOPPER_FWD_FILL_CHUNK: _fill_chunk(p.q_tokens, slots)}),
         constants={**{name: constants[name] for name in (
@@ -348,13 +354,13 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
             "SOFTCAP", "ALIBI", "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")},
             "OUT_SCALE": p.out_scale, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
             "STAGES": tiles.num_stages, "CONSUMER_REGS": HOPPER_CONSUMER_REGS,
-            "PRODUCER_REGS": HOPPER_PRODUCER_REGS, "PERSISTENT": programs > 0},
+            "PRODUCER_REGS": HOPPER_PRODUCER_REGS, "PERSISTENT": programs > 0, "DYNAMIC": dynamic},
         # Gluon's pipeline is the kernel's own (STAGES): Triton's num_stages does nothing here.
         num_warps=tiles.num_warps, num_stages=1, max_registers=tiles.max_registers,
         # The query tile is one consumer warpgroup's 64 rows.
         descriptors=((0, (tiles.block_m // 2, p.head_dim)), (1, (tiles.block_n, p.head_dim)),
                      (2, (tiles.block_n, p.head_dim))))
-    o, lse = run(call, (*views, q_offsets, kv_offsets, _slopes(p, slopes), _params(call)))
+    o, lse, _ = run(call, (*views, q_offsets, kv_offsets, _slopes(p, slopes), _params(call)))
     return o, lse
 
 

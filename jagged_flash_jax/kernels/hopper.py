@@ -1,13 +1,19 @@
 """The Hopper (sm_90a) forward, in Gluon: FlashAttention-3's structure, with the portable forward's
 contract (see kernels/__init__.py) for what launch/plan.py sends it.
 
-One program per block of BLOCK_M = 128 queries of one (sequence, head): a 1-warp producer partition
-issues the TMA loads (its two query tiles of 64 rows once, then the keys and values into a STAGES-deep
-ring), and two consumer warpgroups (the default partition and a worker, 64 query rows each, setmaxnreg
+A persistent grid, one program per SM (the kernel's shared memory allows one), each working through
+blocks of BLOCK_M = 128 queries of one (sequence, head) that it takes from a global counter, in the
+order of the portable forward's grid (each (sequence, head)'s blocks adjacent, the last first): a 1-warp
+producer partition takes the next block with queries (an atomic add on the counter, which the launcher
+zeroes), hands its number to both consumers through a 2-slot ring in shared memory, and issues its TMA
+loads (the two query tiles of 64 rows once the last block's are free, then the keys and values into a
+STAGES-deep ring that runs on from block to block, so that a block's first loads overlap the last one's
+end); two consumer warpgroups (the default partition and a worker, 64 query rows each, setmaxnreg
 CONSUMER_REGS / PRODUCER_REGS) each run S_j = Q K_j^T asynchronously while P_{j-1} V_{j-1} is in flight,
 the softmax of S_j under it. No barrier across the consumers in the loop: each releases a ring slot
-with one mbarrier arrival (the empty barriers count 2). It is the `coop` variant of a probe kept in
-benchmarks/results/profile/2026-12-01b_gluon_forward_probe.md; measurements in docs/performance.md.
+with one mbarrier arrival (the empty barriers count 2). The per-block structure is the `coop` variant of
+a probe kept in benchmarks/results/profile/2026-12-01b_gluon_forward_probe.md; measurements (the
+dynamic schedule against one block per program and a static one) in docs/performance.md.
 
 Semantics as the portable forward's (kernels/portable.py, common.py): offsets clamped as
 `common._extent`, n_q = min(len_q, Q_MAX_LEN) queries against n_k = min(len_kv, KV_MAX_LEN) keys, the
@@ -20,10 +26,9 @@ and the base-2 log-sum-exp in units of the unscaled scores, +inf for a query wit
 loads, and both consumers visit, exactly the key blocks of the 128-query block's band
 (`common._key_ranges`: blocks outside it are skipped at both ends); a consumer masks a block only when
 some of its 64 queries do not see all of it (the band's edges, the sequence's last block). Every other
-row is written too, o = 0 and log-sum-exp +inf, by programs of the same grid that run no attention
-code (the portable forward's slots: a tail-zeroing program per (sequence, head), and a zero-fill
-"sequence" for the tokens no sequence covers, any offsets content; see `attention_fwd_kernel`), so
-that the outputs need no memset.
+row is written too, o = 0 and log-sum-exp +inf, by the same programs before their attention (the
+portable forward's fills: the tokens of each (sequence, head) past Q_MAX_LEN, and those no sequence
+covers, any offsets content; see `attention_fwd_kernel`), so that the outputs need no memset.
 
 Addressing. q, k, v come as TMA descriptors over 2-D views [elements / token_stride, token_stride] of
 their arrays (one row per token in "THD", one per (head, token) in "HTD"): token t of head h is at
@@ -474,70 +479,36 @@ def attention_fwd_kernel(
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
     FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = False,
 ):
-    """o and the base-2 log-sum-exp of one block of BLOCK_M (= 128, two warpgroups') queries of one
-    (sequence, head), or a zero fill, on a one-axis grid of (sequence or fill, head, slot), slots
-    adjacent (`_program`) and counting down. A sequence's slots are its PARAM_HOPPER_FWD_BLOCKS query
-    blocks, the last first, then (slot 0) the program that zeroes its tokens past Q_MAX_LEN; the extra
-    "sequence" `batch` has one program per slot, each zeroing the tokens of its
-    PARAM_HOPPER_FWD_FILL_CHUNK that no sequence covers (kernels/portable.py's grid, one axis). So
+    """o and the base-2 log-sum-exp, on a persistent grid (one program per SM): each program first
+    does its share of the zero fills (fill i, i + programs, ...: per (sequence, head) the tokens past
+    Q_MAX_LEN, then per head the PARAM_HOPPER_FWD_FILL_CHUNK chunks of the tokens no sequence covers),
+    then takes query blocks of BLOCK_M (= 128, two warpgroups') queries from the counter at counter_ptr
+    (zeroed by the launcher) until none is left, in one warp-specialized region (`_attention`). So
     every row of o [tokens, H, D] or [H, tokens, D] (q's strides) and of the log-sum-exp
-    [1, H, q_tokens] is written: no memset.
-
-    PERSISTENT: a grid of any size instead, whose programs take those slots in turn (program i the
-    slots i, i + programs, ...): first the zero fills, then the query blocks, in one warp-specialized
-    region whose barriers and ring run on from block to block, so that the loads of a program's next
-    block overlap the end of its last."""
+    [1, H, q_tokens] is written: no memset."""
     batch = gl.load(params_ptr + PARAM_BATCH)
     q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
     kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
     q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
     q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
-    if PERSISTENT:
-        blocks = gl.load(params_ptr + PARAM_HOPPER_FWD_BLOCKS)
-        slots = blocks + 1
-        fill_chunk = gl.load(params_ptr + PARAM_HOPPER_FWD_FILL_CHUNK)
-        # The fills: per head, each sequence's tail, then the `slots` chunks of the zero-fill "sequence".
-        for fill in range(gl.program_id(0), (batch + slots) * NUM_HEADS, gl.num_programs(0)):
-            sequence = fill // NUM_HEADS
-            head = fill % NUM_HEADS
-            if sequence < batch:
-                _zero_tail(o_ptr, lse_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride,
-                           q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
-            else:
-                _zero_uncovered(o_ptr, lse_ptr, q_offsets_ptr, batch, head, sequence - batch, fill_chunk,
-                                q_tokens, q_token_stride, q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
-        _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr,
-                   lse_ptr, counter_ptr, gl.program_id(0), batch * NUM_HEADS * blocks, gl.num_programs(0), blocks,
-                   q_tokens, kv_tokens, q_token_stride, q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN,
-                   KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, OUT_SCALE,
-                   BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS, DYNAMIC)
-    else:
-        sequence, head, slot, slots = _program(params_ptr, PARAM_HOPPER_FWD_BLOCKS, NUM_HEADS)
-        slot = slots - 1 - slot  # counting down: the tail-zeroing program is slot 0
-        # The fills are plain stores of the default partition's 4 warps (the worker partitions' warps
-        # wait for the kernel's end), in branches of their own that never reach the attention code (the
-        # portable kernels' rule: see kernels/__init__.py on ptxas 12.8).
-        if sequence == batch:
-            _zero_uncovered(o_ptr, lse_ptr, q_offsets_ptr, batch, head, slot,
-                            gl.load(params_ptr + PARAM_HOPPER_FWD_FILL_CHUNK), q_tokens, q_token_stride,
-                            q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
-        elif slot == 0:
+    blocks = gl.load(params_ptr + PARAM_HOPPER_FWD_BLOCKS)
+    fill_chunk = gl.load(params_ptr + PARAM_HOPPER_FWD_FILL_CHUNK)
+    # The fills: plain stores of the default partition's 4 warps, before the partitions start.
+    for fill in range(gl.program_id(0), (batch + blocks + 1) * NUM_HEADS, gl.num_programs(0)):
+        sequence = fill // NUM_HEADS
+        head = fill % NUM_HEADS
+        if sequence < batch:
             _zero_tail(o_ptr, lse_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride,
                        q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
-        else:
-            # The block as the one item of a "persistent" loop: item (sequence * H + head) * blocks
-            # + blocks - slot (the blocks count down as the slots do), of a 1-program stride.
-            blocks = slots - 1
-            item = (sequence * NUM_HEADS + head) * blocks + blocks - slot
-            _, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
-            if (slot - 1) * BLOCK_M < n_q:  # else no query: no shared memory, no partitions
-                _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr,
-                           o_ptr, lse_ptr, counter_ptr, item, item + 1, 1, blocks, q_tokens, kv_tokens,
-                           q_token_stride, q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN,
-                           CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, OUT_SCALE, BLOCK_M,
-                           BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS, False)
+        else:  # chunk sequence - batch of the uncovered tokens
+            _zero_uncovered(o_ptr, lse_ptr, q_offsets_ptr, batch, head, sequence - batch, fill_chunk,
+                            q_tokens, q_token_stride, q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
+    _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr,
+               lse_ptr, counter_ptr, batch * NUM_HEADS * blocks, blocks, q_tokens, kv_tokens, q_token_stride,
+               q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
+               WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN,
+               CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit
@@ -574,7 +545,7 @@ def _no_queries(q_offsets_ptr, item, blocks, q_tokens, NUM_HEADS: gl.constexpr, 
 @gluon.jit
 def _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS: gl.constexpr,
            Q_MAX_LEN: gl.constexpr, BLOCK_M: gl.constexpr):
-    """DYNAMIC: the next query block with queries from the launch's counter (zeroed by the launcher),
+    """The next query block with queries from the launch's counter (zeroed by the launcher),
     or a number >= end when none is left."""
     item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
     skip = (item < end) & _no_queries(q_offsets_ptr, gl.minimum(item, end - 1), blocks, q_tokens, NUM_HEADS,
@@ -588,7 +559,7 @@ def _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS: gl.cons
 
 @gluon.jit
 def _hand_out(items, item_full, item_empty, i, item):
-    """DYNAMIC: the producer's i-th item into the 2-slot ring the consumers read it from."""
+    """The producer's i-th item into the 2-slot ring the consumers read it from."""
     slot = i % 2
     mbarrier.wait(item_empty.index(slot), ((i // 2) & 1) ^ 1)  # fresh barriers: phase 1 counts as complete
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -599,7 +570,7 @@ def _hand_out(items, item_full, item_empty, i, item):
 
 @gluon.jit
 def _receive(items, item_full, item_empty, i):
-    """DYNAMIC: a consumer's i-th item, from the ring `_hand_out` fills."""
+    """A consumer's i-th item, from the ring `_hand_out` fills."""
     slot = i % 2
     mbarrier.wait(item_full.index(slot), (i // 2) & 1)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -634,38 +605,30 @@ def _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free
 @gluon.jit
 def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
                    v_empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr, kv_offsets_ptr,
-                   params_ptr, first, end, step, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                   params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
                    NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, Q_MAX_LEN: gl.constexpr,
                    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                    WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr, DYNAMIC: gl.constexpr):
-    """The load partition: `_produce` for the query blocks first, first + step, ... < end that have
-    queries (DYNAMIC: those `_fetch` takes from the counter, each handed out to the consumers, then
-    the end), the ring's position and the query tiles' phase running on."""
+                   STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr):
+    """The load partition: the query blocks `_fetch` takes from the counter, each handed out to the
+    consumers and then `_produce`d, the ring's position and the query tiles' phase running on; then
+    `end`, which ends the consumers."""
     kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
     kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
     t = 0
     count = 0
-    if DYNAMIC:
-        i = 0
+    i = 0
+    item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+    while item < end:
+        _hand_out(items, item_full, item_empty, i, item)
+        t, count = _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
+                                 v_ready, k_empty, v_empty, q_offsets_ptr, kv_offsets_ptr, item, blocks,
+                                 q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
+                                 kv_head_stride, t, count, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN,
+                                 CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES)
+        i += 1
         item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
-        while item < end:
-            _hand_out(items, item_full, item_empty, i, item)
-            t, count = _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
-                                     v_ready, k_empty, v_empty, q_offsets_ptr, kv_offsets_ptr, item, blocks,
-                                     q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
-                                     kv_head_stride, t, count, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN,
-                                     CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES)
-            i += 1
-            item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
-        _hand_out(items, item_full, item_empty, i, end)
-    else:
-        for item in range(first, end, step):
-            t, count = _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
-                                     v_ready, k_empty, v_empty, q_offsets_ptr, kv_offsets_ptr, item, blocks,
-                                     q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
-                                     kv_head_stride, t, count, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN,
-                                     CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES)
+    _hand_out(items, item_full, item_empty, i, end)
 
 
 @gluon.jit
@@ -695,50 +658,41 @@ def _consume_item(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_em
 
 
 @gluon.jit
-def _consumer_loop(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
-                   lse_ptr, items, item_full, item_empty, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, first,
-                   end, step, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+def _consumer_loop(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar,
+                   o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+                   end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
                    NUM_HEADS: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
                    KV_MAX_LEN: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, WG: gl.constexpr, DYNAMIC: gl.constexpr):
-    """A consumer warpgroup: `_consume` for the query blocks `_producer_loop` loads, in its order."""
+                   STAGES: gl.constexpr, WG: gl.constexpr):
+    """A consumer warpgroup: `_consume` for the query blocks `_producer_loop` hands out, until `end`."""
     t = 0
     count = 0
     tails = 0
-    if DYNAMIC:
-        i = 0
+    i = 0
+    item = _receive(items, item_full, item_empty, i)
+    while item < end:
+        t, count, tails = _consume_item(
+            q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
+            lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, item, blocks, q_tokens, kv_tokens,
+            q_token_stride, q_head_stride, t, count, tails, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE,
+            OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, WG)
+        i += 1
         item = _receive(items, item_full, item_empty, i)
-        while item < end:
-            t, count, tails = _consume_item(
-                q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
-                lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, item, blocks, q_tokens, kv_tokens,
-                q_token_stride, q_head_stride, t, count, tails, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE,
-                OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, WG)
-            i += 1
-            item = _receive(items, item_full, item_empty, i)
-    else:
-        for item in range(first, end, step):
-            t, count, tails = _consume_item(
-                q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
-                lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, item, blocks, q_tokens, kv_tokens,
-                q_token_stride, q_head_stride, t, count, tails, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE,
-                OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, WG)
 
 
 @gluon.jit
 def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr, lse_ptr,
-               counter_ptr, first, end, step, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+               counter_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
                NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
                KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr,
                OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
-               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DYNAMIC: gl.constexpr):
-    """The query blocks first, first + step, ... < end (see `_block`; DYNAMIC: those taken from the
-    counter): the warp-specialized attention (rows < n_q only), its shared memory and barriers set up
-    once."""
+               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """The query blocks taken from the counter (items < end, see `_block`): the warp-specialized
+    attention (rows < n_q only), its shared memory and barriers set up once."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
@@ -768,20 +722,19 @@ def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr
 
     # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
     gl.warp_specialize([
-        (_consumer_loop, (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar,
-                          o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, first, end, step, blocks,
-                          q_tokens, kv_tokens, q_token_stride, q_head_stride, NUM_HEADS, D, Q_MAX_LEN,
-                          KV_MAX_LEN, QK_SCALE, OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
-                          BLOCK_M, BLOCK_N, STAGES, 0, DYNAMIC)),
-        (_consumer_loop, (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar,
-                          o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, first, end, step, blocks,
-                          q_tokens, kv_tokens, q_token_stride, q_head_stride, NUM_HEADS, D, Q_MAX_LEN,
-                          KV_MAX_LEN, QK_SCALE, OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
-                          BLOCK_M, BLOCK_N, STAGES, 1, DYNAMIC)),
+        (_consumer_loop, (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
+                          tail_bar, o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr,
+                          kv_offsets_ptr, slopes_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride,
+                          q_head_stride, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE, OUT_SCALE, CAUSAL,
+                          WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, 0)),
+        (_consumer_loop, (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
+                          tail_bar, o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr,
+                          kv_offsets_ptr, slopes_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride,
+                          q_head_stride, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE, OUT_SCALE, CAUSAL,
+                          WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, 1)),
         (_producer_loop, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready,
                           k_empty, v_empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr,
-                          kv_offsets_ptr, params_ptr, first, end, step, blocks,
-                          q_tokens, kv_tokens, q_token_stride, q_head_stride, NUM_HEADS, KV_GROUP, Q_MAX_LEN,
-                          KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES,
-                          STRIDE_ALIGN, DYNAMIC)),
+                          kv_offsets_ptr, params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride,
+                          q_head_stride, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
+                          WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

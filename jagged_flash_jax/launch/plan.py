@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ from .._util import cdiv, lse_gradient
 from ..configs import (
     HOPPER_CONSUMER_REGS,
     HOPPER_PRODUCER_REGS,
+    HOPPER_SMS,
     BlockSizes,
     KernelConfig,
     head_block,
@@ -95,6 +95,8 @@ class Problem:
     forward_kernel: str = "portable"
     # The same for the backward (kernels/hopper_backward.py), chosen on its own (launch/hopper.py).
     backward_kernel: str = "portable"
+    # The Hopper forward's persistent grid: one program per SM of the device (launch/hopper.py).
+    hopper_programs: int = HOPPER_SMS
 
     # -- shapes ------------------------------------------------------------------------------------
     def shape(self, heads: int, tokens: int) -> tuple[int, int, int]:
@@ -329,24 +331,19 @@ def _tma_views(p: Problem, q_like, kv_like) -> tuple:
 
 def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None):
     """The Hopper forward (kernels/hopper.py): q, k, v as TMA descriptors over 2-D views whose rows are
-    one token stride long; per (sequence or zero fill, head) the query blocks and a tail-zeroing program,
-    as the portable forward's slots (Problem.forward_slots), on one axis."""
+    one token stride long; a persistent grid of p.hopper_programs programs, which take the query blocks
+    (the portable forward's, Problem.blocks per (sequence, head)) from a counter the launch zeroes."""
     tiles = p.hopper_tiles.fwd
     params, constants = _common(p)
     blocks = p.blocks(tiles.block_m, p.q_tokens, p.max_seq_len)
     slots = blocks + 1
     views = _tma_views(p, (q,), (k, v))
-    # Experimental: $JAGGED_FLASH_JAX_HOPPER_PROGRAMS > 0 runs that many persistent programs.
-    programs = int(os.environ.get("JAGGED_FLASH_JAX_HOPPER_PROGRAMS") or 0)
-    # Experimental: with $JAGGED_FLASH_JAX_HOPPER_DYNAMIC=1 they take the query blocks from a counter.
-    dynamic = programs > 0 and os.environ.get("JAGGED_FLASH_JAX_HOPPER_DYNAMIC") == "1"
     call = KernelCall(
-        kernels.hopper_attention_fwd_kernel,
-        grid=(min(programs, p.sequence_heads * slots) if programs else p.sequence_heads * slots,),
+        kernels.hopper_attention_fwd_kernel, grid=(p.hopper_programs,),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                     jax.ShapeDtypeStruct(p.stats_shape, jnp.float32),
-                    jax.ShapeDtypeStruct((1,), jnp.int32)),  # the DYNAMIC schedule's counter
-        zeroed_outputs=(2,) if dynamic else (),
+                    jax.ShapeDtypeStruct((1,), jnp.int32)),  # the programs' counter of query blocks
+        zeroed_outputs=(2,),
         params=_pack({**params, param.HOPPER_FWD_BLOCKS: blocks,
                       param.HOPPER_FWD_FILL_CHUNK: _fill_chunk(p.q_tokens, slots)}),
         constants={**{name: constants[name] for name in (
@@ -354,7 +351,7 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
             "SOFTCAP", "ALIBI", "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")},
             "OUT_SCALE": p.out_scale, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
             "STAGES": tiles.num_stages, "CONSUMER_REGS": HOPPER_CONSUMER_REGS,
-            "PRODUCER_REGS": HOPPER_PRODUCER_REGS, "PERSISTENT": programs > 0, "DYNAMIC": dynamic},
+            "PRODUCER_REGS": HOPPER_PRODUCER_REGS},
         # Gluon's pipeline is the kernel's own (STAGES): Triton's num_stages does nothing here.
         num_warps=tiles.num_warps, num_stages=1, max_registers=tiles.max_registers,
         # The query tile is one consumer warpgroup's 64 rows.

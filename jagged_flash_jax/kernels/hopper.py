@@ -545,15 +545,18 @@ def _no_queries(q_offsets_ptr, item, blocks, q_tokens, NUM_HEADS: gl.constexpr, 
 @gluon.jit
 def _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS: gl.constexpr,
            Q_MAX_LEN: gl.constexpr, BLOCK_M: gl.constexpr):
-    """The next query block with queries from the launch's counter (zeroed by the launcher),
-    or a number >= end when none is left."""
+    """The next query block with queries from the launch's counter (zeroed by the launcher), or a
+    number >= end when none is left. A block's offsets are read only when it is one (< end): with no
+    sequence, offsets has one entry."""
     item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
-    skip = (item < end) & _no_queries(q_offsets_ptr, gl.minimum(item, end - 1), blocks, q_tokens, NUM_HEADS,
-                                      Q_MAX_LEN, BLOCK_M)
+    skip = item < end
+    if skip:
+        skip = _no_queries(q_offsets_ptr, item, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
     while skip:
         item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
-        skip = (item < end) & _no_queries(q_offsets_ptr, gl.minimum(item, end - 1), blocks, q_tokens,
-                                          NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+        skip = item < end
+        if skip:
+            skip = _no_queries(q_offsets_ptr, item, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
     return item
 
 

@@ -92,10 +92,13 @@ HOPPER_PRODUCER_REGS = 24
 # The Hopper kernels take 16-bit inputs (bfloat16, float16) only: the table refuses "hopper" entries of
 # other bits (entry_from_json), so that a problem's Hopper tiles alone say whether a Hopper kernel runs.
 HOPPER_BITS = 16
-# Sequences (the longer of max_seq_len and kv_max_seq_len) up to this many tokens run the portable
-# forward: there its tiles fitted to the lengths, and no pre-filled output, win (H200, D = 128: L256
-# 0.31 against 0.41 ms, rec-long 0.29 against 0.31, L1024 0.61 against 0.63; L2048 1.03 against 0.92).
-HOPPER_FORWARD_MIN_LENGTH = 1025
+# Under "auto" the Hopper forward runs from sequences (the longer of max_seq_len and kv_max_seq_len) of
+# this many tokens; shorter ones run the portable forward, its tiles fitted to the lengths (H200,
+# D = 128, the persistent Hopper forward against the portable one: rec-long 0.241 against 0.285 ms,
+# L1024 0.502 against 0.598; below 1024 tokens not measured; docs/performance.md).
+HOPPER_FORWARD_MIN_LENGTH = 1024
+# The persistent Hopper forward's grid where the device does not say its SM count (H100 and H200 SXM).
+HOPPER_SMS = 132
 # Under "auto" the Hopper backward runs from sequences of this many tokens, and at these head dimensions
 # only: below, and at D = 64, the portable backward is as fast or faster (H200, docs/performance.md,
 # "Hopper kernels"). "hopper" runs it wherever the table has its tiles.

@@ -281,8 +281,8 @@ def _check_call(fake, call, kernel, grid, arrays, params, out_shapes, constants,
     assert tuple(call.pop("out_type")) == out_shapes
     assert call.pop("num_warps") == num_warps
     assert call.pop("num_stages") == num_stages
-    # The compile-time constants, and nothing else: no zeroed_outputs either (the kernels write every
-    # element they own; zeroing would cost a memset per launch).
+    # The compile-time constants, and nothing else: no zeroed_outputs either (the portable kernels write
+    # every element they own; zeroing would cost a memset per launch).
     assert call == constants
 
 
@@ -706,13 +706,19 @@ def test_vmap_keeps_the_hopper_forward_only_with_one_segment(hopper_gpu):
 
 
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
-def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
+def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, monkeypatch, layout):
     """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 600, kv_max_seq_len 30,
-    causal: one launch of 3 x 4 x 2 programs ((sequences and the zero fill) x heads x (128-query blocks
-    and the tail-zeroing slot)), q, k, v as TMA descriptors over 2-D views one token stride wide, o and
-    the log-sum-exp as outputs (no pre-filled input: the kernel zeroes what it does not compute), 4
-    warps asked (the launch takes the compiled 12 from the PTX) and a register cap of 168."""
+    causal: one launch of a persistent grid, one program per SM of the device (78 here), q, k, v as TMA
+    descriptors over 2-D views one token stride wide, o and the log-sum-exp as outputs (no pre-filled
+    input: the kernel zeroes what it does not compute) and the programs' int32 counter of query blocks,
+    which alone the launch zeroes, 4 warps asked (the launch takes the compiled 12 from the PTX) and a
+    register cap of 168."""
     from triton.experimental.gluon import language as gl
+
+    class Device:
+        core_count = 78
+
+    monkeypatch.setattr(jax, "devices", lambda *backend: [Device()])
 
     bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
     q_shape, kv_shape = ((40, 4, 128), (50, 2, 128)) if layout == "THD" else ((4, 40, 128), (2, 50, 128))
@@ -724,7 +730,7 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     (call,) = hopper_gpu.calls
     call = dict(call)
     assert call.pop("kernel") is kernels.hopper_attention_fwd_kernel
-    assert call.pop("grid") == (24,)
+    assert call.pop("grid") == (78,)
     args = call.pop("args")
     views = ((40, 512), (50, 256)) if layout == "THD" else ((160, 128), (100, 128))
     blocks = ((64, 128), (128, 128), (128, 128))
@@ -739,9 +745,9 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     # program (40 tokens over 2 slots).
     strides = (32, 8, 16, 8) if layout == "THD" else (8, 320, 8, 400)
     assert hopper_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, 1, 20)
-    assert tuple(call.pop("out_type")) == (_sds(q_shape, bf16), _sds((1, 4, 40), f32))
+    assert tuple(call.pop("out_type")) == (_sds(q_shape, bf16), _sds((1, 4, 40), f32), _sds((1,), i32))
     options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
-    assert options == (4, 1, {"maxnreg": 168})
+    assert options == (4, 1, {"maxnreg": 168}) and call.pop("zeroed_outputs") == (2,)
     assert call == dict(NUM_HEADS=4, KV_GROUP=2, D=128, Q_MAX_LEN=600, KV_MAX_LEN=30, CAUSAL=True,
                         WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
                         QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, FILL_BLOCK=plan.FILL_BLOCK, OUT_SCALE=1.0,
@@ -845,9 +851,9 @@ def test_why_the_forward_is_portable_comes_from_the_active_table(hopper_gpu, tmp
 
 def test_the_hopper_launch_zeroes_its_own_outputs():
     """The plan's Hopper launch, recorded: o and the log-sum-exp are the kernel's outputs, no input
-    (the kernel writes 0 and +inf where it computes nothing); its grid has the portable forward's
-    slots, the zero-fill "sequence" included, so that a batch of no sequence still launches the
-    programs that zero every token."""
+    (the kernel writes 0 and +inf where it computes nothing), and the counter it takes query blocks
+    from the one zeroed output; its grid is the problem's persistent programs, a batch of no sequence
+    included, whose programs still zero every token (the fills' chunks: the blocks' count plus one)."""
     calls = []
 
     def run(call, arrays):
@@ -859,14 +865,14 @@ def test_the_hopper_launch_zeroes_its_own_outputs():
                 kv_tokens=300, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=260, kv_max_seq_len=300,
                 causal=False, scale=0.1, out_scale=0.5, input_precision="tf32",
                 block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper",
-                hopper_tiles=configs.hopper_block_sizes(256, jnp.float16, 260, 300))
+                hopper_tiles=configs.hopper_block_sizes(256, jnp.float16, 260, 300), hopper_programs=7)
     offsets = jnp.asarray([[0, 40, 300]], jnp.int32)
-    for batch, grid in ((2, 3 * 4 * 4), (0, 1 * 4 * 4)):  # 3 query blocks of 128 and the tail slot
+    for batch in (2, 0):
         calls.clear()
         p = plan.Problem(batch=batch, **base)
         o, lse = plan.forward(run, p, q, q, q, offsets[:, :batch + 1], offsets[:, :batch + 1])
         (call, arrays), = calls
-        assert call.grid == (grid,)
+        assert call.grid == (7,) and call.zeroed_outputs == (2,) and call.out_shapes[2].shape == (1,)
         assert dict(call.descriptors) == {0: (64, 256), 1: (64, 256), 2: (64, 256)}
         assert call.constants["OUT_SCALE"] == 0.5 and call.constants["BLOCK_N"] == 64
         assert call.params[param.HOPPER_FWD_BLOCKS] == 3 and call.params[param.HOPPER_FWD_FILL_CHUNK] == 75

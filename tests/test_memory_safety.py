@@ -155,6 +155,7 @@ ADVERSARIAL_OFFSETS = [
     [20, 30, 40],
     [24, 24, 0],
     [0, 24, 24, -1, 12],
+    [0],  # no sequence: offsets has one entry, which the persistent Hopper forward must not read past
 ]
 # int64, with jax.enable_x64: far past int32, and past 2**32 by little (int32 truncation would read 3).
 ADVERSARIAL_INT64_OFFSETS = [

@@ -1,13 +1,19 @@
 """The Hopper (sm_90a) forward, in Gluon: FlashAttention-3's structure, with the portable forward's
 contract (see kernels/__init__.py) for what launch/plan.py sends it.
 
-One program per block of BLOCK_M = 128 queries of one (sequence, head): a 1-warp producer partition
-issues the TMA loads (its two query tiles of 64 rows once, then the keys and values into a STAGES-deep
-ring), and two consumer warpgroups (the default partition and a worker, 64 query rows each, setmaxnreg
+A persistent grid, one program per SM (the kernel's shared memory allows one), each working through
+blocks of BLOCK_M = 128 queries of one (sequence, head) that it takes from a global counter, in the
+order of the portable forward's grid (each (sequence, head)'s blocks adjacent, the last first): a 1-warp
+producer partition takes the next block with queries (an atomic add on the counter, which the launcher
+zeroes), hands its number to both consumers through a 2-slot ring in shared memory, and issues its TMA
+loads (the two query tiles of 64 rows once the last block's are free, then the keys and values into a
+STAGES-deep ring that runs on from block to block, so that a block's first loads overlap the last one's
+end); two consumer warpgroups (the default partition and a worker, 64 query rows each, setmaxnreg
 CONSUMER_REGS / PRODUCER_REGS) each run S_j = Q K_j^T asynchronously while P_{j-1} V_{j-1} is in flight,
 the softmax of S_j under it. No barrier across the consumers in the loop: each releases a ring slot
-with one mbarrier arrival (the empty barriers count 2). It is the `coop` variant of a probe kept in
-benchmarks/results/profile/2026-12-01b_gluon_forward_probe.md; measurements in docs/performance.md.
+with one mbarrier arrival (the empty barriers count 2). The per-block structure is the `coop` variant of
+a probe kept in benchmarks/results/profile/2026-12-01b_gluon_forward_probe.md; measurements (the
+dynamic schedule against one block per program and a static one) in docs/performance.md.
 
 Semantics as the portable forward's (kernels/portable.py, common.py): offsets clamped as
 `common._extent`, n_q = min(len_q, Q_MAX_LEN) queries against n_k = min(len_kv, KV_MAX_LEN) keys, the
@@ -20,10 +26,9 @@ and the base-2 log-sum-exp in units of the unscaled scores, +inf for a query wit
 loads, and both consumers visit, exactly the key blocks of the 128-query block's band
 (`common._key_ranges`: blocks outside it are skipped at both ends); a consumer masks a block only when
 some of its 64 queries do not see all of it (the band's edges, the sequence's last block). Every other
-row is written too, o = 0 and log-sum-exp +inf, by programs of the same grid that run no attention
-code (the portable forward's slots: a tail-zeroing program per (sequence, head), and a zero-fill
-"sequence" for the tokens no sequence covers, any offsets content; see `attention_fwd_kernel`), so
-that the outputs need no memset.
+row is written too, o = 0 and log-sum-exp +inf, by the same programs before their attention (the
+portable forward's fills: the tokens of each (sequence, head) past Q_MAX_LEN, and those no sequence
+covers, any offsets content; see `attention_fwd_kernel`), so that the outputs need no memset.
 
 Addressing. q, k, v come as TMA descriptors over 2-D views [elements / token_stride, token_stride] of
 their arrays (one row per token in "THD", one per (head, token) in "HTD"): token t of head h is at
@@ -277,7 +282,7 @@ def _pass_slot(ready, empty, j, STAGES: gl.constexpr):
 
 @gluon.jit
 def _pass_tiles(k_ready, v_ready, k_empty, v_empty, first, end, STAGES: gl.constexpr):
-    """`_pass_slot` of the key and value tiles [first, end), in the producer's order."""
+    """`_pass_slot` of the key and value tiles [first, end) of the ring, in the producer's order."""
     for j in range(first, end):
         _pass_slot(k_ready, k_empty, j, STAGES)
         _pass_slot(v_ready, v_empty, j, STAGES)
@@ -303,33 +308,38 @@ def _issue_kv(desc, bar, buf, row, col):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-              q_row, q_col, kv_row, kv_col, num_key_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The 1-warp load partition: both query tiles once, then K_j and V_j (j < num_key_blocks, from
-    kv_row: the first key block of the band) into the ring as slots free."""
+def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
+             v_empty, q_row, q_col, kv_row, kv_col, num_key_blocks, t, qp, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr):
+    """The 1-warp load partition's work for one query block: both query tiles (once the consumers have
+    freed the last block's, q_free's phase qp ^ 1), then K_j and V_j (j < num_key_blocks, from kv_row:
+    the first key block of the band) into the ring from its position t as slots free."""
     for w in gl.static_range(2):
+        mbarrier.wait(q_free.index(w), qp ^ 1)  # fresh barriers: phase 1 counts as complete
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row + w * CONSUMER_ROWS, q_col], q_bars.index(w), q_smem.index(w))
     for j in range(num_key_blocks):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
+        slot = (t + j) % STAGES
+        phase = ((t + j) // STAGES) & 1
         row = kv_row + j * BLOCK_N
-        mbarrier.wait(k_empty.index(slot), phase ^ 1)  # fresh barriers: phase 1 counts as complete
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
         _issue_kv(k_desc, k_ready.index(slot), k_smem.index(slot), row, kv_col)
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         _issue_kv(v_desc, v_ready.index(slot), v_smem.index(slot), row, kv_col)
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr, lse_ptr,
-              q_start, n_q, n_k, key_first, key_end, shift, slope, start_m, head, q_tokens, q_token_stride,
-              q_head_stride, D: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
-              CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-              SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              WG: gl.constexpr):
-    """One consumer warpgroup: queries [start_m + 64 WG, +64) against the key blocks from key_first (a
-    multiple of BLOCK_N) to key_end (the block's band, as the producer loads them), then their o and
-    log-sum-exp. A block is masked unless every query of this warpgroup sees every key of it."""
+def _consume(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
+             lse_ptr, q_start, n_q, n_k, key_first, key_end, slope, start_m, head, q_tokens, q_token_stride,
+             q_head_stride, t, qp, tails, D: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+             CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+             SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             WG: gl.constexpr):
+    """One consumer warpgroup's work for one query block: queries [start_m + 64 WG, +64) against the key
+    blocks from key_first (a multiple of BLOCK_N) to key_end (the block's band, as the producer loads
+    them, from ring position t; the query tiles' barrier at phase qp), then their o and log-sum-exp. A
+    block is masked unless every query of this warpgroup sees every key of it. Returns the count of
+    tail-zeroing hand-overs (tail_bar's uses) after this block's: `tails` before it."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -337,6 +347,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = k_smem.dtype
+    shift = n_k - n_q
     row0 = start_m + WG * CONSUMER_ROWS
     q = q_smem.index(WG)
     num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
@@ -344,7 +355,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
     _, clean_start, clean_end, _ = _key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, WINDOW_LEFT,
                                                WINDOW_RIGHT)
 
-    # The tiles this warpgroup computes, [lo, hi): under a window a warpgroup's band may start or end a
+    # The tiles each warpgroup computes, [lo, hi): under a window a warpgroup's band may start or end a
     # tile from the block's (more often with narrow bands' 64-key tiles); it passes the tiles outside,
     # leaving the tensor cores to the other. Warpgroup 1 (the block's last rows) always ends at the
     # block's last tile, which warpgroup 0 computes too unless it ends before. (Without a window the
@@ -353,28 +364,36 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
     if WINDOWED:
         lo, hi = _own_tiles(row0, n_q, n_k, key_first, num_key_blocks, BLOCK_N, CAUSAL, WINDOW_LEFT,
                             WINDOW_RIGHT)
-        if WG == 0:  # warpgroup 0's end: its own
+        if WG == 0:  # warpgroup 0's range: its own
+            lo0 = lo
             hi0 = hi
         else:
-            _, hi0 = _own_tiles(start_m, n_q, n_k, key_first, num_key_blocks, BLOCK_N, CAUSAL, WINDOW_LEFT,
-                                WINDOW_RIGHT)
+            lo0, hi0 = _own_tiles(start_m, n_q, n_k, key_first, num_key_blocks, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                                  WINDOW_RIGHT)
     else:
         lo = 0
         hi = num_key_blocks
+        lo0 = 0
         hi0 = num_key_blocks
+    # The block's last value tile: its rows past the band's keys (past the sequence's maybe: other
+    # tokens, NaN) are zeroed first, by warpgroup 0 when it computes that tile (it hands the tile over
+    # on tail_bar, and warpgroup 1 then waits for it, whether it computes the tile or not, so that
+    # both count the barrier's uses alike), else by warpgroup 1 when it does.
+    tail = key_end - (key_first + (num_key_blocks - 1) * BLOCK_N)
+    handed_over = (hi0 == num_key_blocks) & (hi0 > lo0) & (tail < BLOCK_N)
 
     m_i = gl.full([CONSUMER_ROWS], -INF, gl.float32, layout=row_layout)
     l_i = gl.full([CONSUMER_ROWS], 0.0, gl.float32, layout=row_layout)
     acc = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bars.index(WG), 0)  # always: the load must land before the program may end
+    mbarrier.wait(q_bars.index(WG), qp)  # always: the load must land before the program may end
     if WINDOWED:
-        _pass_tiles(k_ready, v_ready, k_empty, v_empty, 0, lo, STAGES)
+        _pass_tiles(k_ready, v_ready, k_empty, v_empty, t, t + lo, STAGES)
     if hi > lo:
         # S_lo alone; then S_j with P_{j-1} V_{j-1} in flight; then the last P V.
-        ks = lo % STAGES
+        ks = (t + lo) % STAGES
         key_start = key_first + lo * BLOCK_N
-        mbarrier.wait(k_ready.index(ks), (lo // STAGES) & 1)
+        mbarrier.wait(k_ready.index(ks), ((t + lo) // STAGES) & 1)
         s_tok = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(ks), count=1)
@@ -383,11 +402,11 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
                                            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N,
                                            s_layout)
         for j in range(lo + 1, hi):
-            ks = j % STAGES
-            vs = (j - 1) % STAGES
+            ks = (t + j) % STAGES
+            vs = (t + j - 1) % STAGES
             key_start = key_first + j * BLOCK_N
-            mbarrier.wait(k_ready.index(ks), (j // STAGES) & 1)
-            mbarrier.wait(v_ready.index(vs), ((j - 1) // STAGES) & 1)
+            mbarrier.wait(k_ready.index(ks), ((t + j) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(vs), ((t + j - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             s_tok = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc_tok = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
@@ -400,25 +419,39 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
             acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
             mbarrier.arrive(v_empty.index(vs), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        # The block's last value tile: its rows past the band's keys (past the sequence's maybe: other
-        # tokens, NaN) are zeroed first, by warpgroup 0 when it computes that tile too (it signals the
-        # other), else by the one warpgroup that does.
+        if WG == 0:
+            mbarrier.arrive(q_free.index(0), count=1)  # the query tile's last product is done
         last = hi - 1
-        vs = last % STAGES
-        tail = key_end - (key_first + last * BLOCK_N)
-        mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
+        vs = (t + last) % STAGES
+        mbarrier.wait(v_ready.index(vs), ((t + last) // STAGES) & 1)
         if (hi == num_key_blocks) & (tail < BLOCK_N):
-            if (WG == 0) | (hi0 < num_key_blocks):
+            if WG == 0:
                 _zero_rows(v_smem.index(vs), tail, BLOCK_N)
                 _publish()
                 mbarrier.arrive(tail_bar, count=1)
+            elif handed_over:
+                mbarrier.wait(tail_bar, tails & 1)
             else:
-                mbarrier.wait(tail_bar, 0)
+                _zero_rows(v_smem.index(vs), tail, BLOCK_N)
+                _publish()
+        if WG == 1:
+            if hi == num_key_blocks:  # (see below)
+                mbarrier.arrive(q_free.index(1), count=1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(vs), acc)
-        if WINDOWED:  # the slot may be needed again: warpgroup 0 can end before the block's last tile
-            mbarrier.arrive(v_empty.index(vs), count=1)
+        mbarrier.arrive(v_empty.index(vs), count=1)  # the slot's next use (the ring goes on)
+    elif WG == 0:
+        mbarrier.arrive(q_free.index(0), count=1)
     if WINDOWED:
-        _pass_tiles(k_ready, v_ready, k_empty, v_empty, hi, num_key_blocks, STAGES)
+        _pass_tiles(k_ready, v_ready, k_empty, v_empty, t + hi, t + num_key_blocks, STAGES)
+    # Warpgroup 1 frees its query tile only once it is past its wait for a hand-over (above, or here
+    # when it did not compute the last tile, after its passes, which warpgroup 0 may need): the producer
+    # loads the next block's query tiles before its keys, so warpgroup 0 cannot hand a next tile over,
+    # a second phase of tail_bar, before this one has seen the first.
+    if WG == 1:
+        if (hi <= lo) | (hi < num_key_blocks):
+            if handed_over:
+                mbarrier.wait(tail_bar, tails & 1)
+            mbarrier.arrive(q_free.index(1), count=1)
 
     # Epilogue: rows < n_q only (the fill programs write the others).
     attended = l_i > 0  # false only for queries with no key
@@ -434,110 +467,277 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty
     lse_rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
     lse_ptrs = lse_ptr + head.to(gl.int64) * q_tokens + q_start + lse_rows
     gl.store(lse_ptrs, lse, mask=lse_rows < n_q)
+    return tails + handed_over.to(gl.int32)
 
 
 @gluon.jit
 def attention_fwd_kernel(
     q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr,
-    o_ptr, lse_ptr,
+    o_ptr, lse_ptr, counter_ptr,
     NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
     KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
     FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """o and the base-2 log-sum-exp of one block of BLOCK_M (= 128, two warpgroups') queries of one
-    (sequence, head), or a zero fill, on a one-axis grid of (sequence or fill, head, slot), slots
-    adjacent (`_program`) and counting down. A sequence's slots are its PARAM_HOPPER_FWD_BLOCKS query
-    blocks, the last first, then (slot 0) the program that zeroes its tokens past Q_MAX_LEN; the extra
-    "sequence" `batch` has one program per slot, each zeroing the tokens of its
-    PARAM_HOPPER_FWD_FILL_CHUNK that no sequence covers (kernels/portable.py's grid, one axis). So
+    """o and the base-2 log-sum-exp, on a persistent grid (one program per SM): each program first
+    does its share of the zero fills (fill i, i + programs, ...: per (sequence, head) the tokens past
+    Q_MAX_LEN, then per head the PARAM_HOPPER_FWD_FILL_CHUNK chunks of the tokens no sequence covers),
+    then takes query blocks of BLOCK_M (= 128, two warpgroups') queries from the counter at counter_ptr
+    (zeroed by the launcher) until none is left, in one warp-specialized region (`_attention`). So
     every row of o [tokens, H, D] or [H, tokens, D] (q's strides) and of the log-sum-exp
     [1, H, q_tokens] is written: no memset."""
     batch = gl.load(params_ptr + PARAM_BATCH)
     q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
     kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
-    sequence, head, slot, slots = _program(params_ptr, PARAM_HOPPER_FWD_BLOCKS, NUM_HEADS)
-    slot = slots - 1 - slot  # counting down: the tail-zeroing program is slot 0
     q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
     q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
-    # The fills are plain stores of the default partition's 4 warps (the worker partitions' warps wait
-    # for the kernel's end), in branches of their own that never reach the attention code (the portable
-    # kernels' rule: see kernels/__init__.py on ptxas 12.8).
-    if sequence == batch:
-        _zero_uncovered(o_ptr, lse_ptr, q_offsets_ptr, batch, head, slot,
-                        gl.load(params_ptr + PARAM_HOPPER_FWD_FILL_CHUNK), q_tokens, q_token_stride,
-                        q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
-    elif slot == 0:
-        _zero_tail(o_ptr, lse_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride, q_head_stride,
-                   Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
-    else:
-        _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr,
-                   lse_ptr, sequence, head, slot - 1, q_tokens, kv_tokens, q_token_stride,
-                   q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
-                   WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN,
-                   CONSUMER_REGS, PRODUCER_REGS)
+    blocks = gl.load(params_ptr + PARAM_HOPPER_FWD_BLOCKS)
+    fill_chunk = gl.load(params_ptr + PARAM_HOPPER_FWD_FILL_CHUNK)
+    # The fills: plain stores of the default partition's 4 warps, before the partitions start.
+    for fill in range(gl.program_id(0), (batch + blocks + 1) * NUM_HEADS, gl.num_programs(0)):
+        sequence = fill // NUM_HEADS
+        head = fill % NUM_HEADS
+        if sequence < batch:
+            _zero_tail(o_ptr, lse_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride,
+                       q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
+        else:  # chunk sequence - batch of the uncovered tokens
+            _zero_uncovered(o_ptr, lse_ptr, q_offsets_ptr, batch, head, sequence - batch, fill_chunk,
+                            q_tokens, q_token_stride, q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
+    _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr,
+               lse_ptr, counter_ptr, batch * NUM_HEADS * blocks, blocks, q_tokens, kv_tokens, q_token_stride,
+               q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
+               WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN,
+               CONSUMER_REGS, PRODUCER_REGS)
+
+
+@gluon.jit
+def _block(q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS: gl.constexpr,
+           Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr,
+           WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
+           BLOCK_N: gl.constexpr):
+    """Query block `item` of the (sequence, head, block) items, each (sequence, head)'s blocks adjacent
+    and the last first: (sequence, head, q_start, n_q, kv_start, n_k, start_m, key_first, key_end,
+    num_key_blocks), the key blocks some query of the block sees (common._key_ranges, bottom-right
+    aligned: the producer loads and both consumers visit exactly [key_first, key_end) in blocks of
+    BLOCK_N); num_key_blocks is 0 for a block past the sequence's n_q (no work: skipped by all)."""
+    sequence = item // (NUM_HEADS * blocks)
+    head = (item // blocks) % NUM_HEADS
+    start_m = (blocks - 1 - item % blocks) * BLOCK_M
+    q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+    kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
+    key_first, _, _, key_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                                           WINDOW_RIGHT)
+    num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
+    return sequence, head, q_start, n_q, kv_start, n_k, start_m, key_first, key_end, num_key_blocks
+
+
+@gluon.jit
+def _no_queries(q_offsets_ptr, item, blocks, q_tokens, NUM_HEADS: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+                BLOCK_M: gl.constexpr):
+    """Whether query block `item` (see `_block`) starts past its sequence's n_q."""
+    sequence = item // (NUM_HEADS * blocks)
+    start_m = (blocks - 1 - item % blocks) * BLOCK_M
+    _, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+    return start_m >= n_q
+
+
+@gluon.jit
+def _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS: gl.constexpr,
+           Q_MAX_LEN: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The next query block with queries from the launch's counter (zeroed by the launcher), or a
+    number >= end when none is left. A block's offsets are read only when it is one (< end): with no
+    sequence, offsets has one entry."""
+    item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+    skip = item < end
+    if skip:
+        skip = _no_queries(q_offsets_ptr, item, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+    while skip:
+        item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+        skip = item < end
+        if skip:
+            skip = _no_queries(q_offsets_ptr, item, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+    return item
+
+
+@gluon.jit
+def _hand_out(items, item_full, item_empty, i, item):
+    """The producer's i-th item into the 2-slot ring the consumers read it from."""
+    slot = i % 2
+    mbarrier.wait(item_empty.index(slot), ((i // 2) & 1) ^ 1)  # fresh barriers: phase 1 counts as complete
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    items.index(slot).store(gl.full([1], item, gl.int32, layout))
+    _partition_barrier()
+    mbarrier.arrive(item_full.index(slot), count=1)
+
+
+@gluon.jit
+def _receive(items, item_full, item_empty, i):
+    """A consumer's i-th item, from the ring `_hand_out` fills."""
+    slot = i % 2
+    mbarrier.wait(item_full.index(slot), (i // 2) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    item = gl.max(items.index(slot).load(layout), axis=0)
+    _partition_barrier()
+    mbarrier.arrive(item_empty.index(slot), count=1)
+    return item
+
+
+@gluon.jit
+def _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
+                  v_empty, q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, q_token_stride,
+                  q_head_stride, kv_token_stride, kv_head_stride, t, count, NUM_HEADS: gl.constexpr,
+                  KV_GROUP: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr,
+                  CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """`_produce` for query block `item` if it has queries: (t, count) after it."""
+    _, head, q_start, n_q, kv_start, _, start_m, key_first, _, num_key_blocks = _block(
+        q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
+        KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    if start_m < n_q:
+        q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
+        kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
+        _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready,
+                 k_empty, v_empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, t, count & 1,
+                 BLOCK_N, STAGES)
+        t += num_key_blocks
+        count += 1
+    return t, count
+
+
+@gluon.jit
+def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
+                   v_empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr, kv_offsets_ptr,
+                   params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                   NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+                   KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                   WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr):
+    """The load partition: the query blocks `_fetch` takes from the counter, each handed out to the
+    consumers and then `_produce`d, the ring's position and the query tiles' phase running on; then
+    `end`, which ends the consumers."""
+    kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
+    kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
+    t = 0
+    count = 0
+    i = 0
+    item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+    while item < end:
+        _hand_out(items, item_full, item_empty, i, item)
+        t, count = _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
+                                 v_ready, k_empty, v_empty, q_offsets_ptr, kv_offsets_ptr, item, blocks,
+                                 q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
+                                 kv_head_stride, t, count, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN,
+                                 CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES)
+        i += 1
+        item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+    _hand_out(items, item_full, item_empty, i, end)
+
+
+@gluon.jit
+def _consume_item(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
+                  lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, item, blocks, q_tokens, kv_tokens,
+                  q_token_stride, q_head_stride, t, count, tails, NUM_HEADS: gl.constexpr, D: gl.constexpr,
+                  Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, QK_SCALE: gl.constexpr,
+                  OUT_SCALE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                  WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+    """`_consume` for query block `item` if it has queries: (t, count, tails) after it."""
+    _, head, q_start, n_q, _, n_k, start_m, key_first, key_end, num_key_blocks = _block(
+        q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
+        KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    if start_m < n_q:
+        if ALIBI:  # slopes [1, NUM_HEADS] in units of the unscaled scores (one offsets segment)
+            slope = gl.load(slopes_ptr + head)
+        else:
+            slope = 0.0
+        tails = _consume(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
+                         tail_bar, o_ptr, lse_ptr, q_start, n_q, n_k, key_first, key_end, slope, start_m,
+                         head, q_tokens, q_token_stride, q_head_stride, t, count & 1, tails, D, QK_SCALE,
+                         OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, STAGES, WG)
+        t += num_key_blocks
+        count += 1
+    return t, count, tails
+
+
+@gluon.jit
+def _consumer_loop(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar,
+                   o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+                   end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                   NUM_HEADS: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+                   KV_MAX_LEN: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+                   CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, WG: gl.constexpr):
+    """A consumer warpgroup: `_consume` for the query blocks `_producer_loop` hands out, until `end`."""
+    t = 0
+    count = 0
+    tails = 0
+    i = 0
+    item = _receive(items, item_full, item_empty, i)
+    while item < end:
+        t, count, tails = _consume_item(
+            q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
+            lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, item, blocks, q_tokens, kv_tokens,
+            q_token_stride, q_head_stride, t, count, tails, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE,
+            OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, WG)
+        i += 1
+        item = _receive(items, item_full, item_empty, i)
 
 
 @gluon.jit
 def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr, lse_ptr,
-               sequence, head, block, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+               counter_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
                NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
                KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr,
                OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Query block `block` of (sequence, head): the warp-specialized attention (rows < n_q only)."""
-    q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
-    start_m = block * BLOCK_M
-    if start_m < n_q:
-        kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
-        kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
-        kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
-        q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
-        kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
-        # The key blocks some query of the block sees (common._key_ranges, bottom-right aligned): the
-        # producer loads and both consumers visit exactly [key_first, key_end) in blocks of BLOCK_N.
-        shift = n_k - n_q
-        key_first, _, _, key_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT,
-                                               WINDOW_RIGHT)
-        num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
-        if ALIBI:  # slopes [1, NUM_HEADS] in units of the unscaled scores (one offsets segment)
-            slope = gl.load(slopes_ptr + head)
-        else:
-            slope = 0.0
+    """The query blocks taken from the counter (items < end, see `_block`): the warp-specialized
+    attention (rows < n_q only), its shared memory and barriers set up once."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    item_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(2):
+        mbarrier.init(q_bars.index(w), count=1)
+        mbarrier.init(q_free.index(w), count=1)
+        mbarrier.init(item_full.index(w), count=1)
+        mbarrier.init(item_empty.index(w), count=2)  # one arrival per consumer
+    mbarrier.init(tail_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
 
-        dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for w in gl.static_range(2):
-            mbarrier.init(q_bars.index(w), count=1)
-        mbarrier.init(tail_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
-            mbarrier.init(v_empty.index(i), count=2)
-        fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
-
-        # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
-                         lse_ptr, q_start, n_q, n_k, key_first, key_end, shift, slope, start_m, head,
-                         q_tokens, q_token_stride, q_head_stride, D, QK_SCALE, OUT_SCALE, CAUSAL, WINDOW_LEFT,
-                         WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, STAGES, 0)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
-                         lse_ptr, q_start, n_q, n_k, key_first, key_end, shift, slope, start_m, head,
-                         q_tokens, q_token_stride, q_head_stride, D, QK_SCALE, OUT_SCALE, CAUSAL, WINDOW_LEFT,
-                         WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, STAGES, 1)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
-                         v_empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, BLOCK_N, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
+    gl.warp_specialize([
+        (_consumer_loop, (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
+                          tail_bar, o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr,
+                          kv_offsets_ptr, slopes_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride,
+                          q_head_stride, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE, OUT_SCALE, CAUSAL,
+                          WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, 0)),
+        (_consumer_loop, (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
+                          tail_bar, o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr,
+                          kv_offsets_ptr, slopes_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride,
+                          q_head_stride, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE, OUT_SCALE, CAUSAL,
+                          WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, 1)),
+        (_producer_loop, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready,
+                          k_empty, v_empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr,
+                          kv_offsets_ptr, params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride,
+                          q_head_stride, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
+                          WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

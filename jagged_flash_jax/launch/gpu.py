@@ -8,6 +8,7 @@ needs triton, which the package does not require.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -100,11 +101,17 @@ def _tensor_descriptor(jax_triton, x: jax.Array, block: tuple[int, ...]):
 def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     jax_triton = jax_triton_module()
     options = {} if call.max_registers is None else {"backend_options": {"maxnreg": call.max_registers}}
+    if call.zeroed_outputs:
+        options["zeroed_outputs"] = call.zeroed_outputs
     arrays = list(arrays)
     for index, block in call.descriptors:
         arrays[index] = _tensor_descriptor(jax_triton, arrays[index], block)
-    outputs = jax_triton.triton_call(
-        *arrays,
-        kernel=call.kernel, out_type=call.out_shapes, grid=call.grid,
-        num_warps=call.num_warps, num_stages=call.num_stages, **options, **call.constants)
+    with warnings.catch_warnings():
+        # jax-triton 0.4 deprecates zeroed_outputs (for Refs, which need a newer jax) and still takes
+        # it; pyproject pins jax-triton below 0.5.
+        warnings.filterwarnings("ignore", "zeroed_outputs is deprecated", DeprecationWarning)
+        outputs = jax_triton.triton_call(
+            *arrays,
+            kernel=call.kernel, out_type=call.out_shapes, grid=call.grid,
+            num_warps=call.num_warps, num_stages=call.num_stages, **options, **call.constants)
     return tuple(outputs)

@@ -19,6 +19,7 @@ from ..configs import (
     HOPPER_BACKWARD_MIN_LENGTH,
     HOPPER_BITS,
     HOPPER_FORWARD_MIN_LENGTH,
+    HOPPER_SMS,
     KERNEL_CHOICES,
     band_width,
     hopper_block_sizes,
@@ -49,6 +50,14 @@ def device_capability() -> tuple[int, int] | None:
         return int(major), int(minor)
     except Exception:
         return None
+
+
+def device_sms() -> int:
+    """The first device's streaming multiprocessors (jax's `core_count`), HOPPER_SMS where it has none."""
+    try:
+        return int(jax.devices()[0].core_count) or HOPPER_SMS
+    except Exception:
+        return HOPPER_SMS
 
 
 def requested(env: str = FORWARD_KERNEL_ENV) -> str:
@@ -139,8 +148,9 @@ def backward_kernel(p: Problem, dtype) -> str:
 
 
 def with_kernels(p: Problem, dtype) -> Problem:
-    """`p` with the table's Hopper tiles for it (configs.hopper_block_sizes) and its forward and backward
-    kernels chosen."""
+    """`p` with the table's Hopper tiles for it (configs.hopper_block_sizes), its forward and backward
+    kernels chosen, and for the Hopper forward its persistent grid (the device's SMs)."""
     p = p.with_(hopper_tiles=hopper_block_sizes(p.head_dim, dtype, p.max_seq_len, p.kv_max_seq_len,
                                                 band_width(p.window, p.causal)))
-    return p.with_(forward_kernel=forward_kernel(p, dtype), backward_kernel=backward_kernel(p, dtype))
+    p = p.with_(forward_kernel=forward_kernel(p, dtype), backward_kernel=backward_kernel(p, dtype))
+    return p.with_(hopper_programs=device_sms()) if p.forward_kernel == "hopper" else p

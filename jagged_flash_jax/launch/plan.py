@@ -28,6 +28,7 @@ from .._util import cdiv, lse_gradient
 from ..configs import (
     HOPPER_CONSUMER_REGS,
     HOPPER_PRODUCER_REGS,
+    HOPPER_SMS,
     BlockSizes,
     KernelConfig,
     head_block,
@@ -94,6 +95,8 @@ class Problem:
     forward_kernel: str = "portable"
     # The same for the backward (kernels/hopper_backward.py), chosen on its own (launch/hopper.py).
     backward_kernel: str = "portable"
+    # The Hopper forward's persistent grid: one program per SM of the device (launch/hopper.py).
+    hopper_programs: int = HOPPER_SMS
 
     # -- shapes ------------------------------------------------------------------------------------
     def shape(self, heads: int, tokens: int) -> tuple[int, int, int]:
@@ -192,6 +195,8 @@ class KernelCall:
     # (array index, block shape): arrays the GPU launcher passes as TMA descriptors of that block over
     # the array (2-D), instead of as pointers (the Hopper forward's).
     descriptors: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # Outputs the launcher zeroes before the kernel runs (jax-triton's zeroed_outputs).
+    zeroed_outputs: tuple[int, ...] = ()
 
 
 Runner = Callable[[KernelCall, Sequence[jax.Array]], Sequence[jax.Array]]
@@ -326,17 +331,19 @@ def _tma_views(p: Problem, q_like, kv_like) -> tuple:
 
 def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None):
     """The Hopper forward (kernels/hopper.py): q, k, v as TMA descriptors over 2-D views whose rows are
-    one token stride long; per (sequence or zero fill, head) the query blocks and a tail-zeroing program,
-    as the portable forward's slots (Problem.forward_slots), on one axis."""
+    one token stride long; a persistent grid of p.hopper_programs programs, which take the query blocks
+    (the portable forward's, Problem.blocks per (sequence, head)) from a counter the launch zeroes."""
     tiles = p.hopper_tiles.fwd
     params, constants = _common(p)
     blocks = p.blocks(tiles.block_m, p.q_tokens, p.max_seq_len)
     slots = blocks + 1
     views = _tma_views(p, (q,), (k, v))
     call = KernelCall(
-        kernels.hopper_attention_fwd_kernel, grid=(p.sequence_heads * slots,),
+        kernels.hopper_attention_fwd_kernel, grid=(p.hopper_programs,),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
-                    jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
+                    jax.ShapeDtypeStruct(p.stats_shape, jnp.float32),
+                    jax.ShapeDtypeStruct((1,), jnp.int32)),  # the programs' counter of query blocks
+        zeroed_outputs=(2,),
         params=_pack({**params, param.HOPPER_FWD_BLOCKS: blocks,
                       param.HOPPER_FWD_FILL_CHUNK: _fill_chunk(p.q_tokens, slots)}),
         constants={**{name: constants[name] for name in (
@@ -350,7 +357,7 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
         # The query tile is one consumer warpgroup's 64 rows.
         descriptors=((0, (tiles.block_m // 2, p.head_dim)), (1, (tiles.block_n, p.head_dim)),
                      (2, (tiles.block_n, p.head_dim))))
-    o, lse = run(call, (*views, q_offsets, kv_offsets, _slopes(p, slopes), _params(call)))
+    o, lse, _ = run(call, (*views, q_offsets, kv_offsets, _slopes(p, slopes), _params(call)))
     return o, lse
 
 

@@ -37,10 +37,11 @@ dq (`attention_bwd_dq_kernel`): the forward's structure, persistent as the forwa
 SM taking blocks of 128 queries of one (sequence, head) from a counter the launch zeroes, handed to the
 consumers through a 2-slot ring in shared memory; see kernels/hopper.py). Per block the producer loads
 the two warpgroups' Q and dO tiles (64 rows each, once the last block's are free), then K_j, V_j of
-BLOCK_N keys (the block's band, `common._key_ranges`) into the ring, which runs on from block to block; per key tile each consumer computes
-S = Q K^T and dP = dO V^T (async), P, dS = P S' (dP - delta) (selected in the band's edge tiles and
-the sequence's last one: P may be inf outside the band, and V rows past n_k make dP NaN), dQ += dS K.
-The last K tile's rows past n_k are zeroed in shared memory first (dS is 0 there, K maybe NaN).
+BLOCK_N keys (the block's band, `common._key_ranges`) into the ring, which runs on from block to block;
+per key tile each consumer computes S = Q K^T and dP = dO V^T (async), P, dS = P S' (dP - delta) (selected
+in the band's edge tiles and the sequence's last one: P may be inf outside the band, and V rows past n_k
+make dP NaN), dQ += dS K. The last K tile's rows past n_k are zeroed in shared memory first (dS is 0
+there, K maybe NaN).
 
 The options cost nothing when off (constexpr branches): without a window, the tile ranges and the
 dk/dv programs' mask test are those of plain and causal attention alone.

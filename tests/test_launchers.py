@@ -1024,10 +1024,11 @@ def test_vmap_keeps_the_hopper_backward_only_with_one_segment(hopper_backward_gp
 def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layout):
     """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 600, kv_max_seq_len 30,
     causal, FBGEMM-like out_scale: after the preprocess, a dk/dv launch of 3 x 2 x 2 programs ((sequences
-    and the zero fill) x kv heads x (128-key blocks and the tail-zeroing slot)) and a dq launch of
-    3 x 4 x 2 (one 128-query block of min(600, 40) tokens, and the tail slot), q, do, k, v as TMA
+    and the zero fill) x kv heads x (128-key blocks and the tail-zeroing slot)) and a dq launch on the
+    persistent grid (HOPPER_SMS programs: the fake device does not say its SMs; one 128-query block of
+    min(600, 40) tokens per (sequence, head), the fills' chunks one more), q, do, k, v as TMA
     descriptors over 2-D views one token stride wide, the log-sum-exp and delta [1, H, 40], and the
-    outputs as the kernels' own (no pre-filled input)."""
+    outputs as the kernels' own (no pre-filled input; dq's counter of query blocks the one zeroed)."""
     from triton.experimental.gluon import language as gl
 
     bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
@@ -1041,14 +1042,15 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
     *_, dkdv, dq = hopper_backward_gpu.calls
     views = ((40, 512), (50, 256)) if layout == "THD" else ((160, 128), (100, 128))
     strides = (32, 8, 16, 8) if layout == "THD" else (8, 320, 8, 400)
-    for call, kernel, grid, blocks, params, outputs in (
+    for call, kernel, grid, blocks, params, outputs, zeroed in (
             (dkdv, kernels.hopper_attention_bwd_dkdv_kernel, 3 * 2 * 2, ((64, 128), (64, 128)), (1, 25),
-             (_sds(kv_shape, bf16), _sds(kv_shape, bf16))),
-            (dq, kernels.hopper_attention_bwd_dq_kernel, 3 * 4 * 2, ((64, 128), (128, 128)), (1, 20),
-             (_sds(q_shape, bf16),))):
+             (_sds(kv_shape, bf16), _sds(kv_shape, bf16)), None),
+            (dq, kernels.hopper_attention_bwd_dq_kernel, configs.HOPPER_SMS, ((64, 128), (128, 128)), (1, 20),
+             (_sds(q_shape, bf16), _sds((1,), i32)), (1,))):
         call = dict(call)
         assert call.pop("kernel") is kernel
         assert call.pop("grid") == (grid,)
+        assert call.pop("zeroed_outputs", None) == zeroed
         args = call.pop("args")
         for desc, view, block in zip(args[:4], (views[0], views[0], views[1], views[1]),
                                      (blocks[0], blocks[0], blocks[1], blocks[1])):

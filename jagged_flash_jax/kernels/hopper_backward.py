@@ -33,21 +33,25 @@ delta); dK += dS^T Q; wait; release the slot. A tile's rows past n_q are other t
 warpgroup 1 through the slot's tail mbarrier, and P^T, dS^T are masked there. Rows of K and V past n_k
 only reach their own rows of dK and dV, which are not stored.
 
-dq (`attention_bwd_dq_kernel`): the forward's structure. One program per (sequence, head, block of 128
-queries); the producer loads the two warpgroups' Q and dO tiles (64 rows each) once, then K_j, V_j of
-BLOCK_N keys (the block's band, `common._key_ranges`) into the ring; per key tile each consumer computes
-S = Q K^T and dP = dO V^T (async), P, dS = P S' (dP - delta) (selected in the band's edge tiles and
-the sequence's last one: P may be inf outside the band, and V rows past n_k make dP NaN), dQ += dS K.
-The last K tile's rows past n_k are zeroed in shared memory first (dS is 0 there, K maybe NaN).
+dq (`attention_bwd_dq_kernel`): the forward's structure, persistent as the forward is (one program per
+SM taking blocks of 128 queries of one (sequence, head) from a counter the launch zeroes, handed to the
+consumers through a 2-slot ring in shared memory; see kernels/hopper.py). Per block the producer loads
+the two warpgroups' Q and dO tiles (64 rows each, once the last block's are free), then K_j, V_j of
+BLOCK_N keys (the block's band, `common._key_ranges`) into the ring, which runs on from block to block;
+per key tile each consumer computes S = Q K^T and dP = dO V^T (async), P, dS = P S' (dP - delta) (selected
+in the band's edge tiles and the sequence's last one: P may be inf outside the band, and V rows past n_k
+make dP NaN), dQ += dS K. The last K tile's rows past n_k are zeroed in shared memory first (dS is 0
+there, K maybe NaN).
 
 The options cost nothing when off (constexpr branches): without a window, the tile ranges and the
 dk/dv programs' mask test are those of plain and causal attention alone.
 
-Both grids are one axis of (sequence or zero fill, head, slot), as the Hopper forward's: each sequence's
-slots are its blocks and one program zeroing its tokens past the maximum length; the extra "sequence"
-`batch` zeroes, in chunks of PARAM_HOPPER_BWD_FILL_CHUNK tokens per slot, the tokens no sequence covers
-(any offsets content; stores masked, TMA clips). So dq, dk, dv need no memset. The fills never reach
-the attention code (see kernels/__init__.py on ptxas 12.8).
+The dk/dv grid is one axis of (sequence or zero fill, kv head, slot): each sequence's slots are its
+blocks and one program zeroing its tokens past the maximum length; the extra "sequence" `batch` zeroes,
+in chunks of PARAM_HOPPER_BWD_FILL_CHUNK tokens per slot, the tokens no sequence covers (any offsets
+content; stores masked, TMA clips). Those fills never reach the attention code (see kernels/__init__.py
+on ptxas 12.8). The persistent dq programs share out the same fills of dq before they take their
+blocks. So dq, dk, dv need no memset.
 
 These are the `dkdv base+ld` and `dq base+bn128` variants of the probe kept in
 benchmarks/results/profile/2026-12-01d_gluon_backward_probe.md (self-attention, outputs pre-zeroed),
@@ -77,9 +81,13 @@ from .hopper import (
     PARAM_Q_HEAD_STRIDE,
     PARAM_Q_TOKEN_STRIDE,
     PARAM_Q_TOKENS,
+    _block,
     _capped_biased,
+    _fetch,
+    _hand_out,
     _program,
     _publish,
+    _receive,
     _tile_origin,
     _tma_load,
     _zero_rows,
@@ -355,16 +363,18 @@ def _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv
 
 
 @gluon.jit
-def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar, lse_ptr, delta_ptr, dq_ptr,
-                 q_tokens, q_start, n_q, n_k, key_first, key_end, slope, start_m, head, q_token_stride,
-                 q_head_stride, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-                 SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr,
-                 DS_SCALE: gl.constexpr, WG: gl.constexpr):
-    """One consumer warpgroup: dQ of queries start_m + 64 WG + [0, 64) over the key tiles from key_first
-    to key_end (the block's band, as the producer loads them), stored (rows < n_q) at the end. A tile is
-    masked unless every query of this warpgroup's sees every key of it (the band's edges, the sequence's
-    last tile)."""
+def _dq_consume(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar, lse_ptr, delta_ptr,
+                dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, slope, start_m, head, q_token_stride,
+                q_head_stride, t, qp, tails, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr,
+                DS_SCALE: gl.constexpr, WG: gl.constexpr):
+    """One consumer warpgroup's work for one query block: dQ of queries start_m + 64 WG + [0, 64) over
+    the key tiles from key_first to key_end (the block's band, as the producer loads them from ring
+    position t; the Q and dO tiles' barrier at phase qp), stored (rows < n_q) at the end. A tile is
+    masked unless every query of this warpgroup's sees every key of it (the band's edges, the
+    sequence's last tile). Returns the count of tail hand-overs (tail_bar's uses) after this block's:
+    `tails` before it."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -388,21 +398,23 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar,
     # This warpgroup's clean key blocks (every key of them seen by every one of its queries, < n_k).
     _, clean_start, clean_end, _ = _key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, WINDOW_LEFT,
                                                WINDOW_RIGHT)
-    mbarrier.wait(q_bar.index(WG), 0)  # always: the load must land before the program may end
+    # The block's last K tile runs past n_k: warpgroup 0 zeroes its rows there and hands it over.
+    has_tail = (num_key_blocks > 0) & (key_first + num_key_blocks * BLOCK_N > n_k)
+    mbarrier.wait(q_bar.index(WG), qp)  # always: the load must land before the program may end
     for j in range(num_key_blocks):
-        slot = j % STAGES
+        slot = (t + j) % STAGES
         key_start = key_first + j * BLOCK_N
-        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(ready.index(slot), ((t + j) // STAGES) & 1)
         k = k_smem.index(slot)
         v = v_smem.index(slot)
-        if (j == num_key_blocks - 1) & (key_start + BLOCK_N > n_k):
+        if (j == num_key_blocks - 1) & has_tail:
             # K rows past n_k (other tokens, maybe NaN): zeroed before dS K reads them.
             if WG == 0:
                 _zero_rows(k, n_k - key_start, BLOCK_N)
                 _publish()
                 mbarrier.arrive(tail_bar, count=1)
             else:
-                mbarrier.wait(tail_bar, 0)
+                mbarrier.wait(tail_bar, tails & 1)
         s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
@@ -427,21 +439,29 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar,
         dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
         dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
         mbarrier.arrive(empty.index(slot), count=1)
+    # This warpgroup's Q and dO tiles are free for the next block's (warpgroup 1 only now, past its wait
+    # for the hand-over: the producer loads the next block's keys after both tiles, so warpgroup 0
+    # cannot hand a next tail over, a second phase of tail_bar, before this one has seen the first).
+    mbarrier.arrive(q_free.index(WG), count=1)
     _store_rows(dq_ptr, dq, q_start, row0, n_q, head, DS_SCALE, q_token_stride, q_head_stride, D, acc_layout)
+    return tails + has_tail.to(gl.int32)
 
 
 @gluon.jit
-def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
-                 q_row, q_col, kv_row, kv_col, num_key_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The 1-warp load partition: both warpgroups' Q and dO tiles once, then K_j, V_j (from kv_row: the
-    band's first key block) into the ring as slots free."""
+def _dq_produce(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty,
+                q_row, q_col, kv_row, kv_col, num_key_blocks, t, qp, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr):
+    """The 1-warp load partition's work for one query block: both warpgroups' Q and dO tiles (once the
+    consumers have freed the last block's, q_free's phase qp ^ 1), then K_j, V_j (from kv_row: the
+    band's first key block) into the ring from its position t as slots free."""
     for w in gl.static_range(2):
+        mbarrier.wait(q_free.index(w), qp ^ 1)  # fresh barriers: phase 1 counts as complete
         mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row + w * CONSUMER_ROWS, q_col], q_bar.index(w), q_smem.index(w))
         _tma_load(do_desc, [q_row + w * CONSUMER_ROWS, q_col], q_bar.index(w), do_smem.index(w))
     for j in range(num_key_blocks):
-        slot = j % STAGES
-        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        slot = (t + j) % STAGES
+        mbarrier.wait(empty.index(slot), (((t + j) // STAGES) & 1) ^ 1)
         bar = ready.index(slot)
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         _tma_load(k_desc, [kv_row + j * BLOCK_N, kv_col], bar, k_smem.index(slot))
@@ -449,94 +469,161 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
 
 
 @gluon.jit
+def _dq_producer_loop(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready,
+                      empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr, kv_offsets_ptr,
+                      params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                      NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+                      KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                      WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr):
+    """The load partition: the query blocks `_fetch` takes from the counter (as the Hopper forward's
+    producer), each handed out to the consumers and then `_dq_produce`d, the ring's position and the
+    query tiles' phase running on; then `end`, which ends the consumers."""
+    kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
+    kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
+    t = 0
+    count = 0
+    i = 0
+    item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+    while item < end:
+        _hand_out(items, item_full, item_empty, i, item)
+        _, head, q_start, _, kv_start, _, start_m, key_first, _, num_key_blocks = _block(
+            q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
+            KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+        q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
+        kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
+        _dq_produce(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready,
+                    empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, t, count & 1, BLOCK_N,
+                    STAGES)
+        t += num_key_blocks
+        count += 1
+        i += 1
+        item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+    _hand_out(items, item_full, item_empty, i, end)
+
+
+@gluon.jit
+def _dq_consumer_loop(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar, items,
+                      item_full, item_empty, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr,
+                      slopes_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                      NUM_HEADS: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+                      KV_MAX_LEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                      WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                      QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr, WG: gl.constexpr):
+    """A consumer warpgroup: `_dq_consume` for the query blocks `_dq_producer_loop` hands out, until
+    `end`."""
+    t = 0
+    count = 0
+    tails = 0
+    i = 0
+    item = _receive(items, item_full, item_empty, i)
+    while item < end:
+        _, head, q_start, n_q, _, n_k, start_m, key_first, key_end, num_key_blocks = _block(
+            q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
+            KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+        if ALIBI:  # slopes [1, H] in units of the unscaled scores
+            slope = gl.load(slopes_ptr + head)
+        else:
+            slope = 0.0
+        tails = _dq_consume(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar, lse_ptr,
+                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, slope,
+                            start_m, head, q_token_stride, q_head_stride, t, count & 1, tails, D, BLOCK_N,
+                            STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE,
+                            WG)
+        t += num_key_blocks
+        count += 1
+        i += 1
+        item = _receive(items, item_full, item_empty, i)
+
+
+@gluon.jit
 def attention_bwd_dq_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
-    params_ptr, dq_ptr,
+    params_ptr, dq_ptr, counter_ptr,
     NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
     KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
     FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """dq of one block of BLOCK_M (= 128, two warpgroups') queries of one (sequence, head), or a zero
-    fill of dq, on a one-axis grid of (sequence or fill, head, slot): a sequence's slots are its query
-    blocks, the last first (the costliest under causal), then (last slot) the program zeroing its tokens
-    past Q_MAX_LEN; the fill "sequence" `batch` zeroes the tokens no sequence covers. Every row of dq
-    (q's strides) is written."""
-    sequence, head, slot, slots = _program(params_ptr, PARAM_HOPPER_BWD_BLOCKS, NUM_HEADS)
+    """dq on a persistent grid (one program per SM), as the Hopper forward: each program first does its
+    share of the zero fills of dq (fill i, i + programs, ...: per (sequence, head) the tokens past
+    Q_MAX_LEN, then per head the PARAM_HOPPER_BWD_FILL_CHUNK chunks of the tokens no sequence covers),
+    then takes query blocks of BLOCK_M (= 128, two warpgroups') queries from the counter at counter_ptr
+    (zeroed by the launcher), each (sequence, head)'s blocks adjacent and the last first (the costliest
+    under causal), until none is left. Every row of dq (q's strides) is written."""
     batch = gl.load(params_ptr + PARAM_BATCH)
     q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
     q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
     q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
-    if sequence == batch:
-        _zero_uncovered(dq_ptr, dq_ptr, q_offsets_ptr, batch, head, slot,
-                        gl.load(params_ptr + PARAM_HOPPER_BWD_FILL_CHUNK), q_tokens, q_token_stride,
-                        q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
-    elif slot == slots - 1:
-        _zero_tail(dq_ptr, dq_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride, q_head_stride,
-                   Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
-    else:
-        _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
-            params_ptr, dq_ptr, sequence, head, slots - 2 - slot, q_tokens, q_token_stride, q_head_stride,
-            KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE,
-            DS_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS)
+    blocks = gl.load(params_ptr + PARAM_HOPPER_BWD_BLOCKS)
+    fill_chunk = gl.load(params_ptr + PARAM_HOPPER_BWD_FILL_CHUNK)
+    for fill in range(gl.program_id(0), (batch + blocks + 1) * NUM_HEADS, gl.num_programs(0)):
+        sequence = fill // NUM_HEADS
+        head = fill % NUM_HEADS
+        if sequence < batch:
+            _zero_tail(dq_ptr, dq_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride, q_head_stride,
+                       Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
+        else:  # chunk sequence - batch of the uncovered tokens
+            _zero_uncovered(dq_ptr, dq_ptr, q_offsets_ptr, batch, head, sequence - batch, fill_chunk,
+                            q_tokens, q_token_stride, q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
+    _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+        params_ptr, dq_ptr, counter_ptr, batch * NUM_HEADS * blocks, blocks, q_tokens, q_token_stride,
+        q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+        SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN, CONSUMER_REGS,
+        PRODUCER_REGS)
 
 
 @gluon.jit
 def _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
-        params_ptr, dq_ptr, sequence, head, block, q_tokens, q_token_stride, q_head_stride,
-        KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr,
-        CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-        ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr):
-    """Query block `block` of (sequence, head): the warp-specialized dq (rows < n_q only)."""
-    q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
-    start_m = block * BLOCK_M
-    if start_m < n_q:
-        kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
-        kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
-        kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
-        kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
-        q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
-        kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
-        # The key blocks some query of the block sees (its band): the producer loads, both consumers
-        # visit, exactly those.
-        key_first, _, _, key_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT,
-                                               WINDOW_RIGHT)
-        num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
-        if ALIBI:  # slopes [1, H] in units of the unscaled scores
-            slope = gl.load(slopes_ptr + head)
-        else:
-            slope = 0.0
+        params_ptr, dq_ptr, counter_ptr, end, blocks, q_tokens, q_token_stride, q_head_stride,
+        NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+        KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+        WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr,
+        DS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        STRIDE_ALIGN: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """The query blocks taken from the counter (items < end, see hopper._block): the warp-specialized
+    dq (rows < n_q only), its shared memory and barriers set up once."""
+    kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    item_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(2):
+        mbarrier.init(q_bar.index(w), count=1)
+        mbarrier.init(q_free.index(w), count=1)
+        mbarrier.init(item_full.index(w), count=1)
+        mbarrier.init(item_empty.index(w), count=2)  # one arrival per consumer
+    mbarrier.init(tail_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    fence_async_shared()
 
-        dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for w in gl.static_range(2):
-            mbarrier.init(q_bar.index(w), count=1)
-        mbarrier.init(tail_bar, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)
-        fence_async_shared()
-
-        gl.warp_specialize([
-            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar, lse_ptr,
-                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, slope,
-                            start_m, head, q_token_stride, q_head_stride, D, BLOCK_N, STAGES, CAUSAL,
-                            WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, 0)),
-            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, tail_bar, lse_ptr,
-                            delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, slope,
-                            start_m, head, q_token_stride, q_head_stride, D, BLOCK_N, STAGES, CAUSAL,
-                            WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, 1)),
-            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready,
-                            empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, BLOCK_N,
-                            STAGES)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_dq_consumer_loop, (q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar, items,
+                             item_full, item_empty, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr,
+                             slopes_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                             NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                             WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, 0)),
+        (_dq_consumer_loop, (q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar, items,
+                             item_full, item_empty, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr,
+                             slopes_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                             NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                             WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, 1)),
+        (_dq_producer_loop, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free,
+                             ready, empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr,
+                             kv_offsets_ptr, params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride,
+                             q_head_stride, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
+                             WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -95,7 +95,7 @@ class Problem:
     forward_kernel: str = "portable"
     # The same for the backward (kernels/hopper_backward.py), chosen on its own (launch/hopper.py).
     backward_kernel: str = "portable"
-    # The Hopper forward's persistent grid: one program per SM of the device (launch/hopper.py).
+    # The persistent grid of the Hopper forward and dq: one program per SM of the device (launch/hopper.py).
     hopper_programs: int = HOPPER_SMS
 
     # -- shapes ------------------------------------------------------------------------------------
@@ -418,8 +418,9 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
 
 def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, lse, delta, do, slopes=None):
     """The Hopper backward (kernels/hopper_backward.py): a dk/dv launch (per (sequence or zero fill, kv
-    head): the key blocks of 128, then a tail-zeroing program) and a dq launch (per (sequence or fill,
-    head): the query blocks of 128, then a tail-zeroing program), each on one axis, q, do, k, v as TMA
+    head): the key blocks of 128, then a tail-zeroing program, on one axis) and a dq launch (a persistent
+    grid, as the Hopper forward's: p.hopper_programs programs taking the query blocks of 128 from a
+    counter the launch zeroes), q, do, k, v as TMA
     descriptors over the forward's 2-D views, and the window, soft cap and ALiBi slopes as the forward
     takes them (see `_hopper_forward`)."""
     tiles = p.hopper_tiles
@@ -447,8 +448,10 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
     dk, dv = run(dkdv_call, (*arrays, _params(dkdv_call)))
     blocks = p.blocks(dq.block_m, p.q_tokens, p.max_seq_len)
     dq_call = KernelCall(
-        kernels.hopper_attention_bwd_dq_kernel, grid=((p.batch + 1) * p.num_heads * (blocks + 1),),
-        out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),),
+        kernels.hopper_attention_bwd_dq_kernel, grid=(p.hopper_programs,),
+        out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
+                    jax.ShapeDtypeStruct((1,), jnp.int32)),  # the programs' counter of query blocks
+        zeroed_outputs=(1,),
         params=_pack({**params, param.HOPPER_BWD_BLOCKS: blocks,
                       param.HOPPER_BWD_FILL_CHUNK: _fill_chunk(p.q_tokens, blocks + 1)}),
         constants=dict(shared, NUM_HEADS=p.num_heads, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n,
@@ -456,7 +459,7 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
         num_warps=dq.num_warps, num_stages=1, max_registers=dq.max_registers,
         descriptors=((0, (dq.block_m // 2, p.head_dim)), (1, (dq.block_m // 2, p.head_dim)),
                      (2, (dq.block_n, p.head_dim)), (3, (dq.block_n, p.head_dim))))
-    (dq_out,) = run(dq_call, (*arrays, _params(dq_call)))
+    dq_out, _ = run(dq_call, (*arrays, _params(dq_call)))
     return dq_out, dk, dv
 
 

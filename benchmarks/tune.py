@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 
-import jax.numpy as jnp
-
 from jagged_flash_jax import configs
 
 from . import impls, run
@@ -45,7 +43,7 @@ TUNE_CASES = "long,rec-long,L4096-D256,L4096-D64,rec-mid,rec-small"  # one per e
 def tile_jobs(case, dtype: str, backend: str, candidates: dict | None = None) -> list[tuple]:
     """benchmarks.run jobs, one per candidate (CANDIDATES' for the case, or `candidates`, of the form of
     one CANDIDATES value); the impl label holds the tiles tried."""
-    bits = 16 if jnp.dtype(dtype).itemsize <= 2 else 32
+    bits = configs.table_bits(dtype)
     table = candidates or next((v for (b, d), v in sorted(CANDIDATES.items())
                                 if b == bits and d >= case.head_dim), {})
     tries = [("fwd", dict(fwd=t)) for t in table.get("fwd", [])]

@@ -239,6 +239,11 @@ def current_gpu() -> str:
         return FALLBACK_GPU
 
 
+def table_bits(dtype) -> int:
+    """The entries' `bits` for inputs of `dtype`: 16 for 16-bit floats, 32 for float32."""
+    return 16 if np.dtype(dtype).itemsize <= 2 else 32
+
+
 def table_key(head_dim: int, dtype, max_seq_len: int, gpu: str | None = None, table: dict | None = None,
               kernels: str = "portable") -> TableKey | None:
     """The entry a problem takes: the GPU's own entries of the kernel family, else FALLBACK_GPU's, for
@@ -246,7 +251,7 @@ def table_key(head_dim: int, dtype, max_seq_len: int, gpu: str | None = None, ta
     shortest max_seq_len bucket that covers max_seq_len (the longest for longer ones). None when no entry
     covers head_dim."""
     table = BUILTIN_TABLE if table is None else table
-    bits = 16 if np.dtype(dtype).itemsize <= 2 else 32
+    bits = table_bits(dtype)
     block_d = head_block(head_dim)
     for name in dict.fromkeys((gpu or current_gpu(), FALLBACK_GPU)):
         family = (name, kernels, bits)

@@ -24,6 +24,7 @@ from ..configs import (
     band_width,
     hopper_block_sizes,
     hopper_head_dims,
+    table_bits,
 )
 from .plan import Problem
 
@@ -95,7 +96,7 @@ def _tiles_reason(p: Problem, dtype, *kernels: str) -> str | None:
     tiles = p.hopper_tiles
     if tiles is not None and None not in (getattr(tiles, kernel) for kernel in kernels):
         return None
-    if np.dtype(dtype).itemsize * 8 != HOPPER_BITS:
+    if table_bits(dtype) != HOPPER_BITS:
         return f"{np.dtype(dtype).name} inputs (the Hopper kernels take {HOPPER_BITS}-bit inputs only)"
     return (f"head dimension {p.head_dim} (the tile table has Hopper {'/'.join(kernels)} tiles at head "
             f"dimensions {hopper_head_dims(*kernels)})")

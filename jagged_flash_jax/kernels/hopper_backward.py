@@ -90,6 +90,7 @@ from .hopper import (
     _receive,
     _tile_origin,
     _tma_load,
+    _zero_fills,
     _zero_rows,
     _zero_tail,
     _zero_uncovered,
@@ -484,7 +485,8 @@ def _dq_producer_loop(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, 
     t = 0
     count = 0
     i = 0
-    item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+    item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
+                  LAST_FIRST=True)
     while item < end:
         _hand_out(items, item_full, item_empty, i, item)
         _, head, q_start, _, kv_start, _, start_m, key_first, _, num_key_blocks = _block(
@@ -498,7 +500,8 @@ def _dq_producer_loop(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, 
         t += num_key_blocks
         count += 1
         i += 1
-        item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+        item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
+                      LAST_FIRST=True)
     _hand_out(items, item_full, item_empty, i, end)
 
 
@@ -559,15 +562,8 @@ def attention_bwd_dq_kernel(
     q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
     blocks = gl.load(params_ptr + PARAM_HOPPER_BWD_BLOCKS)
     fill_chunk = gl.load(params_ptr + PARAM_HOPPER_BWD_FILL_CHUNK)
-    for fill in range(gl.program_id(0), (batch + blocks + 1) * NUM_HEADS, gl.num_programs(0)):
-        sequence = fill // NUM_HEADS
-        head = fill % NUM_HEADS
-        if sequence < batch:
-            _zero_tail(dq_ptr, dq_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride, q_head_stride,
-                       Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
-        else:  # chunk sequence - batch of the uncovered tokens
-            _zero_uncovered(dq_ptr, dq_ptr, q_offsets_ptr, batch, head, sequence - batch, fill_chunk,
-                            q_tokens, q_token_stride, q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
+    _zero_fills(dq_ptr, dq_ptr, q_offsets_ptr, batch, blocks, fill_chunk, q_tokens, q_token_stride, q_head_stride,
+                NUM_HEADS, Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
     _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
         params_ptr, dq_ptr, counter_ptr, batch * NUM_HEADS * blocks, blocks, q_tokens, q_token_stride,
         q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,

@@ -192,8 +192,8 @@ def _zero_fills(o_ptr, lse_ptr, offsets_ptr, batch, blocks, fill_chunk, num_toke
             _zero_tail(o_ptr, lse_ptr, offsets_ptr, sequence, head, num_tokens, token_stride, head_stride,
                        MAX_LEN, D, BLOCK, SECOND)
         else:  # chunk sequence - batch of the uncovered tokens
-            _zero_uncovered(o_ptr, lse_ptr, offsets_ptr, batch, head, sequence - batch, fill_chunk, num_tokens,
-                            token_stride, head_stride, MAX_LEN, D, BLOCK, SECOND)
+            _zero_uncovered(o_ptr, lse_ptr, offsets_ptr, batch, head, sequence - batch, fill_chunk,
+                            num_tokens, token_stride, head_stride, MAX_LEN, D, BLOCK, SECOND)
 
 
 @gluon.jit
@@ -280,15 +280,6 @@ def _publish():
     rows written before the mbarrier arrival that hands the tile to the other warpgroup."""
     fence_async_shared()
     _partition_barrier()
-
-
-@gluon.jit
-def _program(params_ptr, BLOCKS: gl.constexpr, NUM_HEADS: gl.constexpr):
-    """(sequence or fill, head, slot, slots) of a one-axis grid of params[BLOCKS] + 1 slots per (sequence
-    or fill, head), each (sequence or fill, head)'s slots adjacent."""
-    slots = gl.load(params_ptr + BLOCKS) + 1
-    pid = gl.program_id(0)
-    return pid // slots // NUM_HEADS, (pid // slots) % NUM_HEADS, pid % slots, slots
 
 
 @gluon.jit
@@ -513,8 +504,8 @@ def attention_fwd_kernel(
     q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
     blocks = gl.load(params_ptr + PARAM_HOPPER_FWD_BLOCKS)
     fill_chunk = gl.load(params_ptr + PARAM_HOPPER_FWD_FILL_CHUNK)
-    _zero_fills(o_ptr, lse_ptr, q_offsets_ptr, batch, blocks, fill_chunk, q_tokens, q_token_stride, q_head_stride,
-                NUM_HEADS, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
+    _zero_fills(o_ptr, lse_ptr, q_offsets_ptr, batch, blocks, fill_chunk, q_tokens, q_token_stride,
+                q_head_stride, NUM_HEADS, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
     _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr,
                lse_ptr, counter_ptr, batch * NUM_HEADS * blocks, blocks, q_tokens, kv_tokens, q_token_stride,
                q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,

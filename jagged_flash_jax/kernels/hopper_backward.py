@@ -18,20 +18,25 @@ i + n_k - n_q; causal, and a window of WINDOW_LEFT / WINDOW_RIGHT keys, -1 for n
 head // KV_GROUP). Every output element has one writer and there are no atomics: bitwise
 deterministic.
 
-dk/dv (`attention_bwd_dkdv_kernel`): one program per (sequence, kv head, block of 128 keys). A 1-warp
-producer partition loads the block's K and V once (two halves of 64 rows), then streams the Q and dO
-tiles of BLOCK_M queries that see a key of the block (of each of the KV_GROUP query heads in turn; under
-causal from the first such tile, and a window bounds them on both sides, common._query_ranges: the
-cost grows with the window, not with n_q) into a STAGES-deep ring (ready / empty mbarriers, the empty
-ones counting 2). Two consumer warpgroups (the default partition and a worker, setmaxnreg CONSUMER_REGS /
-PRODUCER_REGS) own 64 key rows each, dK and dV in float32 registers. Per query tile: S^T = K Q^T and
-dP^T = V dO^T issued together; P^T = exp2((S^T - lse) * QK_SCALE) while dP^T is in flight (masked,
-by a select, in the tiles where some query of the tile misses some key of the warpgroup's or is past
-n_q: the band's edges and the sequence's last tile); dV += P^T dO (async); dS^T = P^T S'^T (dP^T -
-delta); dK += dS^T Q; wait; release the slot. A tile's rows past n_q are other tokens (maybe NaN, and
-0 * NaN is NaN in the products): warpgroup 0 zeroes them in Q and dO in shared memory and signals
-warpgroup 1 through the slot's tail mbarrier, and P^T, dS^T are masked there. Rows of K and V past n_k
-only reach their own rows of dK and dV, which are not stored.
+dk/dv (`attention_bwd_dkdv_kernel`): persistent as the forward is (one program per SM taking blocks of
+128 keys of one (sequence, kv head) from a counter the launch zeroes, each (sequence, kv head)'s blocks
+adjacent and the first first, handed to the consumers through a 2-slot ring in shared memory; see
+kernels/hopper.py). Per block a 1-warp producer partition loads the block's K and V (two halves of 64
+rows, once both consumers are done with the last block's: the kv_free mbarrier), then streams the Q and
+dO tiles of BLOCK_M queries that see a key of the block (of each of the KV_GROUP query heads in turn;
+under causal from the first such tile, and a window bounds them on both sides, common._query_ranges:
+the cost grows with the window, not with n_q) into a STAGES-deep ring (ready / empty mbarriers, the
+empty ones counting 2) that runs on from block to block. Two consumer warpgroups (the default partition
+and a worker, setmaxnreg CONSUMER_REGS / PRODUCER_REGS) own 64 key rows each, dK and dV in float32
+registers, zeroed per block. Per query tile: S^T = K Q^T and dP^T = V dO^T issued together; P^T =
+exp2((S^T - lse) * QK_SCALE) while dP^T is in flight (masked, by a select, in the tiles where some
+query of the tile misses some key of the warpgroup's or is past n_q: the band's edges and the
+sequence's last tile); dV += P^T dO (async); dS^T = P^T S'^T (dP^T - delta); dK += dS^T Q; wait;
+release the slot. A tile's rows past n_q are other tokens (maybe NaN, and 0 * NaN is NaN in the
+products): warpgroup 0 zeroes them in Q and dO in shared memory and signals warpgroup 1 through the
+slot's tail mbarrier, and P^T, dS^T are masked there. Rows of K and V past n_k only reach their own
+rows of dK and dV, which are not stored. A block that no query sees (n_q = 0, or outside a window) is a
+block too: its rows < n_k are stored as zeros.
 
 dq (`attention_bwd_dq_kernel`): the forward's structure, persistent as the forward is (one program per
 SM taking blocks of 128 queries of one (sequence, head) from a counter the launch zeroes, handed to the
@@ -46,12 +51,10 @@ there, K maybe NaN).
 The options cost nothing when off (constexpr branches): without a window, the tile ranges and the
 dk/dv programs' mask test are those of plain and causal attention alone.
 
-The dk/dv grid is one axis of (sequence or zero fill, kv head, slot): each sequence's slots are its
-blocks and one program zeroing its tokens past the maximum length; the extra "sequence" `batch` zeroes,
-in chunks of PARAM_HOPPER_BWD_FILL_CHUNK tokens per slot, the tokens no sequence covers (any offsets
-content; stores masked, TMA clips). Those fills never reach the attention code (see kernels/__init__.py
-on ptxas 12.8). The persistent dq programs share out the same fills of dq before they take their
-blocks. So dq, dk, dv need no memset.
+Both kernels' programs first share out the zero fills of their outputs (as the forward's: per (sequence,
+head) the tokens past the maximum length, then per head, in chunks of PARAM_HOPPER_BWD_FILL_CHUNK tokens,
+those no sequence covers, any offsets content; stores masked, TMA clips), then take their blocks. So dq,
+dk, dv need no memset.
 
 These are the `dkdv base+ld` and `dq base+bn128` variants of the probe kept in
 benchmarks/results/profile/2026-12-01d_gluon_backward_probe.md (self-attention, outputs pre-zeroed),

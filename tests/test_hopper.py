@@ -663,6 +663,7 @@ def test_backward_on_few_programs(case, layout, programs, backward_kernels, monk
     monkeypatch.setattr(hopper_launch, "device_sms", lambda: programs)
     check_backward(case, layout, "bf16", backward_kernels)
 
+
 @pytest.mark.gpu
 def test_the_override_runs_the_portable_backward(backward_kernels, monkeypatch):
     """$JAGGED_FLASH_JAX_BACKWARD=portable: the portable backward (the spy sees no Hopper launch)."""

@@ -652,6 +652,19 @@ def test_backward_float16(backward_kernels):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("case,layout", [("cross-D64-gqa", "THD"), ("cross-window-right-gqa", "HTD"),
+                                         ("cross-causal-all-options-gqa", "THD")], ids=str)
+def test_backward_on_few_programs(case, layout, programs, backward_kernels, monkeypatch):
+    """Few persistent programs, each taking many blocks of both kernels in turn: the barriers' phases
+    running on from block to block (dk/dv: K and V reloaded behind kv_free, the Q/dO ring and its tail
+    barriers; dq: the Q tiles behind q_free, the K/V ring), and key blocks that no query sees (their dk,
+    dv zeros) between the others."""
+    monkeypatch.setattr(hopper_launch, "device_sms", lambda: programs)
+    check_backward(case, layout, "bf16", backward_kernels)
+
+
+@pytest.mark.gpu
 def test_the_override_runs_the_portable_backward(backward_kernels, monkeypatch):
     """$JAGGED_FLASH_JAX_BACKWARD=portable: the portable backward (the spy sees no Hopper launch)."""
     monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "portable")

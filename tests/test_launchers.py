@@ -849,27 +849,40 @@ def test_why_the_forward_is_portable_comes_from_the_active_table(hopper_gpu, tmp
     assert p.forward_kernel == ("hopper" if want is None else "portable")
 
 
-def test_the_hopper_launch_zeroes_its_own_outputs():
-    """The plan's Hopper launch, recorded: o and the log-sum-exp are the kernel's outputs, no input
-    (the kernel writes 0 and +inf where it computes nothing), and the counter it takes query blocks
-    from the one zeroed output; its grid is the problem's persistent programs, a batch of no sequence
-    included, whose programs still zero every token (the fills' chunks: the blocks' count plus one)."""
+def _recorder():
+    """([(KernelCall, arrays)], a plan Runner that records each call there and returns zeros of its
+    outputs)."""
     calls = []
 
     def run(call, arrays):
         calls.append((call, arrays))
         return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
 
+    return calls, run
+
+
+def _hopper_problem(batch: int, **fields) -> plan.Problem:
+    """A Problem of one segment of "THD" tokens on the triton backend, 7 persistent Hopper programs."""
+    return plan.Problem(batch=batch, layout="THD", num_segments=1, q_offsets_rows=1, kv_offsets_rows=1,
+                        scale=0.1, out_scale=0.5, input_precision="tf32",
+                        block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", hopper_programs=7,
+                        **fields)
+
+
+def test_the_hopper_launch_zeroes_its_own_outputs():
+    """The plan's Hopper launch, recorded: o and the log-sum-exp are the kernel's outputs, no input
+    (the kernel writes 0 and +inf where it computes nothing), and the counter it takes query blocks
+    from the one zeroed output; its grid is the problem's persistent programs, a batch of no sequence
+    included, whose programs still zero every token (the fills' chunks: the blocks' count plus one)."""
+    calls, run = _recorder()
     q = jnp.ones((300, 4, 256), jnp.float16)
-    base = dict(layout="THD", num_heads=4, num_kv_heads=4, head_dim=256, num_segments=1, q_tokens=300,
-                kv_tokens=300, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=260, kv_max_seq_len=300,
-                causal=False, scale=0.1, out_scale=0.5, input_precision="tf32",
-                block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", forward_kernel="hopper",
-                hopper_tiles=configs.hopper_block_sizes(256, jnp.float16, 260, 300), hopper_programs=7)
+    fields = dict(num_heads=4, num_kv_heads=4, head_dim=256, q_tokens=300, kv_tokens=300, max_seq_len=260,
+                  kv_max_seq_len=300, causal=False, forward_kernel="hopper",
+                  hopper_tiles=configs.hopper_block_sizes(256, jnp.float16, 260, 300))
     offsets = jnp.asarray([[0, 40, 300]], jnp.int32)
     for batch in (2, 0):
         calls.clear()
-        p = plan.Problem(batch=batch, **base)
+        p = _hopper_problem(batch, **fields)
         o, lse = plan.forward(run, p, q, q, q, offsets[:, :batch + 1], offsets[:, :batch + 1])
         (call, arrays), = calls
         assert call.grid == (7,) and call.zeroed_outputs == (2,) and call.out_shapes[2].shape == (1,)
@@ -878,6 +891,34 @@ def test_the_hopper_launch_zeroes_its_own_outputs():
         assert call.params[param.HOPPER_FWD_BLOCKS] == 3 and call.params[param.HOPPER_FWD_FILL_CHUNK] == 75
         assert [a.shape for a in arrays[3:]] == [(1, batch + 1), (1, batch + 1), (1,), (len(call.params),)]
         assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (1, 4, 300), jnp.float32)
+
+
+def test_the_hopper_backward_launches_zero_their_own_outputs():
+    """The plan's Hopper backward, recorded: dk, dv and dq are the kernels' outputs, and the counter
+    each launch takes its blocks from the one zeroed output; both grids are the problem's persistent
+    programs, a batch of no sequence included, whose programs still zero every token (the fills'
+    chunks: the blocks' count plus one, of the keys for dk/dv, of the queries for dq)."""
+    calls, run = _recorder()
+    q, kv = jnp.ones((300, 4, 128), jnp.bfloat16), jnp.ones((200, 2, 128), jnp.bfloat16)
+    lse = jnp.zeros((1, 4, 300), jnp.float32)
+    fields = dict(num_heads=4, num_kv_heads=2, head_dim=128, q_tokens=300, kv_tokens=200, max_seq_len=260,
+                  kv_max_seq_len=150, causal=True, backward_kernel="hopper",
+                  hopper_tiles=configs.hopper_block_sizes(128, jnp.bfloat16, 260, 150))
+    q_offsets, kv_offsets = jnp.asarray([[0, 40, 300]], jnp.int32), jnp.asarray([[0, 90, 200]], jnp.int32)
+    for batch in (2, 0):
+        calls.clear()
+        p = _hopper_problem(batch, **fields)
+        dq, dk, dv = plan.backward(run, p, q, kv, kv, q_offsets[:, :batch + 1], kv_offsets[:, :batch + 1],
+                                   q, lse, q)
+        _, (dkdv_call, _), (dq_call, _) = calls
+        for call, kernel, shape, tokens, blocks, zeroed in (
+                (dkdv_call, kernels.hopper_attention_bwd_dkdv_kernel, kv.shape, 200, 2, (2,)),
+                (dq_call, kernels.hopper_attention_bwd_dq_kernel, q.shape, 300, 3, (1,))):
+            assert call.kernel is kernel and call.grid == (7,) and call.zeroed_outputs == zeroed
+            assert [s.shape for s in call.out_shapes] == [shape] * (len(call.out_shapes) - 1) + [(1,)]
+            chunk = call.params[param.HOPPER_BWD_FILL_CHUNK]
+            assert call.params[param.HOPPER_BWD_BLOCKS] == blocks and chunk == -(-tokens // (blocks + 1))
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv.shape, kv.shape)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1023,12 +1064,12 @@ def test_vmap_keeps_the_hopper_backward_only_with_one_segment(hopper_backward_gp
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
 def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layout):
     """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 600, kv_max_seq_len 30,
-    causal, FBGEMM-like out_scale: after the preprocess, a dk/dv launch of 3 x 2 x 2 programs ((sequences
-    and the zero fill) x kv heads x (128-key blocks and the tail-zeroing slot)) and a dq launch on the
-    persistent grid (HOPPER_SMS programs: the fake device does not say its SMs; one 128-query block of
-    min(600, 40) tokens per (sequence, head), the fills' chunks one more), q, do, k, v as TMA
-    descriptors over 2-D views one token stride wide, the log-sum-exp and delta [1, H, 40], and the
-    outputs as the kernels' own (no pre-filled input; dq's counter of query blocks the one zeroed)."""
+    causal, FBGEMM-like out_scale: after the preprocess, a dk/dv launch and a dq launch, both on the
+    persistent grid (HOPPER_SMS programs: the fake device does not say its SMs; one 128-key block of
+    min(30, 50) tokens per (sequence, kv head), one 128-query block of min(600, 40) tokens per (sequence,
+    head), the fills' chunks one more), q, do, k, v as TMA descriptors over 2-D views one token stride
+    wide, the log-sum-exp and delta [1, H, 40], and the outputs as the kernels' own (no pre-filled input;
+    each launch's counter of blocks the one zeroed)."""
     from triton.experimental.gluon import language as gl
 
     bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
@@ -1043,14 +1084,14 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
     views = ((40, 512), (50, 256)) if layout == "THD" else ((160, 128), (100, 128))
     strides = (32, 8, 16, 8) if layout == "THD" else (8, 320, 8, 400)
     for call, kernel, grid, blocks, params, outputs, zeroed in (
-            (dkdv, kernels.hopper_attention_bwd_dkdv_kernel, 3 * 2 * 2, ((64, 128), (64, 128)), (1, 25),
-             (_sds(kv_shape, bf16), _sds(kv_shape, bf16)), None),
+            (dkdv, kernels.hopper_attention_bwd_dkdv_kernel, configs.HOPPER_SMS, ((64, 128), (64, 128)),
+             (1, 25), (_sds(kv_shape, bf16), _sds(kv_shape, bf16), _sds((1,), i32)), (2,)),
             (dq, kernels.hopper_attention_bwd_dq_kernel, configs.HOPPER_SMS, ((64, 128), (128, 128)), (1, 20),
              (_sds(q_shape, bf16), _sds((1,), i32)), (1,))):
         call = dict(call)
         assert call.pop("kernel") is kernel
         assert call.pop("grid") == (grid,)
-        assert call.pop("zeroed_outputs", None) == zeroed
+        assert call.pop("zeroed_outputs") == zeroed
         args = call.pop("args")
         for desc, view, block in zip(args[:4], (views[0], views[0], views[1], views[1]),
                                      (blocks[0], blocks[0], blocks[1], blocks[1])):

@@ -178,6 +178,25 @@ def _zero_uncovered(o_ptr, lse_ptr, offsets_ptr, batch, head, chunk, fill_chunk,
 
 
 @gluon.jit
+def _zero_fills(o_ptr, lse_ptr, offsets_ptr, batch, blocks, fill_chunk, num_tokens, token_stride, head_stride,
+                NUM_HEADS: gl.constexpr, MAX_LEN: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr,
+                SECOND: gl.constexpr):
+    """A persistent program's share of the zero fills (fill i, i + programs, ...), before its blocks:
+    per (sequence, head) `_zero_tail`, then per head the blocks + 1 chunks of fill_chunk tokens of
+    `_zero_uncovered` (fill_chunk * (blocks + 1) >= num_tokens). Plain stores of the default partition's
+    4 warps, before the partitions start."""
+    for fill in range(gl.program_id(0), (batch + blocks + 1) * NUM_HEADS, gl.num_programs(0)):
+        sequence = fill // NUM_HEADS
+        head = fill % NUM_HEADS
+        if sequence < batch:
+            _zero_tail(o_ptr, lse_ptr, offsets_ptr, sequence, head, num_tokens, token_stride, head_stride,
+                       MAX_LEN, D, BLOCK, SECOND)
+        else:  # chunk sequence - batch of the uncovered tokens
+            _zero_uncovered(o_ptr, lse_ptr, offsets_ptr, batch, head, sequence - batch, fill_chunk,
+                            num_tokens, token_stride, head_stride, MAX_LEN, D, BLOCK, SECOND)
+
+
+@gluon.jit
 def _tile_origin(first_token, head, token_stride, head_stride):
     """(row, column) of a sequence's first token of `head` in the descriptors' 2-D view (see the
     module's docstring), int32 as TMA takes them."""
@@ -261,15 +280,6 @@ def _publish():
     rows written before the mbarrier arrival that hands the tile to the other warpgroup."""
     fence_async_shared()
     _partition_barrier()
-
-
-@gluon.jit
-def _program(params_ptr, BLOCKS: gl.constexpr, NUM_HEADS: gl.constexpr):
-    """(sequence or fill, head, slot, slots) of a one-axis grid of params[BLOCKS] + 1 slots per (sequence
-    or fill, head), each (sequence or fill, head)'s slots adjacent."""
-    slots = gl.load(params_ptr + BLOCKS) + 1
-    pid = gl.program_id(0)
-    return pid // slots // NUM_HEADS, (pid // slots) % NUM_HEADS, pid % slots, slots
 
 
 @gluon.jit
@@ -494,16 +504,8 @@ def attention_fwd_kernel(
     q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
     blocks = gl.load(params_ptr + PARAM_HOPPER_FWD_BLOCKS)
     fill_chunk = gl.load(params_ptr + PARAM_HOPPER_FWD_FILL_CHUNK)
-    # The fills: plain stores of the default partition's 4 warps, before the partitions start.
-    for fill in range(gl.program_id(0), (batch + blocks + 1) * NUM_HEADS, gl.num_programs(0)):
-        sequence = fill // NUM_HEADS
-        head = fill % NUM_HEADS
-        if sequence < batch:
-            _zero_tail(o_ptr, lse_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride,
-                       q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
-        else:  # chunk sequence - batch of the uncovered tokens
-            _zero_uncovered(o_ptr, lse_ptr, q_offsets_ptr, batch, head, sequence - batch, fill_chunk,
-                            q_tokens, q_token_stride, q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
+    _zero_fills(o_ptr, lse_ptr, q_offsets_ptr, batch, blocks, fill_chunk, q_tokens, q_token_stride,
+                q_head_stride, NUM_HEADS, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
     _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr,
                lse_ptr, counter_ptr, batch * NUM_HEADS * blocks, blocks, q_tokens, kv_tokens, q_token_stride,
                q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
@@ -521,9 +523,7 @@ def _block(q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM
     num_key_blocks), the key blocks some query of the block sees (common._key_ranges, bottom-right
     aligned: the producer loads and both consumers visit exactly [key_first, key_end) in blocks of
     BLOCK_N); num_key_blocks is 0 for a block past the sequence's n_q (no work: skipped by all)."""
-    sequence = item // (NUM_HEADS * blocks)
-    head = (item // blocks) % NUM_HEADS
-    start_m = (blocks - 1 - item % blocks) * BLOCK_M
+    sequence, head, start_m = _item(item, blocks, NUM_HEADS, BLOCK_M, LAST_FIRST=True)
     q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
     kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
     key_first, _, _, key_end = _key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT,
@@ -533,30 +533,41 @@ def _block(q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM
 
 
 @gluon.jit
-def _no_queries(q_offsets_ptr, item, blocks, q_tokens, NUM_HEADS: gl.constexpr, Q_MAX_LEN: gl.constexpr,
-                BLOCK_M: gl.constexpr):
-    """Whether query block `item` (see `_block`) starts past its sequence's n_q."""
-    sequence = item // (NUM_HEADS * blocks)
-    start_m = (blocks - 1 - item % blocks) * BLOCK_M
-    _, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
-    return start_m >= n_q
+def _item(item, blocks, NUM_HEADS: gl.constexpr, BLOCK: gl.constexpr, LAST_FIRST: gl.constexpr):
+    """(sequence, head, start) of block `item` of the (sequence, head, block) items, each (sequence,
+    head)'s `blocks` blocks of BLOCK rows adjacent, the last first (LAST_FIRST: the query blocks, see
+    `_block`) or the first first: start the block's first row in its sequence."""
+    index = item % blocks
+    if LAST_FIRST:
+        index = blocks - 1 - index
+    return item // (NUM_HEADS * blocks), (item // blocks) % NUM_HEADS, index * BLOCK
 
 
 @gluon.jit
-def _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS: gl.constexpr,
-           Q_MAX_LEN: gl.constexpr, BLOCK_M: gl.constexpr):
-    """The next query block with queries from the launch's counter (zeroed by the launcher), or a
-    number >= end when none is left. A block's offsets are read only when it is one (< end): with no
-    sequence, offsets has one entry."""
+def _empty_block(offsets_ptr, item, blocks, num_tokens, NUM_HEADS: gl.constexpr, MAX_LEN: gl.constexpr,
+                 BLOCK: gl.constexpr, LAST_FIRST: gl.constexpr):
+    """Whether block `item` (see `_item`) starts at or past its sequence's length (n_q of a query
+    block, n_k of a key block: offsets, tokens and MAX_LEN theirs)."""
+    sequence, _, start = _item(item, blocks, NUM_HEADS, BLOCK, LAST_FIRST)
+    _, length = _bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
+    return start >= length
+
+
+@gluon.jit
+def _fetch(counter_ptr, offsets_ptr, end, blocks, num_tokens, NUM_HEADS: gl.constexpr, MAX_LEN: gl.constexpr,
+           BLOCK: gl.constexpr, LAST_FIRST: gl.constexpr):
+    """The next block with rows (see `_empty_block`) from the launch's counter (zeroed by the launcher),
+    or a number >= end when none is left. A block's offsets are read only when it is one (< end): with
+    no sequence, offsets has one entry."""
     item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
     skip = item < end
     if skip:
-        skip = _no_queries(q_offsets_ptr, item, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+        skip = _empty_block(offsets_ptr, item, blocks, num_tokens, NUM_HEADS, MAX_LEN, BLOCK, LAST_FIRST)
     while skip:
         item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
         skip = item < end
         if skip:
-            skip = _no_queries(q_offsets_ptr, item, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+            skip = _empty_block(offsets_ptr, item, blocks, num_tokens, NUM_HEADS, MAX_LEN, BLOCK, LAST_FIRST)
     return item
 
 
@@ -621,7 +632,8 @@ def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_fre
     t = 0
     count = 0
     i = 0
-    item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+    item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
+                  LAST_FIRST=True)
     while item < end:
         _hand_out(items, item_full, item_empty, i, item)
         t, count = _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
@@ -630,7 +642,8 @@ def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_fre
                                  kv_head_stride, t, count, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN,
                                  CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES)
         i += 1
-        item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+        item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
+                      LAST_FIRST=True)
     _hand_out(items, item_full, item_empty, i, end)
 
 

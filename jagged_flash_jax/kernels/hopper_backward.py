@@ -18,20 +18,25 @@ i + n_k - n_q; causal, and a window of WINDOW_LEFT / WINDOW_RIGHT keys, -1 for n
 head // KV_GROUP). Every output element has one writer and there are no atomics: bitwise
 deterministic.
 
-dk/dv (`attention_bwd_dkdv_kernel`): one program per (sequence, kv head, block of 128 keys). A 1-warp
-producer partition loads the block's K and V once (two halves of 64 rows), then streams the Q and dO
-tiles of BLOCK_M queries that see a key of the block (of each of the KV_GROUP query heads in turn; under
-causal from the first such tile, and a window bounds them on both sides, common._query_ranges: the
-cost grows with the window, not with n_q) into a STAGES-deep ring (ready / empty mbarriers, the empty
-ones counting 2). Two consumer warpgroups (the default partition and a worker, setmaxnreg CONSUMER_REGS /
-PRODUCER_REGS) own 64 key rows each, dK and dV in float32 registers. Per query tile: S^T = K Q^T and
-dP^T = V dO^T issued together; P^T = exp2((S^T - lse) * QK_SCALE) while dP^T is in flight (masked,
-by a select, in the tiles where some query of the tile misses some key of the warpgroup's or is past
-n_q: the band's edges and the sequence's last tile); dV += P^T dO (async); dS^T = P^T S'^T (dP^T -
-delta); dK += dS^T Q; wait; release the slot. A tile's rows past n_q are other tokens (maybe NaN, and
-0 * NaN is NaN in the products): warpgroup 0 zeroes them in Q and dO in shared memory and signals
-warpgroup 1 through the slot's tail mbarrier, and P^T, dS^T are masked there. Rows of K and V past n_k
-only reach their own rows of dK and dV, which are not stored.
+dk/dv (`attention_bwd_dkdv_kernel`): persistent as the forward is (one program per SM taking blocks of
+128 keys of one (sequence, kv head) from a counter the launch zeroes, each (sequence, kv head)'s blocks
+adjacent and the first first, handed to the consumers through a 2-slot ring in shared memory; see
+kernels/hopper.py). Per block a 1-warp producer partition loads the block's K and V (two halves of 64
+rows, once both consumers are done with the last block's: the kv_free mbarrier), then streams the Q and
+dO tiles of BLOCK_M queries that see a key of the block (of each of the KV_GROUP query heads in turn;
+under causal from the first such tile, and a window bounds them on both sides, common._query_ranges:
+the cost grows with the window, not with n_q) into a STAGES-deep ring (ready / empty mbarriers, the
+empty ones counting 2) that runs on from block to block. Two consumer warpgroups (the default partition
+and a worker, setmaxnreg CONSUMER_REGS / PRODUCER_REGS) own 64 key rows each, dK and dV in float32
+registers, zeroed per block. Per query tile: S^T = K Q^T and dP^T = V dO^T issued together; P^T =
+exp2((S^T - lse) * QK_SCALE) while dP^T is in flight (masked, by a select, in the tiles where some
+query of the tile misses some key of the warpgroup's or is past n_q: the band's edges and the
+sequence's last tile); dV += P^T dO (async); dS^T = P^T S'^T (dP^T - delta); dK += dS^T Q; wait;
+release the slot. A tile's rows past n_q are other tokens (maybe NaN, and 0 * NaN is NaN in the
+products): warpgroup 0 zeroes them in Q and dO in shared memory and signals warpgroup 1 through the
+slot's tail mbarrier, and P^T, dS^T are masked there. Rows of K and V past n_k only reach their own
+rows of dK and dV, which are not stored. A block that no query sees (n_q = 0, or outside a window) is a
+block too: its rows < n_k are stored as zeros.
 
 dq (`attention_bwd_dq_kernel`): the forward's structure, persistent as the forward is (one program per
 SM taking blocks of 128 queries of one (sequence, head) from a counter the launch zeroes, handed to the
@@ -46,12 +51,10 @@ there, K maybe NaN).
 The options cost nothing when off (constexpr branches): without a window, the tile ranges and the
 dk/dv programs' mask test are those of plain and causal attention alone.
 
-The dk/dv grid is one axis of (sequence or zero fill, kv head, slot): each sequence's slots are its
-blocks and one program zeroing its tokens past the maximum length; the extra "sequence" `batch` zeroes,
-in chunks of PARAM_HOPPER_BWD_FILL_CHUNK tokens per slot, the tokens no sequence covers (any offsets
-content; stores masked, TMA clips). Those fills never reach the attention code (see kernels/__init__.py
-on ptxas 12.8). The persistent dq programs share out the same fills of dq before they take their
-blocks. So dq, dk, dv need no memset.
+Both kernels' programs first share out the zero fills of their outputs (as the forward's: per (sequence,
+head) the tokens past the maximum length, then per head, in chunks of PARAM_HOPPER_BWD_FILL_CHUNK tokens,
+those no sequence covers, any offsets content; stores masked, TMA clips), then take their blocks. So dq,
+dk, dv need no memset.
 
 These are the `dkdv base+ld` and `dq base+bn128` variants of the probe kept in
 benchmarks/results/profile/2026-12-01d_gluon_backward_probe.md (self-attention, outputs pre-zeroed),
@@ -85,14 +88,13 @@ from .hopper import (
     _capped_biased,
     _fetch,
     _hand_out,
-    _program,
+    _item,
     _publish,
     _receive,
     _tile_origin,
     _tma_load,
+    _zero_fills,
     _zero_rows,
-    _zero_tail,
-    _zero_uncovered,
 )
 
 PARAM_HOPPER_BWD_BLOCKS: gl.constexpr = gl.constexpr(params.HOPPER_BWD_BLOCKS)
@@ -136,16 +138,31 @@ def _query_tiles(key0, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, C
 
 
 @gluon.jit
-def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_bar, lse_ptr, delta_ptr,
-                   slopes_ptr, dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k, key0, kv_head,
-                   kv_token_stride, kv_head_stride, KV_GROUP: gl.constexpr, D: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                   ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
-                   OUT_SCALE: gl.constexpr, WG: gl.constexpr):
-    """One consumer warpgroup: dK, dV of keys key0 + 64 WG + [0, 64) over the query tiles the producer
-    streams, stored (rows < n_k) at the end. A tile is masked unless every query of it sees every key of
-    this warpgroup's and it has no row past n_q."""
+def _key_block(q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_KV_HEADS: gl.constexpr,
+               Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key block `item` of the (sequence, kv head, block) items, each (sequence, kv head)'s blocks
+    adjacent and the first first (the costliest under causal): (kv_head, q_start, n_q, kv_start, n_k,
+    key0)."""
+    sequence, kv_head, key0 = _item(item, blocks, NUM_KV_HEADS, BLOCK_N, LAST_FIRST=False)
+    q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+    kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
+    return kv_head, q_start, n_q, kv_start, n_k, key0
+
+
+@gluon.jit
+def _dkdv_consume(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar, lse_ptr,
+                  delta_ptr, slopes_ptr, dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k, key0, kv_head,
+                  kv_token_stride, kv_head_stride, t, kvp, tail_phases, KV_GROUP: gl.constexpr,
+                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+                  OUT_SCALE: gl.constexpr, WG: gl.constexpr):
+    """One consumer warpgroup's work for one key block: dK, dV of keys key0 + 64 WG + [0, 64) over the
+    query tiles the producer streams into the ring from its position t (the block's K and V behind
+    kv_bar at phase kvp), stored (rows < n_k; zero where no query sees them) at the end. A tile is masked
+    unless every query of it sees every key of this warpgroup's and it has no row past n_q. Returns the
+    ring's position and tail_phases (the per-slot tail barriers' parities, a bit per slot) after the
+    block."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -172,10 +189,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
         # This warpgroup's clean query tiles, [clean_start, clean_end) (below n_q's last partial tile).
         _, clean_start, clean_end, _ = _query_ranges(krow0, n_q, n_k, BLOCK_M, CONSUMER_ROWS, CAUSAL,
                                                      WINDOW_LEFT, WINDOW_RIGHT)
-    # Parities of the per-slot tail barriers, a bit per slot (a slot's barrier is re-armed only after
-    # both warpgroups released the slot, so warpgroup 0 cannot arrive twice before warpgroup 1 waited).
-    tail_phases = gl.to_tensor(0)
-    mbarrier.wait(kv_bar, 0)  # always: the loads must land before the program may end
+    mbarrier.wait(kv_bar, kvp)  # always, tiles or none: kv_bar's phase runs on from block to block
     for g in range(KV_GROUP):
         head = kv_head * KV_GROUP + g
         stat_base = head.to(gl.int64) * q_tokens + q_start
@@ -183,10 +197,10 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
             slope = gl.load(slopes_ptr + head)
         else:
             slope = 0.0
-        for t in range(t0, ntiles):
-            i = g * per_head + (t - t0)
+        for tile in range(t0, ntiles):
+            i = t + g * per_head + (tile - t0)
             slot = i % STAGES
-            m0 = t * BLOCK_M
+            m0 = tile * BLOCK_M
             # Plain loads, in flight during the wait.
             cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
             lse = gl.load(lse_ptr + stat_base + cols, mask=cols < n_q, other=0.0)
@@ -194,9 +208,11 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q = q_smem.index(slot)
             do = do_smem.index(slot)
-            tail = (t == last_tile) & (last_rows < BLOCK_M)
+            tail = (tile == last_tile) & (last_rows < BLOCK_M)
             if tail:
-                # The tile's rows past n_q are other tokens: zeroed before any product.
+                # The tile's rows past n_q are other tokens: zeroed before any product. (A slot's tail
+                # barrier is re-armed only after both warpgroups released the slot, the ring running on
+                # from block to block, so warpgroup 0 cannot arrive twice before warpgroup 1 waited.)
                 if WG == 0:
                     _zero_rows(q, last_rows, BLOCK_M)
                     _zero_rows(do, last_rows, BLOCK_M)
@@ -235,20 +251,27 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_b
             dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
             dv, dk, ds_op, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, ds_op, p_op))
             mbarrier.arrive(empty.index(slot), count=1)
+    # K and V are free for the next block's (kv_free counts both warpgroups' arrivals): dK and dV are in
+    # registers, and the products that read K and V are done.
+    mbarrier.arrive(kv_free, count=1)
     _store_rows(dk_ptr, dk, kv_start, krow0, n_k, kv_head, DS_SCALE, kv_token_stride, kv_head_stride, D,
                 acc_layout)
     _store_rows(dv_ptr, dv, kv_start, krow0, n_k, kv_head, OUT_SCALE, kv_token_stride, kv_head_stride, D,
                 acc_layout)
+    return t + KV_GROUP * per_head, tail_phases
 
 
 @gluon.jit
-def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-                   q_start, n_q, n_k, key0, kv_row, kv_col, kv_head, q_token_stride, q_head_stride,
-                   KV_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                   WINDOW_RIGHT: gl.constexpr):
-    """The 1-warp load partition: K and V of the block (two 64-row halves each) once, then the Q and dO
-    tiles of each query head of the group into the ring as slots free."""
+def _dkdv_produce(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready,
+                  empty, q_start, n_q, n_k, key0, kv_row, kv_col, kv_head, q_token_stride, q_head_stride, t,
+                  kvp, KV_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                  WINDOW_RIGHT: gl.constexpr):
+    """The 1-warp load partition's work for one key block: its K and V (two halves of 64 rows each,
+    from kv_row, once both consumers have freed the last block's: kv_free's phase kvp ^ 1), then the Q
+    and dO tiles of each query head of the group into the ring from its position t as slots free.
+    Returns the ring's position after the block."""
+    mbarrier.wait(kv_free, kvp ^ 1)  # fresh barriers: phase 1 counts as complete
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):
         _tma_load(k_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, k_smem.index(w))
@@ -257,20 +280,83 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_s
     per_head = ntiles - t0
     for g in range(KV_GROUP):
         q_row, q_col = _tile_origin(q_start, kv_head * KV_GROUP + g, q_token_stride, q_head_stride)
-        for t in range(t0, ntiles):
-            i = g * per_head + (t - t0)
+        for tile in range(t0, ntiles):
+            i = t + g * per_head + (tile - t0)
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # fresh barriers pass at parity 1
             bar = ready.index(slot)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            _tma_load(q_desc, [q_row + t * BLOCK_M, q_col], bar, q_smem.index(slot))
-            _tma_load(do_desc, [q_row + t * BLOCK_M, q_col], bar, do_smem.index(slot))
+            _tma_load(q_desc, [q_row + tile * BLOCK_M, q_col], bar, q_smem.index(slot))
+            _tma_load(do_desc, [q_row + tile * BLOCK_M, q_col], bar, do_smem.index(slot))
+    return t + KV_GROUP * per_head
+
+
+@gluon.jit
+def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free,
+                        ready, empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr,
+                        kv_offsets_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                        kv_token_stride, kv_head_stride, NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr,
+                        Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr,
+                        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The load partition: the key blocks with keys that `_fetch` takes from the counter (those with no
+    query are blocks too: their dk, dv are zeros), each handed out to the consumers and then
+    `_dkdv_produce`d, the ring's position and K and V's phase running on; then `end`, which ends the
+    consumers."""
+    t = 0
+    i = 0
+    item = _fetch(counter_ptr, kv_offsets_ptr, end, blocks, kv_tokens, NUM_KV_HEADS, KV_MAX_LEN, BLOCK_N,
+                  LAST_FIRST=False)
+    while item < end:
+        _hand_out(items, item_full, item_empty, i, item)
+        kv_head, q_start, n_q, kv_start, n_k, key0 = _key_block(q_offsets_ptr, kv_offsets_ptr, item, blocks,
+                                                                q_tokens, kv_tokens, NUM_KV_HEADS, Q_MAX_LEN,
+                                                                KV_MAX_LEN, BLOCK_N)
+        kv_row, kv_col = _tile_origin(kv_start + key0, kv_head, kv_token_stride, kv_head_stride)
+        t = _dkdv_produce(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free,
+                          ready, empty, q_start, n_q, n_k, key0, kv_row, kv_col, kv_head, q_token_stride,
+                          q_head_stride, t, i & 1, KV_GROUP, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW_LEFT,
+                          WINDOW_RIGHT)
+        i += 1
+        item = _fetch(counter_ptr, kv_offsets_ptr, end, blocks, kv_tokens, NUM_KV_HEADS, KV_MAX_LEN, BLOCK_N,
+                      LAST_FIRST=False)
+    _hand_out(items, item_full, item_empty, i, end)
+
+
+@gluon.jit
+def _dkdv_consumer_loop(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar, items,
+                        item_full, item_empty, lse_ptr, delta_ptr, slopes_ptr, dk_ptr, dv_ptr, q_offsets_ptr,
+                        kv_offsets_ptr, end, blocks, q_tokens, kv_tokens, kv_token_stride, kv_head_stride,
+                        NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr,
+                        Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                        ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+                        OUT_SCALE: gl.constexpr, WG: gl.constexpr):
+    """A consumer warpgroup: `_dkdv_consume` for the key blocks `_dkdv_producer_loop` hands out, until
+    `end`."""
+    t = 0
+    tail_phases = gl.to_tensor(0)
+    i = 0
+    item = _receive(items, item_full, item_empty, i)
+    while item < end:
+        kv_head, q_start, n_q, kv_start, n_k, key0 = _key_block(q_offsets_ptr, kv_offsets_ptr, item, blocks,
+                                                                q_tokens, kv_tokens, NUM_KV_HEADS, Q_MAX_LEN,
+                                                                KV_MAX_LEN, BLOCK_N)
+        t, tail_phases = _dkdv_consume(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty,
+                                       tail_bar, lse_ptr, delta_ptr, slopes_ptr, dk_ptr, dv_ptr, q_tokens,
+                                       q_start, n_q, kv_start, n_k, key0, kv_head, kv_token_stride,
+                                       kv_head_stride, t, i & 1, tail_phases, KV_GROUP, D, BLOCK_M, BLOCK_N,
+                                       STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE,
+                                       DS_SCALE, OUT_SCALE, WG)
+        i += 1
+        item = _receive(items, item_full, item_empty, i)
 
 
 @gluon.jit
 def attention_bwd_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
-    params_ptr, dk_ptr, dv_ptr,
+    params_ptr, dk_ptr, dv_ptr, counter_ptr,
     NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
     KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
@@ -278,83 +364,86 @@ def attention_bwd_dkdv_kernel(
     STRIDE_ALIGN: gl.constexpr, FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
-    """dk and dv of one block of BLOCK_N (= 128, two warpgroups') keys of one (sequence, kv head), or a
-    zero fill of dk and dv, on a one-axis grid of (sequence or fill, kv head, slot): a sequence's slots
-    are its key blocks, the first first (the costliest under causal), then the program zeroing its
-    tokens past KV_MAX_LEN; the fill "sequence" `batch` zeroes the tokens no sequence covers. Every row
-    of dk, dv (k's strides) is written."""
-    sequence, kv_head, slot, slots = _program(params_ptr, PARAM_HOPPER_BWD_BLOCKS, NUM_KV_HEADS)
+    """dk and dv on a persistent grid (one program per SM), as dq: each program first does its share of
+    the zero fills of dk and dv (fill i, i + programs, ...: per (sequence, kv head) the tokens past
+    KV_MAX_LEN, then per kv head the PARAM_HOPPER_BWD_FILL_CHUNK chunks of the tokens no sequence
+    covers), then takes blocks of BLOCK_N (= 128, two warpgroups') keys from the counter at counter_ptr
+    (zeroed by the launcher), each (sequence, kv head)'s blocks adjacent and the first first (the
+    costliest under causal), until none is left. Every row of dk, dv (k's strides) is written."""
     batch = gl.load(params_ptr + PARAM_BATCH)
     kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
     kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
     kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
-    if sequence == batch:
-        _zero_uncovered(dk_ptr, dv_ptr, kv_offsets_ptr, batch, kv_head, slot,
-                        gl.load(params_ptr + PARAM_HOPPER_BWD_FILL_CHUNK), kv_tokens, kv_token_stride,
-                        kv_head_stride, KV_MAX_LEN, D, FILL_BLOCK, FILL_ROWS)
-    elif slot == slots - 1:
-        _zero_tail(dk_ptr, dv_ptr, kv_offsets_ptr, sequence, kv_head, kv_tokens, kv_token_stride,
-                   kv_head_stride, KV_MAX_LEN, D, FILL_BLOCK, FILL_ROWS)
-    else:
-        _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr,
-              slopes_ptr, params_ptr, dk_ptr, dv_ptr, sequence, kv_head, slot, kv_tokens, kv_token_stride,
-              kv_head_stride, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
-              SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN,
-              CONSUMER_REGS, PRODUCER_REGS)
+    blocks = gl.load(params_ptr + PARAM_HOPPER_BWD_BLOCKS)
+    fill_chunk = gl.load(params_ptr + PARAM_HOPPER_BWD_FILL_CHUNK)
+    _zero_fills(dk_ptr, dv_ptr, kv_offsets_ptr, batch, blocks, fill_chunk, kv_tokens, kv_token_stride,
+                kv_head_stride, NUM_KV_HEADS, KV_MAX_LEN, D, FILL_BLOCK, FILL_ROWS)
+    _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+          params_ptr, dk_ptr, dv_ptr, counter_ptr, batch * NUM_KV_HEADS * blocks, blocks, kv_tokens,
+          kv_token_stride, kv_head_stride, NUM_KV_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL,
+          WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES,
+          STRIDE_ALIGN, CONSUMER_REGS, PRODUCER_REGS)
 
 
 @gluon.jit
 def _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
-          params_ptr, dk_ptr, dv_ptr, sequence, kv_head, block, kv_tokens, kv_token_stride, kv_head_stride,
-          KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr,
-          CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-          SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
-          OUT_SCALE: gl.constexpr,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
-          CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Key block `block` of (sequence, kv head): the warp-specialized dk/dv (rows < n_k only)."""
-    kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
-    key0 = block * BLOCK_N
-    if key0 < n_k:
-        q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
-        q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
-        q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
-        q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
-        kv_row, kv_col = _tile_origin(kv_start + key0, kv_head, kv_token_stride, kv_head_stride)
+          params_ptr, dk_ptr, dv_ptr, counter_ptr, end, blocks, kv_tokens, kv_token_stride, kv_head_stride,
+          NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+          KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+          WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr,
+          DS_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+          PRODUCER_REGS: gl.constexpr):
+    """The key blocks taken from the counter (items < end, see `_key_block`): the warp-specialized dk/dv
+    (rows < n_k only), its shared memory and barriers set up once."""
+    q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
+    q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
+    q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    tail_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    item_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_free, count=2)  # one arrival per consumer
+    for w in gl.static_range(2):
+        mbarrier.init(item_full.index(w), count=1)
+        mbarrier.init(item_empty.index(w), count=2)  # one arrival per consumer
+    for s in gl.static_range(STAGES):
+        mbarrier.init(tail_bar.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer
+    fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
 
-        dtype: gl.constexpr = q_desc.dtype
-        k_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        tail_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(tail_bar.index(s), count=1)
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer
-        fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
-
-        # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
-        gl.warp_specialize([
-            (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_bar, lse_ptr,
-                              delta_ptr, slopes_ptr, dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k,
-                              key0, kv_head, kv_token_stride, kv_head_stride, KV_GROUP, D, BLOCK_M, BLOCK_N,
-                              STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE,
-                              OUT_SCALE, 0)),
-            (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, tail_bar, lse_ptr,
-                              delta_ptr, slopes_ptr, dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k,
-                              key0, kv_head, kv_token_stride, kv_head_stride, KV_GROUP, D, BLOCK_M, BLOCK_N,
-                              STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE,
-                              OUT_SCALE, 1)),
-            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready,
-                              empty, q_start, n_q, n_k, key0, kv_row, kv_col, kv_head, q_token_stride,
-                              q_head_stride, KV_GROUP, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW_LEFT,
-                              WINDOW_RIGHT)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
+    gl.warp_specialize([
+        (_dkdv_consumer_loop, (k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar,
+                               items, item_full, item_empty, lse_ptr, delta_ptr, slopes_ptr, dk_ptr, dv_ptr,
+                               q_offsets_ptr, kv_offsets_ptr, end, blocks, q_tokens, kv_tokens,
+                               kv_token_stride, kv_head_stride, NUM_KV_HEADS, KV_GROUP, D, Q_MAX_LEN,
+                               KV_MAX_LEN, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+                               SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, OUT_SCALE, 0)),
+        (_dkdv_consumer_loop, (k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar,
+                               items, item_full, item_empty, lse_ptr, delta_ptr, slopes_ptr, dk_ptr, dv_ptr,
+                               q_offsets_ptr, kv_offsets_ptr, end, blocks, q_tokens, kv_tokens,
+                               kv_token_stride, kv_head_stride, NUM_KV_HEADS, KV_GROUP, D, Q_MAX_LEN,
+                               KV_MAX_LEN, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+                               SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, OUT_SCALE, 1)),
+        (_dkdv_producer_loop, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar,
+                               kv_free, ready, empty, items, item_full, item_empty, counter_ptr,
+                               q_offsets_ptr, kv_offsets_ptr, end, blocks, q_tokens, kv_tokens,
+                               q_token_stride, q_head_stride, kv_token_stride, kv_head_stride, NUM_KV_HEADS,
+                               KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
+                               BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -484,7 +573,8 @@ def _dq_producer_loop(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, 
     t = 0
     count = 0
     i = 0
-    item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+    item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
+                  LAST_FIRST=True)
     while item < end:
         _hand_out(items, item_full, item_empty, i, item)
         _, head, q_start, _, kv_start, _, start_m, key_first, _, num_key_blocks = _block(
@@ -498,7 +588,8 @@ def _dq_producer_loop(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, 
         t += num_key_blocks
         count += 1
         i += 1
-        item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M)
+        item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
+                      LAST_FIRST=True)
     _hand_out(items, item_full, item_empty, i, end)
 
 
@@ -559,15 +650,8 @@ def attention_bwd_dq_kernel(
     q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
     blocks = gl.load(params_ptr + PARAM_HOPPER_BWD_BLOCKS)
     fill_chunk = gl.load(params_ptr + PARAM_HOPPER_BWD_FILL_CHUNK)
-    for fill in range(gl.program_id(0), (batch + blocks + 1) * NUM_HEADS, gl.num_programs(0)):
-        sequence = fill // NUM_HEADS
-        head = fill % NUM_HEADS
-        if sequence < batch:
-            _zero_tail(dq_ptr, dq_ptr, q_offsets_ptr, sequence, head, q_tokens, q_token_stride, q_head_stride,
-                       Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
-        else:  # chunk sequence - batch of the uncovered tokens
-            _zero_uncovered(dq_ptr, dq_ptr, q_offsets_ptr, batch, head, sequence - batch, fill_chunk,
-                            q_tokens, q_token_stride, q_head_stride, Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
+    _zero_fills(dq_ptr, dq_ptr, q_offsets_ptr, batch, blocks, fill_chunk, q_tokens, q_token_stride,
+                q_head_stride, NUM_HEADS, Q_MAX_LEN, D, FILL_BLOCK, FILL_NONE)
     _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
         params_ptr, dq_ptr, counter_ptr, batch * NUM_HEADS * blocks, blocks, q_tokens, q_token_stride,
         q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,

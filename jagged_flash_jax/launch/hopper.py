@@ -150,8 +150,7 @@ def backward_kernel(p: Problem, dtype) -> str:
 
 def with_kernels(p: Problem, dtype) -> Problem:
     """`p` with the table's Hopper tiles for it (configs.hopper_block_sizes), its forward and backward
-    kernels chosen, and for the Hopper kernels the persistent grid of the forward and of dq (the device's
-    SMs)."""
+    kernels chosen, and for the Hopper kernels their persistent grid (the device's SMs)."""
     p = p.with_(hopper_tiles=hopper_block_sizes(p.head_dim, dtype, p.max_seq_len, p.kv_max_seq_len,
                                                 band_width(p.window, p.causal)))
     p = p.with_(forward_kernel=forward_kernel(p, dtype), backward_kernel=backward_kernel(p, dtype))

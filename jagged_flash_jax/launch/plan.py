@@ -95,7 +95,7 @@ class Problem:
     forward_kernel: str = "portable"
     # The same for the backward (kernels/hopper_backward.py), chosen on its own (launch/hopper.py).
     backward_kernel: str = "portable"
-    # The persistent grid of the Hopper forward and dq: one program per SM of the device (launch/hopper.py).
+    # The Hopper kernels' persistent grid: one program per SM of the device (launch/hopper.py).
     hopper_programs: int = HOPPER_SMS
 
     # -- shapes ------------------------------------------------------------------------------------
@@ -417,12 +417,11 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
 
 
 def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, lse, delta, do, slopes=None):
-    """The Hopper backward (kernels/hopper_backward.py): a dk/dv launch (per (sequence or zero fill, kv
-    head): the key blocks of 128, then a tail-zeroing program, on one axis) and a dq launch (a persistent
-    grid, as the Hopper forward's: p.hopper_programs programs taking the query blocks of 128 from a
-    counter the launch zeroes), q, do, k, v as TMA
-    descriptors over the forward's 2-D views, and the window, soft cap and ALiBi slopes as the forward
-    takes them (see `_hopper_forward`)."""
+    """The Hopper backward (kernels/hopper_backward.py): a dk/dv launch and a dq launch, each on a
+    persistent grid as the Hopper forward's (p.hopper_programs programs taking the blocks of 128 keys, or
+    of 128 queries, from a counter the launch zeroes, after their share of the zero fills), q, do, k, v
+    as TMA descriptors over the forward's 2-D views, and the window, soft cap and ALiBi slopes as the
+    forward takes them (see `_hopper_forward`)."""
     tiles = p.hopper_tiles
     params, constants = _common(p)
     views = _tma_views(p, (q, do), (k, v))
@@ -436,8 +435,10 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
     dkdv, dq = tiles.dkdv, tiles.dq
     blocks = p.blocks(dkdv.block_n, p.kv_tokens, p.kv_max_seq_len)
     dkdv_call = KernelCall(
-        kernels.hopper_attention_bwd_dkdv_kernel, grid=((p.batch + 1) * p.num_kv_heads * (blocks + 1),),
-        out_shapes=(jax.ShapeDtypeStruct(p.kv_shape, k.dtype), jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
+        kernels.hopper_attention_bwd_dkdv_kernel, grid=(p.hopper_programs,),
+        out_shapes=(jax.ShapeDtypeStruct(p.kv_shape, k.dtype), jax.ShapeDtypeStruct(p.kv_shape, v.dtype),
+                    jax.ShapeDtypeStruct((1,), jnp.int32)),  # the programs' counter of key blocks
+        zeroed_outputs=(2,),
         params=_pack({**params, param.HOPPER_BWD_BLOCKS: blocks,
                       param.HOPPER_BWD_FILL_CHUNK: _fill_chunk(p.kv_tokens, blocks + 1)}),
         constants=dict(shared, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale, BLOCK_M=dkdv.block_m,
@@ -445,7 +446,7 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
         num_warps=dkdv.num_warps, num_stages=1, max_registers=dkdv.max_registers,
         descriptors=((0, (dkdv.block_m, p.head_dim)), (1, (dkdv.block_m, p.head_dim)),
                      (2, (dkdv.block_n // 2, p.head_dim)), (3, (dkdv.block_n // 2, p.head_dim))))
-    dk, dv = run(dkdv_call, (*arrays, _params(dkdv_call)))
+    dk, dv, _ = run(dkdv_call, (*arrays, _params(dkdv_call)))
     blocks = p.blocks(dq.block_m, p.q_tokens, p.max_seq_len)
     dq_call = KernelCall(
         kernels.hopper_attention_bwd_dq_kernel, grid=(p.hopper_programs,),

@@ -97,6 +97,10 @@ HOPPER_BITS = 16
 # D = 128, the persistent Hopper forward against the portable one: rec-long 0.241 against 0.285 ms,
 # L1024 0.502 against 0.598; below 1024 tokens not measured; docs/performance.md).
 HOPPER_FORWARD_MIN_LENGTH = 1024
+# ... and only where a sequence may have a query block's worth of queries (max_seq_len, the queries'
+# bound): with fewer, every 128-row block of the Hopper forward is mostly empty (H200, `cross`, 1-8
+# queries against 512-4096 keys: the Hopper forward 0.112 ms, the portable one 0.0925; docs/performance.md).
+HOPPER_FORWARD_MIN_QUERIES = 128
 # The persistent Hopper forward's grid where the device does not say its SM count (H100 and H200 SXM).
 HOPPER_SMS = 132
 # Under "auto" the Hopper backward runs from sequences of this many tokens, and at these head dimensions

@@ -656,7 +656,7 @@ def test_other_gpus_take_the_portable_forward(hopper_gpu, monkeypatch, capabilit
 def test_the_environment_chooses_the_forward(hopper_gpu, monkeypatch):
     """"portable" always, "hopper" wherever it can run; "auto" (or unset) the Hopper forward from
     sequences of HOPPER_FORWARD_MIN_LENGTH tokens (the longer of max_seq_len and kv_max_seq_len) on,
-    but for a soft cap with causal masking."""
+    with max_seq_len at least HOPPER_FORWARD_MIN_QUERIES, but for a soft cap with causal masking."""
     portable, hopper = kernels.attention_fwd_kernel, kernels.hopper_attention_fwd_kernel
     shortest = configs.HOPPER_FORWARD_MIN_LENGTH
     for value, max_seq_len, kernel in (("portable", 32, portable), (" Portable ", shortest, portable),
@@ -665,7 +665,12 @@ def test_the_environment_chooses_the_forward(hopper_gpu, monkeypatch):
         monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, value)
         assert _forward_kernel(hopper_gpu, max_seq_len=max_seq_len) is kernel, (value, max_seq_len)
     monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "auto")
-    assert _forward_kernel(hopper_gpu, cross=True, kv_max_seq_len=shortest) is hopper
+    assert _forward_kernel(hopper_gpu, cross=True, kv_max_seq_len=shortest, max_seq_len=128) is hopper
+    # Fewer queries per sequence than a Hopper query block: the portable forward (measured faster).
+    queries = configs.HOPPER_FORWARD_MIN_QUERIES
+    for max_seq_len, kernel in ((queries - 1, portable), (queries, hopper)):
+        chosen = _forward_kernel(hopper_gpu, cross=True, kv_max_seq_len=shortest, max_seq_len=max_seq_len)
+        assert chosen is kernel, max_seq_len
     # A soft cap with causal masking: the portable forward under "auto" (measured faster), else Hopper.
     assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0) is hopper
     assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0, causal=True) is portable

@@ -19,6 +19,7 @@ from ..configs import (
     HOPPER_BACKWARD_MIN_LENGTH,
     HOPPER_BITS,
     HOPPER_FORWARD_MIN_LENGTH,
+    HOPPER_FORWARD_MIN_QUERIES,
     HOPPER_SMS,
     KERNEL_CHOICES,
     band_width,
@@ -113,6 +114,9 @@ def portable_reason(p: Problem, dtype) -> str | None:
         return reason
     if requested() == "auto" and max(p.max_seq_len, p.kv_max_seq_len) < HOPPER_FORWARD_MIN_LENGTH:
         return f"sequences of at most {HOPPER_FORWARD_MIN_LENGTH - 1} tokens (the portable forward is faster)"
+    if requested() == "auto" and p.max_seq_len < HOPPER_FORWARD_MIN_QUERIES:
+        return (f"at most {p.max_seq_len} queries per sequence, fewer than a Hopper query block's "
+                f"{HOPPER_FORWARD_MIN_QUERIES} (the portable forward is faster)")
     if requested() == "auto" and p.softcap is not None and p.causal:
         return "a soft cap with causal masking (the portable forward is faster)"
     return _device_reason(p, dtype)

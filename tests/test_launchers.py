@@ -665,8 +665,8 @@ def test_the_environment_chooses_the_forward(hopper_gpu, monkeypatch):
         monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, value)
         assert _forward_kernel(hopper_gpu, max_seq_len=max_seq_len) is kernel, (value, max_seq_len)
     monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "auto")
-    assert _forward_kernel(hopper_gpu, cross=True, kv_max_seq_len=shortest, max_seq_len=128) is hopper
-    # Fewer queries per sequence than a Hopper query block: the portable forward (measured faster).
+    # Cross-attention with long keys: the Hopper forward from a query block's worth of queries per
+    # sequence; with fewer the portable one (measured faster).
     queries = configs.HOPPER_FORWARD_MIN_QUERIES
     for max_seq_len, kernel in ((queries - 1, portable), (queries, hopper)):
         chosen = _forward_kernel(hopper_gpu, cross=True, kv_max_seq_len=shortest, max_seq_len=max_seq_len)

@@ -24,7 +24,9 @@ its row blocks, the last ones first so that the costly blocks of long sequences 
 program that zeroes the sequence's own tokens past the maximum length. So every output element is
 written by the kernels: no memset is needed. The zeroing programs return without touching the
 attention code: ptxas 12.8 (Triton 3.6's) miscompiled programs that zeroed the tail and then went on
-to their block, clobbering a uniform register that held the offsets pointer.
+to their block, clobbering a uniform register that held the offsets pointer. (The persistent Hopper
+kernels do their share of the fills and then their blocks in one program: their GPU tests of the zeroed
+rows and of poisoned tokens pass under Triton 3.6, tests/gpu_results/.)
 
 Semantics per sequence: n_q = min(len_q, Q_MAX_LEN) queries attend n_k = min(len_kv, KV_MAX_LEN) keys
 (causal: key j <= query i + n_k - n_q), o = OUT_SCALE * softmax(scale * q k^T) v. The float32

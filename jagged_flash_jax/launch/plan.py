@@ -329,6 +329,14 @@ def _tma_views(p: Problem, q_like, kv_like) -> tuple:
             *(x.reshape(-1, kv_token_stride) for x in kv_like))
 
 
+def _persistent(p: Problem, *outputs: jax.ShapeDtypeStruct) -> dict:
+    """A Hopper kernel's persistent launch (KernelCall's grid, out_shapes, zeroed_outputs): p.hopper_programs
+    programs, the kernel's `outputs` and last the int32 counter its programs take their blocks from, the
+    one output the launcher zeroes (the run returns it too)."""
+    return dict(grid=(p.hopper_programs,), out_shapes=(*outputs, jax.ShapeDtypeStruct((1,), jnp.int32)),
+                zeroed_outputs=(len(outputs),))
+
+
 def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None):
     """The Hopper forward (kernels/hopper.py): q, k, v as TMA descriptors over 2-D views whose rows are
     one token stride long; a persistent grid of p.hopper_programs programs, which take the query blocks
@@ -339,11 +347,9 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
     slots = blocks + 1
     views = _tma_views(p, (q,), (k, v))
     call = KernelCall(
-        kernels.hopper_attention_fwd_kernel, grid=(p.hopper_programs,),
-        out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
-                    jax.ShapeDtypeStruct(p.stats_shape, jnp.float32),
-                    jax.ShapeDtypeStruct((1,), jnp.int32)),  # the programs' counter of query blocks
-        zeroed_outputs=(2,),
+        kernels.hopper_attention_fwd_kernel,
+        **_persistent(p, jax.ShapeDtypeStruct(p.q_shape, q.dtype),
+                      jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
         params=_pack({**params, param.HOPPER_FWD_BLOCKS: blocks,
                       param.HOPPER_FWD_FILL_CHUNK: _fill_chunk(p.q_tokens, slots)}),
         constants={**{name: constants[name] for name in (
@@ -435,10 +441,9 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
     dkdv, dq = tiles.dkdv, tiles.dq
     blocks = p.blocks(dkdv.block_n, p.kv_tokens, p.kv_max_seq_len)
     dkdv_call = KernelCall(
-        kernels.hopper_attention_bwd_dkdv_kernel, grid=(p.hopper_programs,),
-        out_shapes=(jax.ShapeDtypeStruct(p.kv_shape, k.dtype), jax.ShapeDtypeStruct(p.kv_shape, v.dtype),
-                    jax.ShapeDtypeStruct((1,), jnp.int32)),  # the programs' counter of key blocks
-        zeroed_outputs=(2,),
+        kernels.hopper_attention_bwd_dkdv_kernel,
+        **_persistent(p, jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
+                      jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
         params=_pack({**params, param.HOPPER_BWD_BLOCKS: blocks,
                       param.HOPPER_BWD_FILL_CHUNK: _fill_chunk(p.kv_tokens, blocks + 1)}),
         constants=dict(shared, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale, BLOCK_M=dkdv.block_m,
@@ -449,10 +454,7 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
     dk, dv, _ = run(dkdv_call, (*arrays, _params(dkdv_call)))
     blocks = p.blocks(dq.block_m, p.q_tokens, p.max_seq_len)
     dq_call = KernelCall(
-        kernels.hopper_attention_bwd_dq_kernel, grid=(p.hopper_programs,),
-        out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
-                    jax.ShapeDtypeStruct((1,), jnp.int32)),  # the programs' counter of query blocks
-        zeroed_outputs=(1,),
+        kernels.hopper_attention_bwd_dq_kernel, **_persistent(p, jax.ShapeDtypeStruct(p.q_shape, q.dtype)),
         params=_pack({**params, param.HOPPER_BWD_BLOCKS: blocks,
                       param.HOPPER_BWD_FILL_CHUNK: _fill_chunk(p.q_tokens, blocks + 1)}),
         constants=dict(shared, NUM_HEADS=p.num_heads, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n,

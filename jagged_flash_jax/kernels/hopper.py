@@ -572,6 +572,20 @@ def _fetch(counter_ptr, offsets_ptr, end, blocks, num_tokens, NUM_HEADS: gl.cons
 
 
 @gluon.jit
+def _item_ring():
+    """The 2-slot ring in shared memory through which a persistent kernel's producer hands its items to
+    the two consumer warpgroups (`_hand_out`, `_receive`): (items, item_full, item_empty), the barriers
+    initialized (item_empty counting one arrival per consumer). The caller fences the inits."""
+    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    item_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(2):
+        mbarrier.init(item_full.index(w), count=1)
+        mbarrier.init(item_empty.index(w), count=2)  # one arrival per consumer
+    return items, item_full, item_empty
+
+
+@gluon.jit
 def _hand_out(items, item_full, item_empty, i, item):
     """The producer's i-th item into the 2-slot ring the consumers read it from."""
     slot = i % 2
@@ -720,14 +734,10 @@ def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    item_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    items, item_full, item_empty = _item_ring()
     for w in gl.static_range(2):
         mbarrier.init(q_bars.index(w), count=1)
         mbarrier.init(q_free.index(w), count=1)
-        mbarrier.init(item_full.index(w), count=1)
-        mbarrier.init(item_empty.index(w), count=2)  # one arrival per consumer
     mbarrier.init(tail_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)

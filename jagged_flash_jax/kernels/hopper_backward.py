@@ -89,6 +89,7 @@ from .hopper import (
     _fetch,
     _hand_out,
     _item,
+    _item_ring,
     _publish,
     _receive,
     _tile_origin,
@@ -409,14 +410,9 @@ def _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv
     tail_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    item_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    items, item_full, item_empty = _item_ring()
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(kv_free, count=2)  # one arrival per consumer
-    for w in gl.static_range(2):
-        mbarrier.init(item_full.index(w), count=1)
-        mbarrier.init(item_empty.index(w), count=2)  # one arrival per consumer
     for s in gl.static_range(STAGES):
         mbarrier.init(tail_bar.index(s), count=1)
         mbarrier.init(ready.index(s), count=1)
@@ -680,14 +676,10 @@ def _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_o
     tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    item_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    items, item_full, item_empty = _item_ring()
     for w in gl.static_range(2):
         mbarrier.init(q_bar.index(w), count=1)
         mbarrier.init(q_free.index(w), count=1)
-        mbarrier.init(item_full.index(w), count=1)
-        mbarrier.init(item_empty.index(w), count=2)  # one arrival per consumer
     mbarrier.init(tail_bar, count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)

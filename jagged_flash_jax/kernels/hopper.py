@@ -611,23 +611,20 @@ def _receive(items, item_full, item_empty, i):
 @gluon.jit
 def _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
                   v_empty, q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, q_token_stride,
-                  q_head_stride, kv_token_stride, kv_head_stride, t, count, NUM_HEADS: gl.constexpr,
+                  q_head_stride, kv_token_stride, kv_head_stride, t, i, NUM_HEADS: gl.constexpr,
                   KV_GROUP: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr,
                   CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """`_produce` for query block `item` if it has queries: (t, count) after it."""
-    _, head, q_start, n_q, kv_start, _, start_m, key_first, _, num_key_blocks = _block(
+    """`_produce` for query block `item`, the program's i-th (`_fetch` hands out only blocks with
+    queries): the ring's position t after it."""
+    _, head, q_start, _, kv_start, _, start_m, key_first, _, num_key_blocks = _block(
         q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
         KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-    if start_m < n_q:
-        q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
-        kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
-        _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready,
-                 k_empty, v_empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, t, count & 1,
-                 BLOCK_N, STAGES)
-        t += num_key_blocks
-        count += 1
-    return t, count
+    q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
+    kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
+    _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
+             v_empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, t, i & 1, BLOCK_N, STAGES)
+    return t + num_key_blocks
 
 
 @gluon.jit
@@ -644,16 +641,15 @@ def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_fre
     kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
     kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
     t = 0
-    count = 0
     i = 0
     item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
                   LAST_FIRST=True)
     while item < end:
         _hand_out(items, item_full, item_empty, i, item)
-        t, count = _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
+        t = _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
                                  v_ready, k_empty, v_empty, q_offsets_ptr, kv_offsets_ptr, item, blocks,
                                  q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
-                                 kv_head_stride, t, count, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN,
+                                 kv_head_stride, t, i, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN,
                                  CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES)
         i += 1
         item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
@@ -664,27 +660,25 @@ def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_fre
 @gluon.jit
 def _consume_item(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
                   lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, item, blocks, q_tokens, kv_tokens,
-                  q_token_stride, q_head_stride, t, count, tails, NUM_HEADS: gl.constexpr, D: gl.constexpr,
+                  q_token_stride, q_head_stride, t, i, tails, NUM_HEADS: gl.constexpr, D: gl.constexpr,
                   Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, QK_SCALE: gl.constexpr,
                   OUT_SCALE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                   WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
-    """`_consume` for query block `item` if it has queries: (t, count, tails) after it."""
+    """`_consume` for query block `item`, the program's i-th (`_fetch` hands out only blocks with
+    queries): (t, tails) after it."""
     _, head, q_start, n_q, _, n_k, start_m, key_first, key_end, num_key_blocks = _block(
         q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
         KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-    if start_m < n_q:
-        if ALIBI:  # slopes [1, NUM_HEADS] in units of the unscaled scores (one offsets segment)
-            slope = gl.load(slopes_ptr + head)
-        else:
-            slope = 0.0
-        tails = _consume(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
-                         tail_bar, o_ptr, lse_ptr, q_start, n_q, n_k, key_first, key_end, slope, start_m,
-                         head, q_tokens, q_token_stride, q_head_stride, t, count & 1, tails, D, QK_SCALE,
-                         OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, STAGES, WG)
-        t += num_key_blocks
-        count += 1
-    return t, count, tails
+    if ALIBI:  # slopes [1, NUM_HEADS] in units of the unscaled scores (one offsets segment)
+        slope = gl.load(slopes_ptr + head)
+    else:
+        slope = 0.0
+    tails = _consume(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar,
+                     o_ptr, lse_ptr, q_start, n_q, n_k, key_first, key_end, slope, start_m, head, q_tokens,
+                     q_token_stride, q_head_stride, t, i & 1, tails, D, QK_SCALE, OUT_SCALE, CAUSAL,
+                     WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, STAGES, WG)
+    return t + num_key_blocks, tails
 
 
 @gluon.jit
@@ -698,15 +692,14 @@ def _consumer_loop(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_e
                    STAGES: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup: `_consume` for the query blocks `_producer_loop` hands out, until `end`."""
     t = 0
-    count = 0
     tails = 0
     i = 0
     item = _receive(items, item_full, item_empty, i)
     while item < end:
-        t, count, tails = _consume_item(
+        t, tails = _consume_item(
             q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
             lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, item, blocks, q_tokens, kv_tokens,
-            q_token_stride, q_head_stride, t, count, tails, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE,
+            q_token_stride, q_head_stride, t, i, tails, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE,
             OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, WG)
         i += 1
         item = _receive(items, item_full, item_empty, i)

@@ -567,7 +567,6 @@ def _dq_producer_loop(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, 
     kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
     kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
     t = 0
-    count = 0
     i = 0
     item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
                   LAST_FIRST=True)
@@ -579,10 +578,9 @@ def _dq_producer_loop(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, 
         q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
         kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
         _dq_produce(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready,
-                    empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, t, count & 1, BLOCK_N,
+                    empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, t, i & 1, BLOCK_N,
                     STAGES)
         t += num_key_blocks
-        count += 1
         i += 1
         item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
                       LAST_FIRST=True)
@@ -601,7 +599,6 @@ def _dq_consumer_loop(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, emp
     """A consumer warpgroup: `_dq_consume` for the query blocks `_dq_producer_loop` hands out, until
     `end`."""
     t = 0
-    count = 0
     tails = 0
     i = 0
     item = _receive(items, item_full, item_empty, i)
@@ -615,11 +612,10 @@ def _dq_consumer_loop(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, emp
             slope = 0.0
         tails = _dq_consume(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar, lse_ptr,
                             delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, slope,
-                            start_m, head, q_token_stride, q_head_stride, t, count & 1, tails, D, BLOCK_N,
+                            start_m, head, q_token_stride, q_head_stride, t, i & 1, tails, D, BLOCK_N,
                             STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE,
                             WG)
         t += num_key_blocks
-        count += 1
         i += 1
         item = _receive(items, item_full, item_empty, i)
 

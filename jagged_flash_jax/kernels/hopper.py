@@ -522,7 +522,7 @@ def _block(q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM
     and the last first: (sequence, head, q_start, n_q, kv_start, n_k, start_m, key_first, key_end,
     num_key_blocks), the key blocks some query of the block sees (common._key_ranges, bottom-right
     aligned: the producer loads and both consumers visit exactly [key_first, key_end) in blocks of
-    BLOCK_N); num_key_blocks is 0 for a block past the sequence's n_q (no work: skipped by all)."""
+    BLOCK_N). A block past the sequence's n_q has no work: `_fetch` never hands one out."""
     sequence, head, start_m = _item(item, blocks, NUM_HEADS, BLOCK_M, LAST_FIRST=True)
     q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
     kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)

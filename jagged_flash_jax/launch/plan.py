@@ -258,6 +258,12 @@ def _fill_chunk(tokens: int, programs: int) -> int:
     return max(1, cdiv(tokens, programs))
 
 
+def _hopper_fill_chunk(tokens: int, blocks: int) -> int:
+    """A persistent Hopper kernel's zero-fill chunk: its fills cover the tokens no sequence covers in
+    blocks + 1 chunks per head (kernels/hopper.py, `_zero_fills`)."""
+    return _fill_chunk(tokens, blocks + 1)
+
+
 def key_major(p: Problem, dtype, operands: str) -> bool:
     """Whether the kernels take `operands` ("v": the forward's v; "q_do": the dk/dv programs' q and
     do), which TF32 products read along D, as [H, D, tokens]: TF32 products (float32 inputs) need both
@@ -344,14 +350,13 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
     tiles = p.hopper_tiles.fwd
     params, constants = _common(p)
     blocks = p.blocks(tiles.block_m, p.q_tokens, p.max_seq_len)
-    slots = blocks + 1
     views = _tma_views(p, (q,), (k, v))
     call = KernelCall(
         kernels.hopper_attention_fwd_kernel,
         **_persistent(p, jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                       jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
         params=_pack({**params, param.HOPPER_FWD_BLOCKS: blocks,
-                      param.HOPPER_FWD_FILL_CHUNK: _fill_chunk(p.q_tokens, slots)}),
+                      param.HOPPER_FWD_FILL_CHUNK: _hopper_fill_chunk(p.q_tokens, blocks)}),
         constants={**{name: constants[name] for name in (
             "NUM_HEADS", "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "WINDOW_LEFT", "WINDOW_RIGHT",
             "SOFTCAP", "ALIBI", "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")},
@@ -445,7 +450,7 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
         **_persistent(p, jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
                       jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
         params=_pack({**params, param.HOPPER_BWD_BLOCKS: blocks,
-                      param.HOPPER_BWD_FILL_CHUNK: _fill_chunk(p.kv_tokens, blocks + 1)}),
+                      param.HOPPER_BWD_FILL_CHUNK: _hopper_fill_chunk(p.kv_tokens, blocks)}),
         constants=dict(shared, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale, BLOCK_M=dkdv.block_m,
                        BLOCK_N=dkdv.block_n, STAGES=dkdv.num_stages),
         num_warps=dkdv.num_warps, num_stages=1, max_registers=dkdv.max_registers,
@@ -456,7 +461,7 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
     dq_call = KernelCall(
         kernels.hopper_attention_bwd_dq_kernel, **_persistent(p, jax.ShapeDtypeStruct(p.q_shape, q.dtype)),
         params=_pack({**params, param.HOPPER_BWD_BLOCKS: blocks,
-                      param.HOPPER_BWD_FILL_CHUNK: _fill_chunk(p.q_tokens, blocks + 1)}),
+                      param.HOPPER_BWD_FILL_CHUNK: _hopper_fill_chunk(p.q_tokens, blocks)}),
         constants=dict(shared, NUM_HEADS=p.num_heads, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n,
                        STAGES=dq.num_stages),
         num_warps=dq.num_warps, num_stages=1, max_registers=dq.max_registers,

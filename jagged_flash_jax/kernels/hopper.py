@@ -609,22 +609,30 @@ def _receive(items, item_full, item_empty, i):
 
 
 @gluon.jit
-def _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
-                  v_empty, q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, q_token_stride,
-                  q_head_stride, kv_token_stride, kv_head_stride, t, i, NUM_HEADS: gl.constexpr,
-                  KV_GROUP: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr,
-                  CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """`_produce` for query block `item`, the program's i-th (`_fetch` hands out only blocks with
-    queries): the ring's position t after it."""
+def _block_origins(q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, q_token_stride,
+                   q_head_stride, kv_token_stride, kv_head_stride, NUM_HEADS: gl.constexpr,
+                   KV_GROUP: gl.constexpr, Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr,
+                   CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Where query block `item` (see `_block`) loads from, in the descriptors' 2-D views: (q_row, q_col,
+    kv_row, kv_col, num_key_blocks), the block's first query and the first key of its band, and the
+    band's key blocks (the forward's and dq's producers)."""
     _, head, q_start, _, kv_start, _, start_m, key_first, _, num_key_blocks = _block(
         q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
         KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
     kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
-    _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
-             v_empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, t, i & 1, BLOCK_N, STAGES)
-    return t + num_key_blocks
+    return q_row, q_col, kv_row + key_first, kv_col, num_key_blocks
+
+
+@gluon.jit
+def _slope(slopes_ptr, head, ALIBI: gl.constexpr):
+    """ALiBi's slope of query head `head` (slopes [1, H] in units of the unscaled scores), 0 without."""
+    if ALIBI:
+        slope = gl.load(slopes_ptr + head)
+    else:
+        slope = 0.0
+    return slope
 
 
 @gluon.jit
@@ -646,11 +654,13 @@ def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_fre
                   LAST_FIRST=True)
     while item < end:
         _hand_out(items, item_full, item_empty, i, item)
-        t = _produce_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready,
-                                 v_ready, k_empty, v_empty, q_offsets_ptr, kv_offsets_ptr, item, blocks,
-                                 q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
-                                 kv_head_stride, t, i, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN,
-                                 CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES)
+        q_row, q_col, kv_row, kv_col, num_key_blocks = _block_origins(
+            q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+            kv_token_stride, kv_head_stride, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+        _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
+                 v_empty, q_row, q_col, kv_row, kv_col, num_key_blocks, t, i & 1, BLOCK_N, STAGES)
+        t += num_key_blocks
         i += 1
         item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
                       LAST_FIRST=True)
@@ -670,10 +680,7 @@ def _consume_item(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_em
     _, head, q_start, n_q, _, n_k, start_m, key_first, key_end, num_key_blocks = _block(
         q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
         KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-    if ALIBI:  # slopes [1, NUM_HEADS] in units of the unscaled scores (one offsets segment)
-        slope = gl.load(slopes_ptr + head)
-    else:
-        slope = 0.0
+    slope = _slope(slopes_ptr, head, ALIBI)
     tails = _consume(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar,
                      o_ptr, lse_ptr, q_start, n_q, n_k, key_first, key_end, slope, start_m, head, q_tokens,
                      q_token_stride, q_head_stride, t, i & 1, tails, D, QK_SCALE, OUT_SCALE, CAUSAL,

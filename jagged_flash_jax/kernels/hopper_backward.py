@@ -85,6 +85,7 @@ from .hopper import (
     PARAM_Q_TOKEN_STRIDE,
     PARAM_Q_TOKENS,
     _block,
+    _block_origins,
     _capped_biased,
     _fetch,
     _hand_out,
@@ -92,6 +93,7 @@ from .hopper import (
     _item_ring,
     _publish,
     _receive,
+    _slope,
     _tile_origin,
     _tma_load,
     _zero_fills,
@@ -194,10 +196,7 @@ def _dkdv_consume(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty
     for g in range(KV_GROUP):
         head = kv_head * KV_GROUP + g
         stat_base = head.to(gl.int64) * q_tokens + q_start
-        if ALIBI:  # slopes [1, H] in units of the unscaled scores, of this query head
-            slope = gl.load(slopes_ptr + head)
-        else:
-            slope = 0.0
+        slope = _slope(slopes_ptr, head, ALIBI)
         for tile in range(t0, ntiles):
             i = t + g * per_head + (tile - t0)
             slot = i % STAGES
@@ -572,14 +571,12 @@ def _dq_producer_loop(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, 
                   LAST_FIRST=True)
     while item < end:
         _hand_out(items, item_full, item_empty, i, item)
-        _, head, q_start, _, kv_start, _, start_m, key_first, _, num_key_blocks = _block(
-            q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
-            KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-        q_row, q_col = _tile_origin(q_start + start_m, head, q_token_stride, q_head_stride)
-        kv_row, kv_col = _tile_origin(kv_start, head // KV_GROUP, kv_token_stride, kv_head_stride)
+        q_row, q_col, kv_row, kv_col, num_key_blocks = _block_origins(
+            q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+            kv_token_stride, kv_head_stride, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, BLOCK_M, BLOCK_N)
         _dq_produce(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready,
-                    empty, q_row, q_col, kv_row + key_first, kv_col, num_key_blocks, t, i & 1, BLOCK_N,
-                    STAGES)
+                    empty, q_row, q_col, kv_row, kv_col, num_key_blocks, t, i & 1, BLOCK_N, STAGES)
         t += num_key_blocks
         i += 1
         item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
@@ -606,10 +603,7 @@ def _dq_consumer_loop(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, emp
         _, head, q_start, n_q, _, n_k, start_m, key_first, key_end, num_key_blocks = _block(
             q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
             KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-        if ALIBI:  # slopes [1, H] in units of the unscaled scores
-            slope = gl.load(slopes_ptr + head)
-        else:
-            slope = 0.0
+        slope = _slope(slopes_ptr, head, ALIBI)
         tails = _dq_consume(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar, lse_ptr,
                             delta_ptr, dq_ptr, q_tokens, q_start, n_q, n_k, key_first, key_end, slope,
                             start_m, head, q_token_stride, q_head_stride, t, i & 1, tails, D, BLOCK_N,

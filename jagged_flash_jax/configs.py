@@ -89,6 +89,15 @@ def head_block(head_dim: int) -> int:
 # HOPPER_PRODUCER_REGS per producer's. Measured on the H200: docs/performance.md, "Hopper kernels".
 HOPPER_CONSUMER_REGS = 240
 HOPPER_PRODUCER_REGS = 24
+# Triton's num_stages for the Hopper kernels, whose pipelines are their own (the rings above): it only
+# decides whether jax-triton's make_ttgir runs Triton's software pipeliner over them, which from 1 on
+# puts a wgmma.wait_group 0 right after each asynchronous warpgroup_mma (PTX for sm_90a, triton 3.6 and
+# 3.9), so that no product overlaps the work beside it. 0 skips it, leaving the kernel's own waits (the
+# PTX is then the same as without the pass). The forward is faster with its own waits (its next S and
+# the softmax beside P V), the backward's kernels with the pipeliner's (S^T and dP^T one after the
+# other: two products in flight hold more registers than dk/dv has): docs/performance.md, "Hopper kernels".
+HOPPER_FWD_TRITON_STAGES = 0
+HOPPER_BWD_TRITON_STAGES = 1
 # The Hopper kernels take 16-bit inputs (bfloat16, float16) only: the table refuses "hopper" entries of
 # other bits (entry_from_json), so that a problem's Hopper tiles alone say whether a Hopper kernel runs.
 HOPPER_BITS = 16

@@ -164,6 +164,16 @@ def check_compiled(ptx: str, metadata: dict):
     assert metadata["shared"] <= 232448
 
 
+def products_in_flight(ptx: str) -> int:
+    """The most wgmma groups a warpgroup has in flight at once in straight-line PTX order: a
+    commit_group opens one, wait_group N leaves at most N."""
+    most = open_groups = 0
+    for op, pending in re.findall(r"wgmma\.(commit_group|wait_group)\.sync\.aligned\s*(\d*)", ptx):
+        open_groups = open_groups + 1 if op == "commit_group" else min(open_groups, int(pending))
+        most = max(most, open_groups)
+    return most
+
+
 # (dim, causal, layout, dtype, options): one compile per head dimension (at these lengths both take
 # 128x64 tiles, the narrow bands' at D = 128), every option on at both (a window's two bounds, a soft
 # cap and ALiBi, the constexprs that add code to the score tile), causal at one and not at the other,
@@ -186,8 +196,12 @@ def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype, optio
     if not hopper_launch.gluon_available():
         pytest.skip("this Triton has no triton.experimental.gluon (the Hopper forward is unavailable)")
     start = time.perf_counter()
-    check_compiled(*compile_for_sm90(*hopper_call(dim, causal, layout, dtype, **options)))
+    ptx, metadata = compile_for_sm90(*hopper_call(dim, causal, layout, dtype, **options))
+    check_compiled(ptx, metadata)
     assert time.perf_counter() - start < 60
+    # Its waits as written (configs.HOPPER_FWD_TRITON_STAGES: no Triton pipeliner): the next tile's S
+    # in flight beside P V. The pipeliner's wait_group 0 after each product would leave one.
+    assert products_in_flight(ptx) == 2
 
 
 # (dim, causal, layout, dtype, options): both head dimensions (their dq pipelines differ: 128 keys on

@@ -752,7 +752,8 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, monkeypatch, l
     assert hopper_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, 1, 20)
     assert tuple(call.pop("out_type")) == (_sds(q_shape, bf16), _sds((1, 4, 40), f32), _sds((1,), i32))
     options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
-    assert options == (4, 1, {"maxnreg": 168}) and call.pop("zeroed_outputs") == (2,)
+    assert options == (4, configs.HOPPER_FWD_TRITON_STAGES, {"maxnreg": 168})
+    assert call.pop("zeroed_outputs") == (2,)
     assert call == dict(NUM_HEADS=4, KV_GROUP=2, D=128, Q_MAX_LEN=600, KV_MAX_LEN=30, CAUSAL=True,
                         WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
                         QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, FILL_BLOCK=plan.FILL_BLOCK, OUT_SCALE=1.0,
@@ -1109,7 +1110,7 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
         assert hopper_backward_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, *params)
         assert tuple(call.pop("out_type")) == outputs
         options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
-        assert options == (4, 1, {"maxnreg": 168})
+        assert options == (4, configs.HOPPER_BWD_TRITON_STAGES, {"maxnreg": 168})
         if kernel is kernels.hopper_attention_bwd_dkdv_kernel:
             heads = dict(NUM_KV_HEADS=2, OUT_SCALE=1.0, BLOCK_M=64, BLOCK_N=128, STAGES=2)
         else:

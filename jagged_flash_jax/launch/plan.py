@@ -26,7 +26,9 @@ import jax.numpy as jnp
 from .. import kernels
 from .._util import cdiv, lse_gradient
 from ..configs import (
+    HOPPER_BWD_TRITON_STAGES,
     HOPPER_CONSUMER_REGS,
+    HOPPER_FWD_TRITON_STAGES,
     HOPPER_PRODUCER_REGS,
     HOPPER_SMS,
     BlockSizes,
@@ -363,8 +365,7 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
             "OUT_SCALE": p.out_scale, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
             "STAGES": tiles.num_stages, "CONSUMER_REGS": HOPPER_CONSUMER_REGS,
             "PRODUCER_REGS": HOPPER_PRODUCER_REGS},
-        # Gluon's pipeline is the kernel's own (STAGES): Triton's num_stages does nothing here.
-        num_warps=tiles.num_warps, num_stages=1, max_registers=tiles.max_registers,
+        num_warps=tiles.num_warps, num_stages=HOPPER_FWD_TRITON_STAGES, max_registers=tiles.max_registers,
         # The query tile is one consumer warpgroup's 64 rows.
         descriptors=((0, (tiles.block_m // 2, p.head_dim)), (1, (tiles.block_n, p.head_dim)),
                      (2, (tiles.block_n, p.head_dim))))
@@ -453,7 +454,7 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
                       param.HOPPER_BWD_FILL_CHUNK: _hopper_fill_chunk(p.kv_tokens, blocks)}),
         constants=dict(shared, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale, BLOCK_M=dkdv.block_m,
                        BLOCK_N=dkdv.block_n, STAGES=dkdv.num_stages),
-        num_warps=dkdv.num_warps, num_stages=1, max_registers=dkdv.max_registers,
+        num_warps=dkdv.num_warps, num_stages=HOPPER_BWD_TRITON_STAGES, max_registers=dkdv.max_registers,
         descriptors=((0, (dkdv.block_m, p.head_dim)), (1, (dkdv.block_m, p.head_dim)),
                      (2, (dkdv.block_n // 2, p.head_dim)), (3, (dkdv.block_n // 2, p.head_dim))))
     dk, dv, _ = run(dkdv_call, (*arrays, _params(dkdv_call)))
@@ -464,7 +465,7 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
                       param.HOPPER_BWD_FILL_CHUNK: _hopper_fill_chunk(p.q_tokens, blocks)}),
         constants=dict(shared, NUM_HEADS=p.num_heads, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n,
                        STAGES=dq.num_stages),
-        num_warps=dq.num_warps, num_stages=1, max_registers=dq.max_registers,
+        num_warps=dq.num_warps, num_stages=HOPPER_BWD_TRITON_STAGES, max_registers=dq.max_registers,
         descriptors=((0, (dq.block_m // 2, p.head_dim)), (1, (dq.block_m // 2, p.head_dim)),
                      (2, (dq.block_n, p.head_dim)), (3, (dq.block_n, p.head_dim))))
     dq_out, _ = run(dq_call, (*arrays, _params(dq_call)))

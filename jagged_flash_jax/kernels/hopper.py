@@ -318,12 +318,14 @@ def _issue_kv(desc, bar, buf, row, col):
 
 
 @gluon.jit
-def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
-             v_empty, q_row, q_col, kv_row, kv_col, num_key_blocks, t, qp, BLOCK_N: gl.constexpr,
+def _produce(buffers, q_row, q_col, kv_row, kv_col, num_key_blocks, t, qp, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr):
-    """The 1-warp load partition's work for one query block: both query tiles (once the consumers have
-    freed the last block's, q_free's phase qp ^ 1), then K_j and V_j (j < num_key_blocks, from kv_row:
-    the first key block of the band) into the ring from its position t as slots free."""
+    """The 1-warp load partition's work for one query block (`_producer_loop`'s `produce`): both query
+    tiles (once the consumers have freed the last block's, q_free's phase qp ^ 1), then K_j and V_j
+    (j < num_key_blocks, from kv_row: the first key block of the band) into the ring from its position t
+    as slots free."""
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty = (
+        buffers)
     for w in gl.static_range(2):
         mbarrier.wait(q_free.index(w), qp ^ 1)  # fresh barriers: phase 1 counts as complete
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
@@ -636,16 +638,17 @@ def _slope(slopes_ptr, head, ALIBI: gl.constexpr):
 
 
 @gluon.jit
-def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
-                   v_empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr, kv_offsets_ptr,
-                   params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
-                   NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, Q_MAX_LEN: gl.constexpr,
-                   KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                   WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr):
-    """The load partition: the query blocks `_fetch` takes from the counter, each handed out to the
-    consumers and then `_produce`d, the ring's position and the query tiles' phase running on; then
-    `end`, which ends the consumers."""
+def _producer_loop(produce: gl.constexpr, buffers, items, item_full, item_empty, counter_ptr,
+                   q_offsets_ptr, kv_offsets_ptr, params_ptr, end, blocks, q_tokens, kv_tokens,
+                   q_token_stride, q_head_stride, NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr,
+                   Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr,
+                   WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr):
+    """The load partition of the forward and of dq: the query blocks `_fetch` takes from the counter,
+    each handed out to the consumers and then loaded by `produce(buffers, q_row, q_col, kv_row, kv_col,
+    num_key_blocks, t, phase, BLOCK_N, STAGES)` (`_produce`, `hopper_backward._dq_produce`: the block's
+    query tiles, then its band's key tiles from the ring's position t), the ring's position and the query
+    tiles' phase running on; then `end`, which ends the consumers."""
     kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
     kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
     t = 0
@@ -658,8 +661,7 @@ def _producer_loop(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_fre
             q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
             kv_token_stride, kv_head_stride, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
             WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-        _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
-                 v_empty, q_row, q_col, kv_row, kv_col, num_key_blocks, t, i & 1, BLOCK_N, STAGES)
+        produce(buffers, q_row, q_col, kv_row, kv_col, num_key_blocks, t, i & 1, BLOCK_N, STAGES)
         t += num_key_blocks
         i += 1
         item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
@@ -758,9 +760,11 @@ def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr
                           kv_offsets_ptr, slopes_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride,
                           q_head_stride, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE, OUT_SCALE, CAUSAL,
                           WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, 1)),
-        (_producer_loop, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready,
-                          k_empty, v_empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr,
-                          kv_offsets_ptr, params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride,
-                          q_head_stride, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
-                          WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN)),
+        # (a function among a partition's arguments goes as a constexpr: triton 3.6 flattens them to IR)
+        (_producer_loop, (gl.constexpr(_produce), (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars,
+                                                   q_free, k_ready, v_ready, k_empty, v_empty),
+                          items, item_full, item_empty, counter_ptr, q_offsets_ptr, kv_offsets_ptr,
+                          params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                          NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+                          BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

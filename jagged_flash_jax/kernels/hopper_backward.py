@@ -85,12 +85,12 @@ from .hopper import (
     PARAM_Q_TOKEN_STRIDE,
     PARAM_Q_TOKENS,
     _block,
-    _block_origins,
     _capped_biased,
     _fetch,
     _hand_out,
     _item,
     _item_ring,
+    _producer_loop,
     _publish,
     _receive,
     _slope,
@@ -532,12 +532,13 @@ def _dq_consume(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, ta
 
 
 @gluon.jit
-def _dq_produce(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty,
-                q_row, q_col, kv_row, kv_col, num_key_blocks, t, qp, BLOCK_N: gl.constexpr,
+def _dq_produce(buffers, q_row, q_col, kv_row, kv_col, num_key_blocks, t, qp, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr):
-    """The 1-warp load partition's work for one query block: both warpgroups' Q and dO tiles (once the
-    consumers have freed the last block's, q_free's phase qp ^ 1), then K_j, V_j (from kv_row: the
-    band's first key block) into the ring from its position t as slots free."""
+    """The 1-warp load partition's work for one query block (`hopper._producer_loop`'s `produce`): both
+    warpgroups' Q and dO tiles (once the consumers have freed the last block's, q_free's phase qp ^ 1),
+    then K_j, V_j (from kv_row: the band's first key block) into the ring from its position t as slots
+    free."""
+    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty = buffers
     for w in gl.static_range(2):
         mbarrier.wait(q_free.index(w), qp ^ 1)  # fresh barriers: phase 1 counts as complete
         mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -553,38 +554,6 @@ def _dq_produce(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem
 
 
 @gluon.jit
-def _dq_producer_loop(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready,
-                      empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr, kv_offsets_ptr,
-                      params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
-                      NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, Q_MAX_LEN: gl.constexpr,
-                      KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                      WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr):
-    """The load partition: the query blocks `_fetch` takes from the counter (as the Hopper forward's
-    producer), each handed out to the consumers and then `_dq_produce`d, the ring's position and the
-    query tiles' phase running on; then `end`, which ends the consumers."""
-    kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
-    kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
-    t = 0
-    i = 0
-    item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
-                  LAST_FIRST=True)
-    while item < end:
-        _hand_out(items, item_full, item_empty, i, item)
-        q_row, q_col, kv_row, kv_col, num_key_blocks = _block_origins(
-            q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
-            kv_token_stride, kv_head_stride, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
-            WINDOW_RIGHT, BLOCK_M, BLOCK_N)
-        _dq_produce(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready,
-                    empty, q_row, q_col, kv_row, kv_col, num_key_blocks, t, i & 1, BLOCK_N, STAGES)
-        t += num_key_blocks
-        i += 1
-        item = _fetch(counter_ptr, q_offsets_ptr, end, blocks, q_tokens, NUM_HEADS, Q_MAX_LEN, BLOCK_M,
-                      LAST_FIRST=True)
-    _hand_out(items, item_full, item_empty, i, end)
-
-
-@gluon.jit
 def _dq_consumer_loop(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar, items,
                       item_full, item_empty, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr, kv_offsets_ptr,
                       slopes_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
@@ -593,7 +562,7 @@ def _dq_consumer_loop(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, emp
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                       WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                       QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr, WG: gl.constexpr):
-    """A consumer warpgroup: `_dq_consume` for the query blocks `_dq_producer_loop` hands out, until
+    """A consumer warpgroup: `_dq_consume` for the query blocks `hopper._producer_loop` hands out, until
     `end`."""
     t = 0
     tails = 0
@@ -687,9 +656,10 @@ def _dq(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_o
                              slopes_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
                              NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                              WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, 1)),
-        (_dq_producer_loop, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free,
-                             ready, empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr,
-                             kv_offsets_ptr, params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride,
-                             q_head_stride, NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
-                             WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN)),
+        (_producer_loop, (gl.constexpr(_dq_produce), (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem,
+                                                      k_smem, v_smem, q_bar, q_free, ready, empty),
+                          items, item_full, item_empty, counter_ptr, q_offsets_ptr, kv_offsets_ptr,
+                          params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                          NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+                          BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

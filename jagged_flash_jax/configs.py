@@ -93,9 +93,10 @@ HOPPER_PRODUCER_REGS = 24
 # decides whether jax-triton's make_ttgir runs Triton's software pipeliner over them, which from 1 on
 # puts a wgmma.wait_group 0 right after each asynchronous warpgroup_mma (PTX for sm_90a, triton 3.6 and
 # 3.9), so that no product overlaps the work beside it. 0 skips it, leaving the kernel's own waits (the
-# PTX is then the same as without the pass). The forward is faster with its own waits (its next S and
-# the softmax beside P V), the backward's kernels with the pipeliner's (S^T and dP^T one after the
-# other: two products in flight hold more registers than dk/dv has): docs/performance.md, "Hopper kernels".
+# PTX is then the same as without the pass). Measured on the H200: the forward is faster with its own
+# waits (its next S beside the softmax and P V); dq is no faster without the pipeliner, and dk/dv is
+# slower without it wherever query tiles are masked (ragged, causal, windowed): docs/performance.md,
+# "Measured on 2026-12-02 (session of fc78953)".
 HOPPER_FWD_TRITON_STAGES = 0
 HOPPER_BWD_TRITON_STAGES = 1
 # The Hopper kernels take 16-bit inputs (bfloat16, float16) only: the table refuses "hopper" entries of

@@ -90,6 +90,7 @@ from .hopper import (
     _hand_out,
     _item,
     _item_ring,
+    _partition_barrier,
     _producer_loop,
     _publish,
     _receive,
@@ -153,12 +154,12 @@ def _key_block(q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens,
 
 
 @gluon.jit
-def _dkdv_consume(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar, lse_ptr,
-                  delta_ptr, slopes_ptr, dk_ptr, dv_ptr, q_tokens, q_start, n_q, kv_start, n_k, key0, kv_head,
-                  kv_token_stride, kv_head_stride, t, kvp, tail_phases, KV_GROUP: gl.constexpr,
-                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+def _dkdv_consume(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar, lse_smem,
+                  delta_smem, slopes_ptr, dk_ptr, dv_ptr, n_q, kv_start, n_k, key0, kv_head, kv_token_stride,
+                  kv_head_stride, t, kvp, tail_phases, KV_GROUP: gl.constexpr, D: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                  ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
                   OUT_SCALE: gl.constexpr, WG: gl.constexpr):
     """One consumer warpgroup's work for one key block: dK, dV of keys key0 + 64 WG + [0, 64) over the
     query tiles the producer streams into the ring from its position t (the block's K and V behind
@@ -195,16 +196,12 @@ def _dkdv_consume(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty
     mbarrier.wait(kv_bar, kvp)  # always, tiles or none: kv_bar's phase runs on from block to block
     for g in range(KV_GROUP):
         head = kv_head * KV_GROUP + g
-        stat_base = head.to(gl.int64) * q_tokens + q_start
         slope = _slope(slopes_ptr, head, ALIBI)
         for tile in range(t0, ntiles):
             i = t + g * per_head + (tile - t0)
             slot = i % STAGES
             m0 = tile * BLOCK_M
-            # Plain loads, in flight during the wait.
             cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-            lse = gl.load(lse_ptr + stat_base + cols, mask=cols < n_q, other=0.0)
-            delta = gl.load(delta_ptr + stat_base + cols, mask=cols < n_q, other=0.0)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q = q_smem.index(slot)
             do = do_smem.index(slot)
@@ -223,6 +220,7 @@ def _dkdv_consume(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty
                 tail_phases = tail_phases ^ (1 << slot)
             st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            lse = lse_smem.index(slot).load(col_layout)  # the producer's, zero past n_q
             st = warpgroup_mma_wait(1, deps=(st_tok, ))
             st, tanh_st = _capped_biased(st, krow0 - (m0 + shift), slope, SOFTCAP, ALIBI, CONSUMER_ROWS,
                                          BLOCK_M, st_layout)
@@ -243,6 +241,7 @@ def _dkdv_consume(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty
             if SOFTCAP > 0:  # dS^T takes the cap's derivative, 1 - tanh^2: folded into P^T here
                 pt = pt * (1.0 - tanh_st * tanh_st)
             dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+            delta = delta_smem.index(slot).load(col_layout)
             dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             if tail:  # past n_q dP^T reads zeroed rows, but keep 0 exactly
@@ -262,14 +261,15 @@ def _dkdv_consume(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty
 
 
 @gluon.jit
-def _dkdv_produce(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready,
-                  empty, q_start, n_q, n_k, key0, kv_row, kv_col, kv_head, q_token_stride, q_head_stride, t,
-                  kvp, KV_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-                  WINDOW_RIGHT: gl.constexpr):
+def _dkdv_produce(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                  kv_bar, kv_free, ready, empty, lse_ptr, delta_ptr, q_tokens, q_start, n_q, n_k, key0,
+                  kv_row, kv_col, kv_head, q_token_stride, q_head_stride, t, kvp, KV_GROUP: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):
     """The 1-warp load partition's work for one key block: its K and V (two halves of 64 rows each,
     from kv_row, once both consumers have freed the last block's: kv_free's phase kvp ^ 1), then the Q
-    and dO tiles of each query head of the group into the ring from its position t as slots free.
+    and dO tiles of each query head of the group into the ring from its position t as slots free, each
+    with its log-sum-exp and delta (plain loads, zero past n_q) in the slot's lse_smem and delta_smem.
     Returns the ring's position after the block."""
     mbarrier.wait(kv_free, kvp ^ 1)  # fresh barriers: phase 1 counts as complete
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
@@ -278,8 +278,12 @@ def _dkdv_produce(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_sm
         _tma_load(v_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, v_smem.index(w))
     t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
     per_head = ntiles - t0
+    stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    offs = gl.arange(0, BLOCK_M, layout=stat_layout)
     for g in range(KV_GROUP):
-        q_row, q_col = _tile_origin(q_start, kv_head * KV_GROUP + g, q_token_stride, q_head_stride)
+        head = kv_head * KV_GROUP + g
+        q_row, q_col = _tile_origin(q_start, head, q_token_stride, q_head_stride)
+        stat_base = head.to(gl.int64) * q_tokens + q_start
         for tile in range(t0, ntiles):
             i = t + g * per_head + (tile - t0)
             slot = i % STAGES
@@ -288,17 +292,26 @@ def _dkdv_produce(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_sm
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             _tma_load(q_desc, [q_row + tile * BLOCK_M, q_col], bar, q_smem.index(slot))
             _tma_load(do_desc, [q_row + tile * BLOCK_M, q_col], bar, do_smem.index(slot))
+            # The tile's log-sum-exp and delta (zero past n_q) beside it, under the TMA loads; the
+            # barrier's second arrival publishes them.
+            m0 = tile * BLOCK_M
+            keep = offs < n_q - m0
+            lse_smem.index(slot).store(gl.load(lse_ptr + stat_base + m0 + offs, mask=keep, other=0.0))
+            delta_smem.index(slot).store(gl.load(delta_ptr + stat_base + m0 + offs, mask=keep, other=0.0))
+            _partition_barrier()
+            mbarrier.arrive(bar, count=1)
     return t + KV_GROUP * per_head
 
 
 @gluon.jit
-def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free,
-                        ready, empty, items, item_full, item_empty, counter_ptr, q_offsets_ptr,
-                        kv_offsets_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
-                        kv_token_stride, kv_head_stride, NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr,
-                        Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr,
-                        WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                        delta_smem, kv_bar, kv_free, ready, empty, lse_ptr, delta_ptr, items, item_full,
+                        item_empty, counter_ptr, q_offsets_ptr, kv_offsets_ptr, end, blocks, q_tokens,
+                        kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
+                        NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+                        KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                        WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr):
     """The load partition: the key blocks with keys that `_fetch` takes from the counter (those with no
     query are blocks too: their dk, dv are zeros), each handed out to the consumers and then
     `_dkdv_produce`d, the ring's position and K and V's phase running on; then `end`, which ends the
@@ -313,10 +326,10 @@ def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem,
                                                                 q_tokens, kv_tokens, NUM_KV_HEADS, Q_MAX_LEN,
                                                                 KV_MAX_LEN, BLOCK_N)
         kv_row, kv_col = _tile_origin(kv_start + key0, kv_head, kv_token_stride, kv_head_stride)
-        t = _dkdv_produce(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free,
-                          ready, empty, q_start, n_q, n_k, key0, kv_row, kv_col, kv_head, q_token_stride,
-                          q_head_stride, t, i & 1, KV_GROUP, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW_LEFT,
-                          WINDOW_RIGHT)
+        t = _dkdv_produce(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                          delta_smem, kv_bar, kv_free, ready, empty, lse_ptr, delta_ptr, q_tokens, q_start,
+                          n_q, n_k, key0, kv_row, kv_col, kv_head, q_token_stride, q_head_stride, t, i & 1,
+                          KV_GROUP, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
         i += 1
         item = _fetch(counter_ptr, kv_offsets_ptr, end, blocks, kv_tokens, NUM_KV_HEADS, KV_MAX_LEN, BLOCK_N,
                       LAST_FIRST=False)
@@ -325,9 +338,9 @@ def _dkdv_producer_loop(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem,
 
 @gluon.jit
 def _dkdv_consumer_loop(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar, items,
-                        item_full, item_empty, lse_ptr, delta_ptr, slopes_ptr, dk_ptr, dv_ptr, q_offsets_ptr,
-                        kv_offsets_ptr, end, blocks, q_tokens, kv_tokens, kv_token_stride, kv_head_stride,
-                        NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr,
+                        item_full, item_empty, lse_smem, delta_smem, slopes_ptr, dk_ptr, dv_ptr,
+                        q_offsets_ptr, kv_offsets_ptr, end, blocks, q_tokens, kv_tokens, kv_token_stride,
+                        kv_head_stride, NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr,
                         Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -344,11 +357,11 @@ def _dkdv_consumer_loop(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready,
                                                                 q_tokens, kv_tokens, NUM_KV_HEADS, Q_MAX_LEN,
                                                                 KV_MAX_LEN, BLOCK_N)
         t, tail_phases = _dkdv_consume(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty,
-                                       tail_bar, lse_ptr, delta_ptr, slopes_ptr, dk_ptr, dv_ptr, q_tokens,
-                                       q_start, n_q, kv_start, n_k, key0, kv_head, kv_token_stride,
-                                       kv_head_stride, t, i & 1, tail_phases, KV_GROUP, D, BLOCK_M, BLOCK_N,
-                                       STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE,
-                                       DS_SCALE, OUT_SCALE, WG)
+                                       tail_bar, lse_smem, delta_smem, slopes_ptr, dk_ptr, dv_ptr, n_q,
+                                       kv_start, n_k, key0, kv_head, kv_token_stride, kv_head_stride, t,
+                                       i & 1, tail_phases, KV_GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                                       WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, DS_SCALE,
+                                       OUT_SCALE, WG)
         i += 1
         item = _receive(items, item_full, item_empty, i)
 
@@ -404,6 +417,9 @@ def _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv
     v_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
+    stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     tail_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -414,30 +430,30 @@ def _dkdv(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv
     mbarrier.init(kv_free, count=2)  # one arrival per consumer
     for s in gl.static_range(STAGES):
         mbarrier.init(tail_bar.index(s), count=1)
-        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(ready.index(s), count=2)  # the TMA loads' expect and the statistics' arrival
         mbarrier.init(empty.index(s), count=2)  # one arrival per consumer
     fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
 
     # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
     gl.warp_specialize([
         (_dkdv_consumer_loop, (k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar,
-                               items, item_full, item_empty, lse_ptr, delta_ptr, slopes_ptr, dk_ptr, dv_ptr,
+                               items, item_full, item_empty, lse_smem, delta_smem, slopes_ptr, dk_ptr, dv_ptr,
                                q_offsets_ptr, kv_offsets_ptr, end, blocks, q_tokens, kv_tokens,
                                kv_token_stride, kv_head_stride, NUM_KV_HEADS, KV_GROUP, D, Q_MAX_LEN,
                                KV_MAX_LEN, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
                                SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, OUT_SCALE, 0)),
         (_dkdv_consumer_loop, (k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar,
-                               items, item_full, item_empty, lse_ptr, delta_ptr, slopes_ptr, dk_ptr, dv_ptr,
+                               items, item_full, item_empty, lse_smem, delta_smem, slopes_ptr, dk_ptr, dv_ptr,
                                q_offsets_ptr, kv_offsets_ptr, end, blocks, q_tokens, kv_tokens,
                                kv_token_stride, kv_head_stride, NUM_KV_HEADS, KV_GROUP, D, Q_MAX_LEN,
                                KV_MAX_LEN, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
                                SOFTCAP, ALIBI, QK_SCALE, DS_SCALE, OUT_SCALE, 1)),
-        (_dkdv_producer_loop, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar,
-                               kv_free, ready, empty, items, item_full, item_empty, counter_ptr,
-                               q_offsets_ptr, kv_offsets_ptr, end, blocks, q_tokens, kv_tokens,
-                               q_token_stride, q_head_stride, kv_token_stride, kv_head_stride, NUM_KV_HEADS,
-                               KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
-                               BLOCK_N, STAGES)),
+        (_dkdv_producer_loop, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                               delta_smem, kv_bar, kv_free, ready, empty, lse_ptr, delta_ptr, items,
+                               item_full, item_empty, counter_ptr, q_offsets_ptr, kv_offsets_ptr, end, blocks,
+                               q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride,
+                               kv_head_stride, NUM_KV_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL,
+                               WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -1,0 +1,56 @@
+"""ptxas's registers and spill bytes per thread of the Hopper backward's kernels (dk/dv and dq), compiled for
+sm_90a as jax-triton 0.4.1 compiles them (tests/test_hopper.compile_for_sm90), in the configurations the tests
+use; no GPU needed. Run from the repository root: python -m benchmarks.probes.backward_spills (triton from
+PYTHONPATH: the GPU machine's is 3.6)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax.numpy as jnp
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+import test_hopper as th  # noqa: E402
+
+CONFIGS = [
+    ("D128", 128, False, {}),
+    ("D128 causal", 128, True, {}),
+    ("D128 window (64, 0)", 128, False, dict(window=(64, 0))),
+    ("D128 causal, window, softcap, ALiBi", 128, True, dict(window=(16, 4), softcap=5.0, alibi=True)),
+    ("D64 causal", 64, True, {}),
+    ("D64 causal, window, softcap, ALiBi", 64, True, dict(window=(16, 4), softcap=5.0, alibi=True)),
+]
+
+
+def ptxas_report(ptx: str) -> tuple[str, str, str]:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    run = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                         text=True, check=True)
+    os.unlink(f.name)
+    (regs,) = re.findall(r"Used (\d+) registers", run.stderr)
+    (stores, loads) = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)[0]
+    return regs, stores, loads
+
+
+def main() -> None:
+    print(f"triton {triton.__version__}, sm_90a, bfloat16, THD")
+    for name, dim, causal, options in CONFIGS:
+        for call, arrays in th.hopper_backward_calls(dim, causal, "THD", jnp.bfloat16, **options):
+            with contextlib.redirect_stdout(io.StringIO()):
+                ptx, _ = th.compile_for_sm90(call, arrays)
+            regs, stores, loads = ptxas_report(ptx)
+            print(f"{call.kernel.__name__:28s} {name:38s} registers {regs}, spill stores {stores:>5s} B, "
+                  f"loads {loads:>5s} B", flush=True)
+
+
+if __name__ == "__main__":
+    main()

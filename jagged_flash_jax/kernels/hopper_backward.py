@@ -6,7 +6,8 @@ share).
 Both take q, do, k, v as TMA descriptors over the forward's 2-D views (one row per token in "THD", per
 (head, token) in "HTD": see kernels/hopper.py), the float32 log-sum-exp (base 2, in units of the unscaled
 scores, +inf for a query with no key) and delta = rowsum(o * do) / OUT_SCALE (minus the log-sum-exp's
-own gradient, see _util.lse_gradient), both [1, H, q_tokens], by plain loads. With P = exp2((S - lse) *
+own gradient, see _util.lse_gradient), both [1, H, q_tokens], by plain loads (dk/dv's producer stages
+each query tile's in shared memory beside its Q and dO). With P = exp2((S - lse) *
 QK_SCALE), S the scores of q k^T unscaled and dS = P (dP - delta) S', dP = do v^T: dv = OUT_SCALE *
 P^T do, dk = DS_SCALE * dS^T q, dq = DS_SCALE * dS k (DS_SCALE = scale * OUT_SCALE). S and S' are
 common._scores' (in units of the unscaled scores, as lse): S = SOFTCAP * tanh(q k^T / SOFTCAP) -
@@ -18,25 +19,25 @@ i + n_k - n_q; causal, and a window of WINDOW_LEFT / WINDOW_RIGHT keys, -1 for n
 head // KV_GROUP). Every output element has one writer and there are no atomics: bitwise
 deterministic.
 
-dk/dv (`attention_bwd_dkdv_kernel`): persistent as the forward is (one program per SM taking blocks of
-128 keys of one (sequence, kv head) from a counter the launch zeroes, each (sequence, kv head)'s blocks
+dk/dv (`attention_bwd_dkdv_kernel`): persistent as the forward is (one program per SM taking blocks of 128
+keys of one (sequence, kv head) from a counter the launch zeroes, each (sequence, kv head)'s blocks
 adjacent and the first first, handed to the consumers through a 2-slot ring in shared memory; see
 kernels/hopper.py). Per block a 1-warp producer partition loads the block's K and V (two halves of 64
-rows, once both consumers are done with the last block's: the kv_free mbarrier), then streams the Q and
-dO tiles of BLOCK_M queries that see a key of the block (of each of the KV_GROUP query heads in turn;
-under causal from the first such tile, and a window bounds them on both sides, common._query_ranges:
-the cost grows with the window, not with n_q) into a STAGES-deep ring (ready / empty mbarriers, the
-empty ones counting 2) that runs on from block to block. Two consumer warpgroups (the default partition
-and a worker, setmaxnreg CONSUMER_REGS / PRODUCER_REGS) own 64 key rows each, dK and dV in float32
-registers, zeroed per block. Per query tile: S^T = K Q^T and dP^T = V dO^T issued together; P^T =
-exp2((S^T - lse) * QK_SCALE) while dP^T is in flight (masked, by a select, in the tiles where some
-query of the tile misses some key of the warpgroup's or is past n_q: the band's edges and the
-sequence's last tile); dV += P^T dO (async); dS^T = P^T S'^T (dP^T - delta); dK += dS^T Q; wait;
-release the slot. A tile's rows past n_q are other tokens (maybe NaN, and 0 * NaN is NaN in the
-products): warpgroup 0 zeroes them in Q and dO in shared memory and signals warpgroup 1 through the
-slot's tail mbarrier, and P^T, dS^T are masked there. Rows of K and V past n_k only reach their own
-rows of dK and dV, which are not stored. A block that no query sees (n_q = 0, or outside a window) is a
-block too: its rows < n_k are stored as zeros.
+rows, once both consumers are done with the last block's: the kv_free mbarrier), then streams the Q and dO
+tiles (with their log-sum-exp and delta, zero past n_q; the ready mbarrier counts their arrival as a
+second) of BLOCK_M queries that see a key of the block (of each of the KV_GROUP query heads in turn; under
+causal from the first such tile, and a window bounds them on both sides, common._query_ranges: the cost
+grows with the window, not with n_q) into a STAGES-deep ring (ready / empty mbarriers, the empty ones
+counting 2) that runs on from block to block. Two consumer warpgroups (the default partition and a worker,
+setmaxnreg CONSUMER_REGS / PRODUCER_REGS) own 64 key rows each, dK and dV in float32 registers, zeroed per
+block. Per query tile: S^T = K Q^T and dP^T = V dO^T issued together; P^T = exp2((S^T - lse) * QK_SCALE)
+while dP^T is in flight (masked, by a select, in the tiles where some query of the tile misses some key of
+the warpgroup's or is past n_q: the band's edges and the sequence's last tile); dV += P^T dO (async); dS^T
+= P^T S'^T (dP^T - delta); dK += dS^T Q; wait; release the slot. A tile's rows past n_q are other tokens
+(maybe NaN, and 0 * NaN is NaN in the products): warpgroup 0 zeroes them in Q and dO in shared memory and
+signals warpgroup 1 through the slot's tail mbarrier, and P^T, dS^T are masked there. Rows of K and V past
+n_k only reach their own rows of dK and dV, which are not stored. A block that no query sees (n_q = 0, or
+outside a window) is a block too: its rows < n_k are stored as zeros.
 
 dq (`attention_bwd_dq_kernel`): the forward's structure, persistent as the forward is (one program per
 SM taking blocks of 128 queries of one (sequence, head) from a counter the launch zeroes, handed to the

@@ -17,6 +17,7 @@ test_launchers.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
@@ -224,6 +225,20 @@ def test_the_hopper_backward_compiles_for_sm90a(dim, causal, layout, dtype, opti
     for call, arrays in hopper_backward_calls(dim, causal, layout, dtype, **options):
         ptx, metadata = compile_for_sm90(call, arrays)
         check_compiled(ptx, metadata)
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
+def test_the_hopper_dkdv_compiles_with_query_tiles_narrower_than_a_warp(monkeypatch):
+    """A tuned table may give dk/dv 16-query tiles: its producer's statistics (a tile's log-sum-exp and
+    delta, spread over its warp's 32 lanes) still compile."""
+    if not hopper_launch.gluon_available():
+        pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
+    table_tiles = configs.hopper_block_sizes
+    monkeypatch.setattr(configs, "hopper_block_sizes", lambda *args: dataclasses.replace(
+        table_tiles(*args), dkdv=dataclasses.replace(table_tiles(*args).dkdv, block_m=16)))
+    (call, arrays), _ = hopper_backward_calls(128, False, "THD", jnp.bfloat16)
+    assert call.kernel.__name__ == "attention_bwd_dkdv_kernel" and call.constants["BLOCK_M"] == 16
+    check_compiled(*compile_for_sm90(call, arrays))
 
 
 # ---------------------------------------------------------------------------------------------------

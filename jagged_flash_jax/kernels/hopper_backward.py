@@ -279,7 +279,8 @@ def _dkdv_produce(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_sm
         _tma_load(v_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, v_smem.index(w))
     t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
     per_head = ntiles - t0
-    stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    # The tile's statistics over the warp's 32 lanes (a tile of fewer queries repeats them on the rest).
+    stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32 if BLOCK_M >= 32 else 1], [32], [1], [0])
     offs = gl.arange(0, BLOCK_M, layout=stat_layout)
     for g in range(KV_GROUP):
         head = kv_head * KV_GROUP + g
@@ -294,7 +295,8 @@ def _dkdv_produce(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_sm
             _tma_load(q_desc, [q_row + tile * BLOCK_M, q_col], bar, q_smem.index(slot))
             _tma_load(do_desc, [q_row + tile * BLOCK_M, q_col], bar, do_smem.index(slot))
             # The tile's log-sum-exp and delta (zero past n_q) beside it, under the TMA loads; the
-            # barrier's second arrival publishes them.
+            # barrier's second arrival publishes them (read by plain loads: no proxy fence, as `_publish`
+            # has for wgmma).
             m0 = tile * BLOCK_M
             keep = offs < n_q - m0
             lse_smem.index(slot).store(gl.load(lse_ptr + stat_base + m0 + offs, mask=keep, other=0.0))

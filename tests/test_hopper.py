@@ -694,6 +694,25 @@ def test_backward_on_few_programs(case, layout, programs, backward_kernels, monk
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("case,layout", [("cross-nq<nk-causal-gqa", "THD"),
+                                         ("cross-causal-all-options-gqa", "HTD")], ids=str)
+def test_backward_with_narrower_query_tiles(case, layout, block_m, backward_kernels, monkeypatch):
+    """dk/dv streaming the 16- and 32-query tiles a tuned table may give (the producer's statistics
+    spread over fewer rows than a warp's lanes at 16): the gradients still match float64."""
+    table_tiles, given = hopper_launch.hopper_block_sizes, []
+
+    def narrower(*args):
+        tiles = table_tiles(*args)
+        given.append(dataclasses.replace(tiles, dkdv=dataclasses.replace(tiles.dkdv, block_m=block_m)))
+        return given[-1]
+
+    monkeypatch.setattr(hopper_launch, "hopper_block_sizes", narrower)
+    check_backward(case, layout, "bf16", backward_kernels)
+    assert given and all(tiles.dkdv.block_m == block_m for tiles in given)
+
+
+@pytest.mark.gpu
 def test_the_override_runs_the_portable_backward(backward_kernels, monkeypatch):
     """$JAGGED_FLASH_JAX_BACKWARD=portable: the portable backward (the spy sees no Hopper launch)."""
     monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "portable")

@@ -1,9 +1,10 @@
 """Two steps of one benchmark case on the triton backend (default: `long`, bfloat16, forward + backward),
 for a profiler:
 
-    ncu --clock-control none --target-processes all --kernel-name 'regex:^attention_(fwd|bwd)_kernel$' \
-        --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    ncu --clock-control none --target-processes all \
+        --kernel-name 'regex:^attention_(fwd|bwd|bwd_dkdv|bwd_dq)_kernel$' --launch-count 3 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         python -m benchmarks.probes.one_step [--case rec-mid --dtype float32 --mode fwd]
 """
 

@@ -1,7 +1,7 @@
 """ptxas's registers and spill bytes per thread of the Hopper backward's kernels (dk/dv and dq), compiled for
 sm_90a as jax-triton 0.4.1 compiles them (tests/test_hopper.compile_for_sm90), in the configurations the tests
 use; no GPU needed. Run from the repository root: python -m benchmarks.probes.backward_spills (triton from
-PYTHONPATH: the GPU machine's is 3.6)."""
+PYTHONPATH: the GPU machine's is 3.6; Triton's own ptxas for sm_90)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import tempfile
 
 import jax.numpy as jnp
 import triton
+from triton.backends.nvidia.compiler import get_ptxas
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 import test_hopper as th  # noqa: E402
@@ -32,7 +33,8 @@ CONFIGS = [
 def ptxas_report(ptx: str) -> tuple[str, str, str]:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    # The ptxas Triton compiles sm_90 with (triton 3.9's PTX needs its CUDA 13 `ptxas-blackwell`).
+    ptxas = get_ptxas(90).path
     run = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True,
                          text=True, check=True)
     os.unlink(f.name)

@@ -96,8 +96,8 @@ HOPPER_PRODUCER_REGS = 24
 # PTX is then the same as without the pass). Measured on the H200: the forward is faster with its own
 # waits (its next S beside the softmax and P V); dq is no faster without the pipeliner; dk/dv with its
 # own waits is faster where no band masks its query tiles (neither causal nor a window: 3% on `long`)
-# and slower under a window (4% at a window of 1024): docs/performance.md, "Measured on 2026-12-02
-# (sessions of fc78953 and 35d85a5)".
+# and slower under a window (4% at a window of 1024): docs/performance.md, the sections "Measured on
+# 2026-12-02" of the sessions of fc78953 and 35d85a5.
 HOPPER_FWD_TRITON_STAGES = 0
 HOPPER_BWD_TRITON_STAGES = 1  # dq, and dk/dv under causal or a window
 HOPPER_DKDV_UNBANDED_TRITON_STAGES = 0

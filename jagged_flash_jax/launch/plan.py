@@ -28,7 +28,6 @@ from .._util import cdiv, lse_gradient
 from ..configs import (
     HOPPER_BWD_TRITON_STAGES,
     HOPPER_CONSUMER_REGS,
-    HOPPER_DKDV_UNBANDED_TRITON_STAGES,
     HOPPER_FWD_TRITON_STAGES,
     HOPPER_PRODUCER_REGS,
     HOPPER_SMS,
@@ -117,11 +116,6 @@ class Problem:
     @property
     def stats_shape(self) -> tuple[int, int, int]:
         return (self.num_segments, self.num_heads, self.q_tokens)
-
-    @property
-    def banded(self) -> bool:
-        """Causal or windowed: a band whose edges mask the tiles they cross (the kernels' BANDED)."""
-        return self.causal or self.window != (None, None)
 
     def strides(self, heads: int, tokens: int) -> tuple[int, int]:
         """(token stride, head stride) in elements."""
@@ -460,8 +454,7 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
                       param.HOPPER_BWD_FILL_CHUNK: _hopper_fill_chunk(p.kv_tokens, blocks)}),
         constants=dict(shared, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale, BLOCK_M=dkdv.block_m,
                        BLOCK_N=dkdv.block_n, STAGES=dkdv.num_stages),
-        num_warps=dkdv.num_warps, max_registers=dkdv.max_registers,
-        num_stages=HOPPER_BWD_TRITON_STAGES if p.banded else HOPPER_DKDV_UNBANDED_TRITON_STAGES,
+        num_warps=dkdv.num_warps, num_stages=HOPPER_BWD_TRITON_STAGES, max_registers=dkdv.max_registers,
         descriptors=((0, (dkdv.block_m, p.head_dim)), (1, (dkdv.block_m, p.head_dim)),
                      (2, (dkdv.block_n // 2, p.head_dim)), (3, (dkdv.block_n // 2, p.head_dim))))
     dk, dv, _ = run(dkdv_call, (*arrays, _params(dkdv_call)))

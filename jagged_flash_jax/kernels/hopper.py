@@ -206,6 +206,13 @@ def _tile_origin(first_token, head, token_stride, head_stride):
 
 
 @gluon.jit
+def _stat_origin(first_token, head, q_tokens):
+    """Where a sequence's first query of `head` sits in the float32 per-query statistics (the
+    log-sum-exp, delta: [1, H, q_tokens])."""
+    return head.to(gl.int64) * q_tokens + first_token
+
+
+@gluon.jit
 def _capped_biased(s, offset, slope, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, ROWS: gl.constexpr,
                    COLS: gl.constexpr, layout: gl.constexpr):
     """common._scores on a [ROWS, COLS] tile (of `layout`) of unscaled q.k, or of its transpose k.q:
@@ -477,7 +484,7 @@ def _consume(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, 
     # In units of the unscaled scores: sum_j exp2((s_j - lse) * QK_SCALE) = 1.
     lse = gl.where(attended, m_i + gl.log2(l_i) * (1.0 / QK_SCALE), INF)
     lse_rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
-    lse_ptrs = lse_ptr + head.to(gl.int64) * q_tokens + q_start + lse_rows
+    lse_ptrs = lse_ptr + _stat_origin(q_start, head, q_tokens) + lse_rows
     gl.store(lse_ptrs, lse, mask=lse_rows < n_q)
     return tails + handed_over.to(gl.int32)
 

@@ -96,6 +96,7 @@ from .hopper import (
     _publish,
     _receive,
     _slope,
+    _stat_origin,
     _tile_origin,
     _tma_load,
     _zero_fills,
@@ -285,19 +286,19 @@ def _dkdv_produce(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_sm
     for g in range(KV_GROUP):
         head = kv_head * KV_GROUP + g
         q_row, q_col = _tile_origin(q_start, head, q_token_stride, q_head_stride)
-        stat_base = head.to(gl.int64) * q_tokens + q_start
+        stat_base = _stat_origin(q_start, head, q_tokens)
         for tile in range(t0, ntiles):
             i = t + g * per_head + (tile - t0)
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # fresh barriers pass at parity 1
             bar = ready.index(slot)
+            m0 = tile * BLOCK_M
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            _tma_load(q_desc, [q_row + tile * BLOCK_M, q_col], bar, q_smem.index(slot))
-            _tma_load(do_desc, [q_row + tile * BLOCK_M, q_col], bar, do_smem.index(slot))
+            _tma_load(q_desc, [q_row + m0, q_col], bar, q_smem.index(slot))
+            _tma_load(do_desc, [q_row + m0, q_col], bar, do_smem.index(slot))
             # The tile's log-sum-exp and delta (zero past n_q) beside it, under the TMA loads; the
             # barrier's second arrival publishes them (read by plain loads: no proxy fence, as `_publish`
             # has for wgmma).
-            m0 = tile * BLOCK_M
             keep = offs < n_q - m0
             lse_smem.index(slot).store(gl.load(lse_ptr + stat_base + m0 + offs, mask=keep, other=0.0))
             delta_smem.index(slot).store(gl.load(delta_ptr + stat_base + m0 + offs, mask=keep, other=0.0))
@@ -490,7 +491,7 @@ def _dq_consume(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, ta
     shift = n_k - n_q
     row0 = start_m + WG * CONSUMER_ROWS
     rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
-    stat = head.to(gl.int64) * q_tokens + q_start + rows
+    stat = _stat_origin(q_start, head, q_tokens) + rows
     lse = gl.load(lse_ptr + stat, mask=rows < n_q, other=0.0)
     delta = gl.load(delta_ptr + stat, mask=rows < n_q, other=0.0)
     q = q_smem.index(WG)

@@ -227,15 +227,28 @@ def test_the_hopper_backward_compiles_for_sm90a(dim, causal, layout, dtype, opti
         check_compiled(ptx, metadata)
 
 
+def _narrower_dkdv_tiles(monkeypatch, module, block_m: int) -> list:
+    """`module.hopper_block_sizes` (configs' for the problems built here, launch/hopper's for the op's)
+    patched to give the table's tiles with dk/dv query tiles of `block_m` rows, as a tuned table may;
+    returns the list of the tiles it gave."""
+    table_tiles, given = module.hopper_block_sizes, []
+
+    def narrower(*args):
+        tiles = table_tiles(*args)
+        given.append(dataclasses.replace(tiles, dkdv=dataclasses.replace(tiles.dkdv, block_m=block_m)))
+        return given[-1]
+
+    monkeypatch.setattr(module, "hopper_block_sizes", narrower)
+    return given
+
+
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
 def test_the_hopper_dkdv_compiles_with_query_tiles_narrower_than_a_warp(monkeypatch):
     """A tuned table may give dk/dv 16-query tiles: its producer's statistics (a tile's log-sum-exp and
     delta, spread over its warp's 32 lanes) still compile."""
     if not hopper_launch.gluon_available():
         pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
-    table_tiles = configs.hopper_block_sizes
-    monkeypatch.setattr(configs, "hopper_block_sizes", lambda *args: dataclasses.replace(
-        table_tiles(*args), dkdv=dataclasses.replace(table_tiles(*args).dkdv, block_m=16)))
+    _narrower_dkdv_tiles(monkeypatch, configs, 16)
     (call, arrays), _ = hopper_backward_calls(128, False, "THD", jnp.bfloat16)
     assert call.kernel.__name__ == "attention_bwd_dkdv_kernel" and call.constants["BLOCK_M"] == 16
     check_compiled(*compile_for_sm90(call, arrays))
@@ -700,14 +713,7 @@ def test_backward_on_few_programs(case, layout, programs, backward_kernels, monk
 def test_backward_with_narrower_query_tiles(case, layout, block_m, backward_kernels, monkeypatch):
     """dk/dv streaming the 16- and 32-query tiles a tuned table may give (the producer's statistics
     spread over fewer rows than a warp's lanes at 16): the gradients still match float64."""
-    table_tiles, given = hopper_launch.hopper_block_sizes, []
-
-    def narrower(*args):
-        tiles = table_tiles(*args)
-        given.append(dataclasses.replace(tiles, dkdv=dataclasses.replace(tiles.dkdv, block_m=block_m)))
-        return given[-1]
-
-    monkeypatch.setattr(hopper_launch, "hopper_block_sizes", narrower)
+    given = _narrower_dkdv_tiles(monkeypatch, hopper_launch, block_m)
     check_backward(case, layout, "bf16", backward_kernels)
     assert given and all(tiles.dkdv.block_m == block_m for tiles in given)
 

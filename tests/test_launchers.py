@@ -29,7 +29,7 @@ from helpers import Batch, reference
 import jagged_flash_jax as jfa
 from jagged_flash_jax import _compat, api, configs, kernels, transforms
 from jagged_flash_jax.configs import BlockSizes, KernelConfig
-from jagged_flash_jax.kernels import params as param
+from jagged_flash_jax.kernels import spec
 from jagged_flash_jax.launch import gpu, plan
 from jagged_flash_jax.launch import hopper as hopper_launch
 
@@ -894,7 +894,8 @@ def test_the_hopper_launch_zeroes_its_own_outputs():
         assert call.grid == (7,) and call.zeroed_outputs == (2,) and call.out_shapes[2].shape == (1,)
         assert dict(call.descriptors) == {0: (64, 256), 1: (64, 256), 2: (64, 256)}
         assert call.constants["OUT_SCALE"] == 0.5 and call.constants["BLOCK_N"] == 64
-        assert call.params[param.HOPPER_FWD_BLOCKS] == 3 and call.params[param.HOPPER_FWD_FILL_CHUNK] == 75
+        assert call.params[spec.HOPPER_FWD.slot("blocks")] == 3
+        assert call.params[spec.HOPPER_FWD.slot("fill_chunk")] == 75
         assert [a.shape for a in arrays[3:]] == [(1, batch + 1), (1, batch + 1), (1,), (len(call.params),)]
         assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (1, 4, 300), jnp.float32)
 
@@ -922,8 +923,9 @@ def test_the_hopper_backward_launches_zero_their_own_outputs():
                 (dq_call, kernels.hopper_attention_bwd_dq_kernel, q.shape, 300, 3, (1,))):
             assert call.kernel is kernel and call.grid == (7,) and call.zeroed_outputs == zeroed
             assert [s.shape for s in call.out_shapes] == [shape] * (len(call.out_shapes) - 1) + [(1,)]
-            chunk = call.params[param.HOPPER_BWD_FILL_CHUNK]
-            assert call.params[param.HOPPER_BWD_BLOCKS] == blocks and chunk == -(-tokens // (blocks + 1))
+            chunk = call.params[spec.HOPPER_BWD_DQ.slot("fill_chunk")]
+            assert call.params[spec.HOPPER_BWD_DQ.slot("blocks")] == blocks
+            assert chunk == -(-tokens // (blocks + 1))
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv.shape, kv.shape)
 
 

@@ -7,7 +7,7 @@ softmax, the zero fills); `portable.py` the kernels that run on any GPU and in t
 `hopper.py` a forward for Hopper GPUs in Gluon (TMA, wgmma, warp specialization; compiled only, it has
 no interpreter), with the portable forward's contract, and `hopper_backward.py` the matching dk/dv and
 dq kernels, with the portable backward's. Parameters come in the order jax-triton passes
-them: input arrays (the last an int32 array of runtime sizes, its slots named in `params.py`), outputs,
+them: input arrays (the last an int32 array of runtime sizes, its slots named in `spec.py`), outputs,
 then compile-time constants (always given by keyword).
 
 Addressing. q, o, do, dq share one layout and k, v, dk, dv another; the launcher passes each family's
@@ -44,7 +44,7 @@ __all__ = [
 
 def __getattr__(name: str):
     """The kernels, imported on first use: Triton, which they need, comes only with the `interpret` and
-    GPU extras, and the package (its `xla` backend, the launch plan, kernels/params.py) imports
+    GPU extras, and the package (its `xla` backend, the launch plan, kernels/spec.py) imports
     without it."""
     if name == "hopper_attention_fwd_kernel":  # needs triton.experimental.gluon
         from . import hopper

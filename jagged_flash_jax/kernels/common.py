@@ -9,31 +9,33 @@ globals, in compiled code and in the interpreter (see _compat._twin_namespace).
 import triton
 import triton.language as tl
 
-from . import params
+from .spec import ATTENTION_BWD, ATTENTION_BWD_PREPROCESS, ATTENTION_FWD, ATTENTION_PARAMS, KEY_MAJOR
 
 INF: tl.constexpr = tl.constexpr(float("inf"))
 
-# The slots of the runtime-parameter array (kernels/params.py), as constants the kernels can read.
-PARAM_BATCH: tl.constexpr = tl.constexpr(params.BATCH)
-PARAM_Q_TOKENS: tl.constexpr = tl.constexpr(params.Q_TOKENS)
-PARAM_KV_TOKENS: tl.constexpr = tl.constexpr(params.KV_TOKENS)
-PARAM_Q_TOKEN_STRIDE: tl.constexpr = tl.constexpr(params.Q_TOKEN_STRIDE)
-PARAM_Q_HEAD_STRIDE: tl.constexpr = tl.constexpr(params.Q_HEAD_STRIDE)
-PARAM_KV_TOKEN_STRIDE: tl.constexpr = tl.constexpr(params.KV_TOKEN_STRIDE)
-PARAM_KV_HEAD_STRIDE: tl.constexpr = tl.constexpr(params.KV_HEAD_STRIDE)
-PARAM_Q_OFFSETS_STRIDE: tl.constexpr = tl.constexpr(params.Q_OFFSETS_STRIDE)
-PARAM_KV_OFFSETS_STRIDE: tl.constexpr = tl.constexpr(params.KV_OFFSETS_STRIDE)
-PARAM_FWD_FILL_CHUNK: tl.constexpr = tl.constexpr(params.FWD_FILL_CHUNK)
-PARAM_FWD_SLOTS: tl.constexpr = tl.constexpr(params.FWD_SLOTS)
-PARAM_FWD_V_D_STRIDE: tl.constexpr = tl.constexpr(params.FWD_V_D_STRIDE)
-PARAM_BWD_Q_FILL_CHUNK: tl.constexpr = tl.constexpr(params.BWD_Q_FILL_CHUNK)
-PARAM_BWD_KV_FILL_CHUNK: tl.constexpr = tl.constexpr(params.BWD_KV_FILL_CHUNK)
-PARAM_BWD_SLOTS: tl.constexpr = tl.constexpr(params.BWD_SLOTS)
-PARAM_BWD_KM_D_STRIDE: tl.constexpr = tl.constexpr(params.BWD_KM_D_STRIDE)
-PARAM_ARRAY_TOKENS: tl.constexpr = tl.constexpr(params.ARRAY_TOKENS)
-PARAM_ARRAY_TOKEN_STRIDE: tl.constexpr = tl.constexpr(params.ARRAY_TOKEN_STRIDE)
-PARAM_ARRAY_HEAD_STRIDE: tl.constexpr = tl.constexpr(params.ARRAY_HEAD_STRIDE)
-PARAM_KEY_MAJOR_PADDED: tl.constexpr = tl.constexpr(params.KEY_MAJOR_PADDED)
+# The slots of the runtime-parameter arrays (kernels/spec.py), as constants the kernels can read: those
+# every attention kernel starts with, then each kernel's own.
+PARAM_BATCH: tl.constexpr = tl.constexpr(ATTENTION_PARAMS.index("batch"))
+PARAM_Q_TOKENS: tl.constexpr = tl.constexpr(ATTENTION_PARAMS.index("q_tokens"))
+PARAM_KV_TOKENS: tl.constexpr = tl.constexpr(ATTENTION_PARAMS.index("kv_tokens"))
+PARAM_Q_TOKEN_STRIDE: tl.constexpr = tl.constexpr(ATTENTION_PARAMS.index("q_token_stride"))
+PARAM_Q_HEAD_STRIDE: tl.constexpr = tl.constexpr(ATTENTION_PARAMS.index("q_head_stride"))
+PARAM_KV_TOKEN_STRIDE: tl.constexpr = tl.constexpr(ATTENTION_PARAMS.index("kv_token_stride"))
+PARAM_KV_HEAD_STRIDE: tl.constexpr = tl.constexpr(ATTENTION_PARAMS.index("kv_head_stride"))
+PARAM_Q_OFFSETS_STRIDE: tl.constexpr = tl.constexpr(ATTENTION_PARAMS.index("q_offsets_stride"))
+PARAM_KV_OFFSETS_STRIDE: tl.constexpr = tl.constexpr(ATTENTION_PARAMS.index("kv_offsets_stride"))
+PARAM_FWD_FILL_CHUNK: tl.constexpr = tl.constexpr(ATTENTION_FWD.slot("fill_chunk"))
+PARAM_FWD_SLOTS: tl.constexpr = tl.constexpr(ATTENTION_FWD.slot("slots"))
+PARAM_FWD_V_D_STRIDE: tl.constexpr = tl.constexpr(ATTENTION_FWD.slot("v_d_stride"))
+PARAM_BWD_Q_FILL_CHUNK: tl.constexpr = tl.constexpr(ATTENTION_BWD.slot("q_fill_chunk"))
+PARAM_BWD_KV_FILL_CHUNK: tl.constexpr = tl.constexpr(ATTENTION_BWD.slot("kv_fill_chunk"))
+PARAM_BWD_SLOTS: tl.constexpr = tl.constexpr(ATTENTION_BWD.slot("slots"))
+PARAM_BWD_KM_D_STRIDE: tl.constexpr = tl.constexpr(ATTENTION_BWD.slot("km_d_stride"))
+# The kernels over one array's tokens (the preprocess, the key-major transpose) share their first slots.
+PARAM_ARRAY_TOKENS: tl.constexpr = tl.constexpr(ATTENTION_BWD_PREPROCESS.slot("tokens"))
+PARAM_ARRAY_TOKEN_STRIDE: tl.constexpr = tl.constexpr(ATTENTION_BWD_PREPROCESS.slot("token_stride"))
+PARAM_ARRAY_HEAD_STRIDE: tl.constexpr = tl.constexpr(ATTENTION_BWD_PREPROCESS.slot("head_stride"))
+PARAM_KEY_MAJOR_PADDED: tl.constexpr = tl.constexpr(KEY_MAJOR.slot("padded"))
 
 
 # ---------------------------------------------------------------------------------------------------

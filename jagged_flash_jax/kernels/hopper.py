@@ -49,8 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import params
 from .common import _bounds, _extent, _key_ranges, _tanh  # Gluon calls them: scalars, or elementwise
+from .spec import HOPPER_FWD
 
 # Gluon's API moves between Triton versions: gated on what exists. The TMA load is tma.async_load from
 # 3.7 on (tma.async_copy_global_to_shared before); the partition's barrier gl.barrier from 3.7 on
@@ -61,19 +61,19 @@ _partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 INF: gl.constexpr = gl.constexpr(float("inf"))
 # Query rows of one consumer warpgroup (a wgmma's M is 64 per warpgroup).
 CONSUMER_ROWS: gl.constexpr = gl.constexpr(64)
-PARAM_Q_TOKENS: gl.constexpr = gl.constexpr(params.Q_TOKENS)
-PARAM_KV_TOKENS: gl.constexpr = gl.constexpr(params.KV_TOKENS)
-PARAM_Q_TOKEN_STRIDE: gl.constexpr = gl.constexpr(params.Q_TOKEN_STRIDE)
-PARAM_Q_HEAD_STRIDE: gl.constexpr = gl.constexpr(params.Q_HEAD_STRIDE)
-PARAM_KV_TOKEN_STRIDE: gl.constexpr = gl.constexpr(params.KV_TOKEN_STRIDE)
-PARAM_KV_HEAD_STRIDE: gl.constexpr = gl.constexpr(params.KV_HEAD_STRIDE)
+PARAM_Q_TOKENS: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("q_tokens"))
+PARAM_KV_TOKENS: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("kv_tokens"))
+PARAM_Q_TOKEN_STRIDE: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("q_token_stride"))
+PARAM_Q_HEAD_STRIDE: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("q_head_stride"))
+PARAM_KV_TOKEN_STRIDE: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("kv_token_stride"))
+PARAM_KV_HEAD_STRIDE: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("kv_head_stride"))
 # What the zero fills write besides their first array (see `_fill_rows`).
 FILL_NONE: gl.constexpr = gl.constexpr(0)
 FILL_LSE: gl.constexpr = gl.constexpr(1)
 FILL_ROWS: gl.constexpr = gl.constexpr(2)
-PARAM_BATCH: gl.constexpr = gl.constexpr(params.BATCH)
-PARAM_HOPPER_FWD_BLOCKS: gl.constexpr = gl.constexpr(params.HOPPER_FWD_BLOCKS)
-PARAM_HOPPER_FWD_FILL_CHUNK: gl.constexpr = gl.constexpr(params.HOPPER_FWD_FILL_CHUNK)
+PARAM_BATCH: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("batch"))
+PARAM_HOPPER_FWD_BLOCKS: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("blocks"))
+PARAM_HOPPER_FWD_FILL_CHUNK: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("fill_chunk"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -72,7 +72,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import params
 from .common import _band, _bounds, _key_ranges, _query_ranges
 from .hopper import (
     CONSUMER_ROWS,
@@ -102,9 +101,10 @@ from .hopper import (
     _zero_fills,
     _zero_rows,
 )
+from .spec import HOPPER_BWD_DKDV
 
-PARAM_HOPPER_BWD_BLOCKS: gl.constexpr = gl.constexpr(params.HOPPER_BWD_BLOCKS)
-PARAM_HOPPER_BWD_FILL_CHUNK: gl.constexpr = gl.constexpr(params.HOPPER_BWD_FILL_CHUNK)
+PARAM_HOPPER_BWD_BLOCKS: gl.constexpr = gl.constexpr(HOPPER_BWD_DKDV.slot("blocks"))
+PARAM_HOPPER_BWD_FILL_CHUNK: gl.constexpr = gl.constexpr(HOPPER_BWD_DKDV.slot("fill_chunk"))
 
 
 @gluon.jit

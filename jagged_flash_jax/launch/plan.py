@@ -35,7 +35,7 @@ from ..configs import (
     KernelConfig,
     head_block,
 )
-from ..kernels import params as param
+from ..kernels import spec
 
 # CUDA's limit on the first grid dimension, which enumerates every program of a launch.
 MAX_GRID_X = 2**31 - 1
@@ -210,15 +210,6 @@ def _params(call: KernelCall) -> jax.Array:
     return jnp.stack([jnp.int32(value) for value in call.params])
 
 
-def _pack(slots: dict) -> tuple[int, ...]:
-    """A kernel's params from {slot: value}, the slots being kernels/params.py's (the names the kernels
-    read them by): every slot from 0 up, once."""
-    values = dict(slots)
-    if sorted(values) != list(range(len(slots))):
-        raise AssertionError(f"params slots {sorted(values)} are not 0 to {len(slots) - 1}")
-    return tuple(values[index] for index in range(len(values)))
-
-
 def _in_units(*strides: int) -> tuple[int, tuple[int, ...]]:
     """The largest power of two up to 16 dividing every stride, and the strides in its units: the form
     in which kernels get strides (see kernels.common._aligned)."""
@@ -227,15 +218,16 @@ def _in_units(*strides: int) -> tuple[int, tuple[int, ...]]:
 
 
 def _common(p: Problem):
-    """The params (by slot, see `_pack`) and constants every attention kernel shares."""
+    """The runtime parameters (kernels/spec.py's ATTENTION_PARAMS) and constants every attention kernel
+    shares."""
     align, (q_token, q_head, kv_token, kv_head) = _in_units(*p.strides(p.num_heads, p.q_tokens),
                                                             *p.strides(p.num_kv_heads, p.kv_tokens))
     params = {
-        param.BATCH: p.batch, param.Q_TOKENS: p.q_tokens, param.KV_TOKENS: p.kv_tokens,
-        param.Q_TOKEN_STRIDE: q_token, param.Q_HEAD_STRIDE: q_head,
-        param.KV_TOKEN_STRIDE: kv_token, param.KV_HEAD_STRIDE: kv_head,
-        param.Q_OFFSETS_STRIDE: 0 if p.q_offsets_rows == 1 else p.batch + 1,
-        param.KV_OFFSETS_STRIDE: 0 if p.kv_offsets_rows == 1 else p.batch + 1}
+        "batch": p.batch, "q_tokens": p.q_tokens, "kv_tokens": p.kv_tokens,
+        "q_token_stride": q_token, "q_head_stride": q_head, "kv_token_stride": kv_token,
+        "kv_head_stride": kv_head,
+        "q_offsets_stride": 0 if p.q_offsets_rows == 1 else p.batch + 1,
+        "kv_offsets_stride": 0 if p.kv_offsets_rows == 1 else p.batch + 1}
     constants = dict(
         NUM_HEADS=p.num_heads, KV_GROUP=p.num_heads // p.num_kv_heads, D=p.head_dim,
         BLOCK_D=head_block(p.head_dim), Q_MAX_LEN=p.max_seq_len, KV_MAX_LEN=p.kv_max_seq_len,
@@ -284,9 +276,8 @@ def _tokens_contiguous(run: Runner, p: Problem, x, heads: int, tokens: int) -> j
     call = KernelCall(
         kernels.key_major_kernel, grid=(cdiv(padded, KEY_MAJOR_BLOCK), heads),
         out_shapes=(jax.ShapeDtypeStruct((heads, p.head_dim, padded), x.dtype),),
-        params=_pack({param.ARRAY_TOKENS: tokens, param.ARRAY_TOKEN_STRIDE: token_stride,
-                      param.ARRAY_HEAD_STRIDE: head_stride,
-                      param.KEY_MAJOR_PADDED: padded // KEY_MAJOR_ALIGN}),
+        params=spec.KEY_MAJOR.pack(dict(tokens=tokens, token_stride=token_stride, head_stride=head_stride,
+                                        padded=padded // KEY_MAJOR_ALIGN)),
         constants=dict(D=p.head_dim, BLOCK_D=head_block(p.head_dim), BLOCK_T=KEY_MAJOR_BLOCK,
                        STRIDE_ALIGN=align, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN))
     (out,) = run(call, (x, _params(call)))
@@ -318,9 +309,9 @@ def forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None
         grid=_grid(p, q.dtype.itemsize, slots),
         out_shapes=(jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                     jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
-        params=_pack({**params, param.FWD_FILL_CHUNK: _fill_chunk(p.q_tokens, slots),
-                      param.FWD_SLOTS: slots,
-                      param.FWD_V_D_STRIDE: v.shape[-1] // KEY_MAJOR_ALIGN if v_key_major else 0}),
+        params=spec.ATTENTION_FWD.pack(dict(
+            params, fill_chunk=_fill_chunk(p.q_tokens, slots), slots=slots,
+            v_d_stride=v.shape[-1] // KEY_MAJOR_ALIGN if v_key_major else 0)),
         constants=dict(constants, OUT_SCALE=p.out_scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                        V_KEY_MAJOR=v_key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, max_registers=cfg.max_registers)
@@ -357,8 +348,8 @@ def _hopper_forward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, slo
         kernels.hopper_attention_fwd_kernel,
         **_persistent(p, jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                       jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
-        params=_pack({**params, param.HOPPER_FWD_BLOCKS: blocks,
-                      param.HOPPER_FWD_FILL_CHUNK: _hopper_fill_chunk(p.q_tokens, blocks)}),
+        params=spec.HOPPER_FWD.pack(dict(params, blocks=blocks,
+                                         fill_chunk=_hopper_fill_chunk(p.q_tokens, blocks))),
         constants={**{name: constants[name] for name in (
             "NUM_HEADS", "KV_GROUP", "D", "Q_MAX_LEN", "KV_MAX_LEN", "CAUSAL", "WINDOW_LEFT", "WINDOW_RIGHT",
             "SOFTCAP", "ALIBI", "QK_SCALE", "STRIDE_ALIGN", "FILL_BLOCK")},
@@ -387,8 +378,8 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
         kernels.attention_bwd_preprocess_kernel,
         grid=(cdiv(p.q_tokens, bs.preprocess_block_m), p.num_segments * p.num_heads),
         out_shapes=(jax.ShapeDtypeStruct(p.stats_shape, jnp.float32),),
-        params=_pack({param.ARRAY_TOKENS: p.q_tokens, param.ARRAY_TOKEN_STRIDE: token_stride,
-                      param.ARRAY_HEAD_STRIDE: head_stride}),
+        params=spec.ATTENTION_BWD_PREPROCESS.pack(dict(tokens=p.q_tokens, token_stride=token_stride,
+                                                       head_stride=head_stride)),
         constants=dict(NUM_HEADS=p.num_heads, D=p.head_dim, BLOCK_D=constants["BLOCK_D"],
                        OUT_SCALE=p.out_scale, BLOCK_M=bs.preprocess_block_m,
                        STRIDE_ALIGN=align))
@@ -414,11 +405,10 @@ def backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do
             # The outputs a launch does not compute are one-element placeholders it never touches.
             out_shapes=tuple(shape if name in launch.grads else jax.ShapeDtypeStruct((1,), shape.dtype)
                              for name, shape in shapes.items()),
-            params=_pack({
-                **params, param.BWD_Q_FILL_CHUNK: _fill_chunk(p.q_tokens, launch.programs_per_kind),
-                param.BWD_KV_FILL_CHUNK: _fill_chunk(p.kv_tokens, launch.programs_per_kind),
-                param.BWD_SLOTS: launch.slots,
-                param.BWD_KM_D_STRIDE: q_km.shape[-1] // KEY_MAJOR_ALIGN if qdo_key_major else 0}),
+            params=spec.ATTENTION_BWD.pack(dict(
+                params, q_fill_chunk=_fill_chunk(p.q_tokens, launch.programs_per_kind),
+                kv_fill_chunk=_fill_chunk(p.kv_tokens, launch.programs_per_kind), slots=launch.slots,
+                km_d_stride=q_km.shape[-1] // KEY_MAJOR_ALIGN if qdo_key_major else 0)),
             constants=dict(constants, DQ_PROGRAMS="dq" in launch.grads, DKDV_PROGRAMS="dk" in launch.grads),
             num_warps=launch.config.num_warps, num_stages=launch.config.num_stages,
             max_registers=launch.config.max_registers)
@@ -450,8 +440,8 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
         kernels.hopper_attention_bwd_dkdv_kernel,
         **_persistent(p, jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
                       jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
-        params=_pack({**params, param.HOPPER_BWD_BLOCKS: blocks,
-                      param.HOPPER_BWD_FILL_CHUNK: _hopper_fill_chunk(p.kv_tokens, blocks)}),
+        params=spec.HOPPER_BWD_DKDV.pack(dict(params, blocks=blocks,
+                                              fill_chunk=_hopper_fill_chunk(p.kv_tokens, blocks))),
         constants=dict(shared, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale, BLOCK_M=dkdv.block_m,
                        BLOCK_N=dkdv.block_n, STAGES=dkdv.num_stages),
         num_warps=dkdv.num_warps, num_stages=HOPPER_BWD_TRITON_STAGES, max_registers=dkdv.max_registers,
@@ -461,8 +451,8 @@ def _hopper_backward(run: Runner, p: Problem, q, k, v, q_offsets, kv_offsets, ls
     blocks = p.blocks(dq.block_m, p.q_tokens, p.max_seq_len)
     dq_call = KernelCall(
         kernels.hopper_attention_bwd_dq_kernel, **_persistent(p, jax.ShapeDtypeStruct(p.q_shape, q.dtype)),
-        params=_pack({**params, param.HOPPER_BWD_BLOCKS: blocks,
-                      param.HOPPER_BWD_FILL_CHUNK: _hopper_fill_chunk(p.q_tokens, blocks)}),
+        params=spec.HOPPER_BWD_DQ.pack(dict(params, blocks=blocks,
+                                            fill_chunk=_hopper_fill_chunk(p.q_tokens, blocks))),
         constants=dict(shared, NUM_HEADS=p.num_heads, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n,
                        STAGES=dq.num_stages),
         num_warps=dq.num_warps, num_stages=HOPPER_BWD_TRITON_STAGES, max_registers=dq.max_registers,

@@ -1,0 +1,41 @@
+"""The launcher-kernel contract (jagged_flash_jax/kernels/spec.py): each spec against its kernel's own
+argument names, the slots the kernels share, and the checks of packing."""
+
+from __future__ import annotations
+
+import pytest
+
+from jagged_flash_jax import kernels
+from jagged_flash_jax.kernels import spec
+
+GLUON = {s.name for s in spec.SPECS if s.descriptors}
+
+
+@pytest.mark.parametrize("kernel_spec", spec.SPECS, ids=lambda s: s.name)
+def test_each_spec_names_its_kernels_arguments(kernel_spec):
+    if kernel_spec.name in GLUON:
+        pytest.importorskip("triton.experimental.gluon")
+    assert tuple(getattr(kernels, kernel_spec.name).arg_names) == kernel_spec.arg_names
+
+
+def test_every_kernel_has_a_spec():
+    assert sorted(kernels.__all__) == sorted(s.name for s in spec.SPECS)
+
+
+def test_the_attention_kernels_share_their_first_slots():
+    """kernels/common.py reads these slots once for every attention kernel."""
+    for kernel_spec in spec.SPECS:
+        if "batch" in kernel_spec.params:
+            assert kernel_spec.params[:len(spec.ATTENTION_PARAMS)] == spec.ATTENTION_PARAMS
+    assert spec.KEY_MAJOR.params[:3] == spec.ATTENTION_BWD_PREPROCESS.params
+
+
+def test_packing_takes_exactly_the_specs_parameters():
+    values = dict.fromkeys(spec.KEY_MAJOR.params, 1) | {"padded": 7}
+    assert spec.KEY_MAJOR.pack(values) == (1, 1, 1, 7)
+    with pytest.raises(ValueError, match="missing \\['padded'\\]"):
+        spec.KEY_MAJOR.pack({k: 1 for k in spec.KEY_MAJOR.params if k != "padded"})
+    with pytest.raises(ValueError, match="unknown \\['extra'\\]"):
+        spec.KEY_MAJOR.pack(values | {"extra": 2})
+    with pytest.raises(ValueError, match="constants missing"):
+        spec.KEY_MAJOR.check_constants({"D": 8})

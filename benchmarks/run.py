@@ -21,7 +21,7 @@ import traceback
 
 import jax
 
-from jagged_flash_jax.configs import TUNED_CONFIGS_ENV
+from jagged_flash_jax.select import TUNED_CONFIGS_ENV
 
 from . import cases as C
 from . import impls, report, timing

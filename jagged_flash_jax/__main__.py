@@ -14,11 +14,11 @@ import numpy as np
 
 from . import (
     _compat,
-    api,
     jagged_attention,
     jagged_attention_reference,
     multi_head_jagged_flash_attention,
     offsets_from_lengths,
+    select,
 )
 
 
@@ -82,7 +82,7 @@ def check(op_name, backend, lengths, heads, kv_heads, dim, max_seq_len, dtype, t
 
 
 def demo(args) -> int:
-    backend = api.default_backend()
+    backend = select.default_backend()
     print(f"jagged_flash_jax demo on {jax.devices()[0].device_kind} (JAX {jax.__version__}); "
           f"backend='auto' picks {backend!r} here")
     rng = np.random.default_rng(args.seed)

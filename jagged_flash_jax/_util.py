@@ -16,3 +16,11 @@ def lse_gradient(lse, dlse, ds_scale: float):
     dlse there reaches delta; the rows no query attends get dlse = 0 from the public op's mask, and no
     backward reads their delta."""
     return jnp.where(lse < jnp.inf, dlse, 0.0) * (1.0 / ds_scale)
+
+
+def slopes_in_score_units(slopes, scale: float):
+    """ALiBi's slopes divided by the scale, float32, clamped to float32's range: a traced slope whose
+    ratio overflows (a concrete one is refused, checks.as_slopes) gives a saturated bias, not inf, whose
+    product with a distance of 0 would be NaN."""
+    limit = float(jnp.finfo(jnp.float32).max)
+    return jnp.clip(slopes.astype(jnp.float32) / scale, -limit, limit)

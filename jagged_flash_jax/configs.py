@@ -4,8 +4,9 @@
 one GPU table, behind `default_block_sizes` (the portable kernels) and `hopper_block_sizes` (the Hopper
 ones), is keyed by (GPU name, kernel family, bits of the inputs, padded head dimension, longest
 max_seq_len covered); `python -m benchmarks.tune` writes entries of exactly that form to a JSON file,
-which $JAGGED_FLASH_JAX_TUNED_CONFIGS merges over the built-in table (measured on an H200). The
-interpreter uses small, deliberately unequal tiles so that CPU tests walk several blocks in every loop.
+which `load_table` merges over the built-in table (measured on an H200; select.py passes the file
+$JAGGED_FLASH_JAX_TUNED_CONFIGS names). The interpreter uses small, deliberately unequal tiles so that
+CPU tests walk several blocks in every loop.
 """
 
 from __future__ import annotations
@@ -13,20 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 
 import numpy as np
-
-# Path of a JSON table written by `python -m benchmarks.tune`: its entries replace or add to the built-in.
-TUNED_CONFIGS_ENV = "JAGGED_FLASH_JAX_TUNED_CONFIGS"
-# "portable" forces the portable forward kernel where the Hopper one would run (launch/hopper.py);
-# "hopper": the Hopper one wherever it can run, sequences shorter than HOPPER_FORWARD_MIN_LENGTH too;
-# "auto" or unset: the Hopper forward where it applies and is the faster.
-FORWARD_KERNEL_ENV = "JAGGED_FLASH_JAX_FORWARD"
-# The same for the backward (kernels/hopper_backward.py or the portable one), chosen on its own.
-BACKWARD_KERNEL_ENV = "JAGGED_FLASH_JAX_BACKWARD"
-# What either variable takes.
-KERNEL_CHOICES = ("auto", "portable", "hopper")
 
 MAX_HEAD_DIM = 256
 # The GPU whose table is used for GPUs (and head dimensions) that have no entry of their own.
@@ -225,34 +214,19 @@ def load_table(path: str | None) -> dict:
         with open(path) as f:
             entries = json.load(f)
         if not isinstance(entries, list):
-            raise ValueError(f"{TUNED_CONFIGS_ENV}={path}: expected a list of entries as written by "
+            raise ValueError(f"tuned tile table {path}: expected a list of entries as written by "
                              f"`python -m benchmarks.tune`, got {type(entries).__name__}")
         table.update(table_from_json(entries))
     return table
 
 
-def active_table() -> dict:
-    """The table the tiles come from: the built-in one with $JAGGED_FLASH_JAX_TUNED_CONFIGS merged over it."""
-    return load_table(os.environ.get(TUNED_CONFIGS_ENV) or None)
-
-
-def hopper_head_dims(*kernels: str) -> list[int]:
-    """The head dimensions at which the active table has Hopper tiles of every kernel named ("fwd",
-    "dkdv", "dq"), for this GPU or FALLBACK_GPU."""
-    gpus = (current_gpu(), FALLBACK_GPU)
-    return sorted({head_dim for (gpu, family, _, head_dim, _), tiles in active_table().items()
-                   if gpu in gpus and family == "hopper"
+def hopper_head_dims(table: dict, gpu: str, *kernels: str) -> list[int]:
+    """The head dimensions at which `table` has Hopper tiles of every kernel named ("fwd", "dkdv", "dq"),
+    for `gpu` or FALLBACK_GPU."""
+    gpus = (gpu, FALLBACK_GPU)
+    return sorted({head_dim for (name, family, _, head_dim, _), tiles in table.items()
+                   if name in gpus and family == "hopper"
                    and None not in (getattr(tiles, kernel) for kernel in kernels)})
-
-
-def current_gpu() -> str:
-    """The name of the first device (jax.devices()[0].device_kind), e.g. "NVIDIA H200"."""
-    try:
-        import jax
-
-        return jax.devices()[0].device_kind
-    except Exception:  # no backend: the fallback table is used
-        return FALLBACK_GPU
 
 
 def table_bits(dtype) -> int:
@@ -260,7 +234,7 @@ def table_bits(dtype) -> int:
     return 16 if np.dtype(dtype).itemsize <= 2 else 32
 
 
-def table_key(head_dim: int, dtype, max_seq_len: int, gpu: str | None = None, table: dict | None = None,
+def table_key(head_dim: int, dtype, max_seq_len: int, gpu: str = FALLBACK_GPU, table: dict | None = None,
               kernels: str = "portable") -> TableKey | None:
     """The entry a problem takes: the GPU's own entries of the kernel family, else FALLBACK_GPU's, for
     the inputs' bits; among them the smallest padded head dimension that covers head_dim, then the
@@ -269,7 +243,7 @@ def table_key(head_dim: int, dtype, max_seq_len: int, gpu: str | None = None, ta
     table = BUILTIN_TABLE if table is None else table
     bits = table_bits(dtype)
     block_d = head_block(head_dim)
-    for name in dict.fromkeys((gpu or current_gpu(), FALLBACK_GPU)):
+    for name in dict.fromkeys((gpu, FALLBACK_GPU)):
         family = (name, kernels, bits)
         dims = sorted(d for *key, d, _ in table if tuple(key) == family and d >= block_d)
         if dims:
@@ -312,35 +286,38 @@ def band_width(window: tuple[int | None, int | None], causal: bool) -> int | Non
 
 
 def _entry(kernels: str, head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None,
-           band: int | None) -> tuple[TableKey | None, dict, int]:
+           band: int | None, table: dict | None, gpu: str) -> tuple[TableKey | None, dict, int]:
     """The key of the kernel family's entry for the problem, keyed by the most keys one query sees: the
     longer of max_seq_len and kv_max_seq_len, or `band` where shorter (a sliding window's width, whose
-    blocks are shaped like short sequences'); the table (`active_table`); and kv_max_seq_len (default:
-    max_seq_len)."""
-    table = active_table()
+    blocks are shaped like short sequences'); the table (the built-in one where None); and
+    kv_max_seq_len (default: max_seq_len)."""
+    table = BUILTIN_TABLE if table is None else table
     kv_max_seq_len = max_seq_len if kv_max_seq_len is None else kv_max_seq_len
     longest = max(max_seq_len, kv_max_seq_len)
     keys = longest if band is None else min(longest, band)
-    return table_key(head_dim, dtype, keys, table=table, kernels=kernels), table, kv_max_seq_len
+    return table_key(head_dim, dtype, keys, gpu=gpu, table=table, kernels=kernels), table, kv_max_seq_len
 
 
 def default_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None,
-                        band: int | None = None) -> BlockSizes:
+                        band: int | None = None, *, table: dict | None = None,
+                        gpu: str = FALLBACK_GPU) -> BlockSizes:
     """Tiles for the portable GPU kernels: the table's entry by GPU, element size, padded head dimension
     and the most keys one query sees (see `_entry`), fitted to both lengths."""
-    key, table, kv_max_seq_len = _entry("portable", head_dim, dtype, max_seq_len, kv_max_seq_len, band)
+    key, table, kv_max_seq_len = _entry("portable", head_dim, dtype, max_seq_len, kv_max_seq_len, band, table,
+                                        gpu)
     if key is None:
         raise ValueError(f"no tile configuration covers head dimension {head_dim} (at most {MAX_HEAD_DIM})")
     return fit_to_lengths(table[key], max_seq_len, kv_max_seq_len)
 
 
 def hopper_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None,
-                       band: int | None = None) -> BlockSizes | None:
+                       band: int | None = None, *, table: dict | None = None,
+                       gpu: str = FALLBACK_GPU) -> BlockSizes | None:
     """Tiles for the Hopper kernels, as `default_block_sizes` chooses them from the table's "hopper"
     entries, of exactly this head dimension (the kernels do not pad it) and not fitted (their shapes are
     fixed); None where there is no entry (no Hopper kernel runs). A kernel whose tiles are None runs its
     portable version."""
-    key, table, _ = _entry("hopper", head_dim, dtype, max_seq_len, kv_max_seq_len, band)
+    key, table, _ = _entry("hopper", head_dim, dtype, max_seq_len, kv_max_seq_len, band, table, gpu)
     if key is None:
         return None
     _, _, _, entry_head_dim, _ = key

@@ -47,8 +47,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .api import BACKENDS, jagged_attention, multi_head_jagged_flash_attention
+from .api import jagged_attention, multi_head_jagged_flash_attention
 from .jagged import explicit_mesh
+from .select import BACKENDS
 
 __all__ = [
     "SEMANTICS",

@@ -27,10 +27,11 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import launch, reference
+from . import select
 from ._compat import varying_axes
 from .jagged import explicit_mesh
-from .launch.plan import Problem
+from .problem import Problem
+from .select import Plan
 
 
 class ForwardArgs(NamedTuple):
@@ -92,23 +93,15 @@ def _unpack(kind, p: Problem, operands, with_dlse: bool = False):
     return kind(**dict(zip(_fields(kind, p, with_dlse), operands)))
 
 
-def _run_forward(p: Problem, *operands):
+def _run_forward(p: Problem, plan: Plan, *operands):
     args = _unpack(ForwardArgs, p, operands)
-    if p.backend == "xla":
-        outputs = reference.forward(p, *args)
-    else:
-        outputs = launch.plan.forward(launch.runner(p.backend), p, *args)
+    outputs = plan.forward.forward(p, plan.forward_config, *args)
     return _varying_like(outputs, operands)
 
 
-def _run_backward(p: Problem, *operands, with_dlse: bool = False):
+def _run_backward(p: Problem, plan: Plan, *operands, with_dlse: bool = False):
     args = _unpack(BackwardArgs, p, operands, with_dlse)
-    grads = (args.q, args.k, args.v, args.q_offsets, args.kv_offsets, args.o, args.lse, args.do)
-    if p.backend == "xla":
-        outputs = reference.backward(p, *grads, slopes=args.slopes, dlse=args.dlse)
-    else:
-        outputs = launch.plan.backward(launch.runner(p.backend), p, *grads, slopes=args.slopes,
-                                       dlse=args.dlse)
+    outputs = plan.backward.backward(p, plan.backward_config, *args)
     return _varying_like(outputs, operands)
 
 
@@ -161,11 +154,11 @@ def _sharding_rule(p: Problem, backward: bool, with_dlse: bool = False):
     return f"{', '.join(operands)} -> {', '.join(results)}", sizes
 
 
-class _Plan:
+class _Sharding:
     """How a problem is split over the mesh: its heads over `head_axes`, its segments over
     `segment_axes`. Built from the shardings XLA proposes; raises ValueError for anything else."""
 
-    def __init__(self, p: Problem, mesh, arg_shapes, backward: bool):
+    def __init__(self, p: Problem, plan: Plan, mesh, arg_shapes, backward: bool):
         token_dim, head_dim = _dims(p)
         shapes = (BackwardArgs if backward else ForwardArgs)(*arg_shapes)._asdict()
 
@@ -203,7 +196,7 @@ class _Plan:
             if axes[1] or (axes[0] and (rows == 1 or axes[0] != segment_axes)):
                 raise ValueError(f"{name} [{rows}, B+1] must be replicated, or split along its first axis "
                                  f"exactly as the tokens of q, k, v are; got {P(*axes)}")
-        if p.backend == "interpret" and self.head_shards * self.segment_shards > 1:
+        if "interpret" in plan.names and self.head_shards * self.segment_shards > 1:
             # The interpreter is a Python callback, and JAX cannot call one from a partitioned
             # custom_partitioning body (https://github.com/jax-ml/jax/issues/34349): it would crash.
             raise ValueError("backend='interpret' cannot be partitioned by a sharded jax.jit; run it under "
@@ -230,24 +223,26 @@ class _Plan:
         return self.sharding("shared_offsets" if rows == 1 else "offsets")
 
 
-def _partitioned(p: Problem, run, backward: bool, with_dlse: bool = False):
+def _partitioned(p: Problem, plan: Plan, run, backward: bool, with_dlse: bool = False):
     @custom_partitioning
     def call(*args):
-        return run(p, *args)
+        return run(p, plan, *args)
 
     def partition(mesh, arg_shapes, result_shape):
-        plan = _Plan(p, mesh, arg_shapes, backward)
-        array = plan.sharding("array")
-        offsets = (plan.offsets_sharding(p.q_offsets_rows), plan.offsets_sharding(p.kv_offsets_rows))
+        sharding = _Sharding(p, plan, mesh, arg_shapes, backward)
+        array = sharding.sharding("array")
+        offsets = (sharding.offsets_sharding(p.q_offsets_rows), sharding.offsets_sharding(p.kv_offsets_rows))
         arg_shardings = (array, array, array, *offsets)
         if backward:
-            arg_shardings += (array, plan.sharding("stats"), array)
+            arg_shardings += (array, sharding.sharding("stats"), array)
             result_shardings = (array, array, array)
         else:
-            result_shardings = (array, plan.sharding("stats"))
-        arg_shardings += (plan.sharding("slopes"),) * p.alibi + (plan.sharding("stats"),) * with_dlse
-        local = plan.local(p)
-        return mesh, functools.partial(run, local), result_shardings, arg_shardings
+            result_shardings = (array, sharding.sharding("stats"))
+        arg_shardings += (sharding.sharding("slopes"),) * p.alibi + (sharding.sharding("stats"),) * with_dlse
+        local = sharding.local(p)
+        # Each device's problem is chosen for again: its implementations must support it.
+        run_local = functools.partial(run, local, select.replan(plan, local))
+        return mesh, run_local, result_shardings, arg_shardings
 
     call.def_partition(partition=partition,
                        sharding_rule=lambda *_: _sharding_rule(p, backward, with_dlse))
@@ -325,8 +320,8 @@ PROGRAMS_KEPT = 256
 
 
 @functools.lru_cache(maxsize=PROGRAMS_KEPT)
-def _forward_fn(p: Problem):
-    partitioned = _partitioned(p, _run_forward, backward=False)
+def _forward_fn(p: Problem, plan: Plan):
+    partitioned = _partitioned(p, plan, _run_forward, backward=False)
 
     @custom_vmap
     def call(*args):
@@ -339,15 +334,17 @@ def _forward_fn(p: Problem):
         offsets = fold.fold_offsets(args.q_offsets, args.kv_offsets, batched.q_offsets, batched.kv_offsets)
         arrays = (fold.array(getattr(args, n), getattr(batched, n)) for n in ("q", "k", "v"))
         operands = ForwardArgs(*arrays, *offsets, fold.slopes(args.slopes, batched.slopes))
-        o, lse = _forward_fn(fold.problem)(*_operands(operands, fold.problem))
+        # The folded problem is chosen for again: its implementations must support it.
+        folded = _forward_fn(fold.problem, select.replan(plan, fold.problem))
+        o, lse = folded(*_operands(operands, fold.problem))
         return (fold.unarray(o), fold.unstats(lse)), (True, True)
 
     return jax.jit(call)  # see `_backward_fn`
 
 
 @functools.lru_cache(maxsize=PROGRAMS_KEPT)
-def _backward_fn(p: Problem, with_dlse: bool):
-    partitioned = _partitioned(p, functools.partial(_run_backward, with_dlse=with_dlse), backward=True,
+def _backward_fn(p: Problem, plan: Plan, with_dlse: bool):
+    partitioned = _partitioned(p, plan, functools.partial(_run_backward, with_dlse=with_dlse), backward=True,
                                with_dlse=with_dlse)
 
     @custom_vmap
@@ -364,7 +361,8 @@ def _backward_fn(p: Problem, with_dlse: bool):
         operands = BackwardArgs(*arrays, *offsets, o, fold.stats(args.lse, batched.lse), do,
                                 fold.slopes(args.slopes, batched.slopes),
                                 fold.stats(args.dlse, batched.dlse) if with_dlse else None)
-        grads = _backward_fn(fold.problem, with_dlse)(*_operands(operands, fold.problem, with_dlse))
+        grads = _backward_fn(fold.problem, select.replan(plan, fold.problem), with_dlse)(
+            *_operands(operands, fold.problem, with_dlse))
         return tuple(fold.unarray(g) for g in grads), (True, True, True)
 
     # Jitted, one function per problem (this cache): called eagerly, the ops would run one by one, and
@@ -379,30 +377,31 @@ def clear_programs() -> None:
     _backward_fn.cache_clear()
 
 
-def _with_auto_axes(p: Problem, fn, args, result_types, backward: bool):
+def _with_auto_axes(p: Problem, plan: Plan, fn, args, result_types, backward: bool):
     """Run `fn` with explicit mesh axes turned into auto ones (custom_partitioning works with those),
     checking the shardings at trace time, and give results the shardings of `result_types`."""
     mesh = explicit_mesh(args[0])
     if mesh is None:
         return fn(*args)
-    plan = _Plan(p, mesh, [jax.typeof(x) for x in args], backward)
-    out = tuple(plan.sharding("stats") if kind == "stats" else jax.typeof(like).sharding
+    sharding = _Sharding(p, plan, mesh, [jax.typeof(x) for x in args], backward)
+    out = tuple(sharding.sharding("stats") if kind == "stats" else jax.typeof(like).sharding
                 for kind, like in result_types)
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.sharding.auto_axes(fn, out_sharding=out)(*args)
 
 
-def forward(p: Problem, q, k, v, q_offsets, kv_offsets, slopes=None):
-    """o and the float32 log-sum-exp [Z, H, T_q] (the backend's own convention), on any backend.
-    slopes: ALiBi's [Z, H] float32 when p.alibi, else None."""
+def forward(p: Problem, plan: Plan, q, k, v, q_offsets, kv_offsets, slopes=None):
+    """o and the float32 log-sum-exp [Z, H, T_q] (the kernels' convention, every implementation's), by
+    the plan's forward. slopes: ALiBi's [Z, H] float32 when p.alibi, else None."""
     args = _operands(ForwardArgs(q, k, v, q_offsets, kv_offsets, slopes), p)
-    return _with_auto_axes(p, _forward_fn(p), args, (("array", q), ("stats", None)), backward=False)
+    return _with_auto_axes(p, plan, _forward_fn(p, plan), args, (("array", q), ("stats", None)),
+                           backward=False)
 
 
-def backward(p: Problem, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None, dlse=None):
+def backward(p: Problem, plan: Plan, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None, dlse=None):
     """dq, dk, dv from the residuals of `forward` (none for the slopes), the output gradient and, unless
     None, the gradient of the log-sum-exp residual ([Z, H, T_q] float32, in its units)."""
     with_dlse = dlse is not None
     args = _operands(BackwardArgs(q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse), p, with_dlse)
-    return _with_auto_axes(p, _backward_fn(p, with_dlse), args, (("array", q), ("array", k), ("array", v)),
-                           backward=True)
+    return _with_auto_axes(p, plan, _backward_fn(p, plan, with_dlse), args,
+                           (("array", q), ("array", k), ("array", v)), backward=True)

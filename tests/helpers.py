@@ -15,11 +15,54 @@ import numpy as np
 import pytest
 
 import jagged_flash_jax as jfa
+from jagged_flash_jax.implementations import IMPLEMENTATIONS, Implementation
 from jagged_flash_jax.launch import gpu
 
 GPU_AVAILABLE = gpu.available()
 KERNEL_BACKENDS = ["interpret"] + (["triton"] if GPU_AVAILABLE else [])
 BACKENDS = KERNEL_BACKENDS + ["xla"]
+
+
+def variant(backend: str, **settings):
+    """The implementation that `backend` ("interpret", or "triton": the portable kernels on the GPU) runs,
+    with other settings (e.g. key_major=True): a test passes it as `implementation=`, instead of
+    patching the launch code."""
+    return dataclasses.replace(implementation_of(backend), **settings)
+
+
+class Spy(Implementation):
+    """An implementation that records each problem it runs (("forward" | "backward", its name, Problem,
+    config), in `calls`, which spies may share) and hands it to `inner` (an implementation's name or
+    value): a test passes it as `implementation=`. A new spy is a new implementation: nothing traced for
+    another replays past it."""
+
+    def __init__(self, inner, calls: list | None = None):
+        self.inner = IMPLEMENTATIONS[inner] if isinstance(inner, str) else inner
+        self.name = self.inner.name
+        self.calls = [] if calls is None else calls
+
+    def config(self, *args):
+        return self.inner.config(*args)
+
+    def supports(self, *args):
+        return self.inner.supports(*args)
+
+    def preferred(self, *args):
+        return self.inner.preferred(*args)
+
+    def forward(self, p, config, *args):
+        self.calls.append(("forward", self.name, p, config))
+        return self.inner.forward(p, config, *args)
+
+    def backward(self, p, config, *args):
+        self.calls.append(("backward", self.name, p, config))
+        return self.inner.backward(p, config, *args)
+
+
+def implementation_of(backend: str):
+    """The implementation a test's `backend` names when it spies on it or varies it: "triton" is the
+    portable kernels on the GPU."""
+    return IMPLEMENTATIONS[{"triton": "portable"}.get(backend, backend)]
 
 
 def backend_params(backends=None):

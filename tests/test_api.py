@@ -40,7 +40,31 @@ def bad_calls():
         "v dtype": (lambda: std(q, k, v.astype(jnp.bfloat16), OFFSETS, 8), TypeError,
                     "v must have the dtype"),
         "dtype": (lambda: std(*(x.astype(jnp.int32) for x in (q, k, v)), OFFSETS, 8), TypeError,
-                  "float32, bfloat16 or float16"),
+                  "q must be one of float32, bfloat16, float16, got int32"),
+        "float64": (lambda: std(*(np.asarray(x, np.float64) for x in (q, k, v)), OFFSETS, 8), TypeError,
+                    r"q must be one of .*got float64: cast it, e.g. q.astype\(jnp.float32\)"),
+        "padded input": (lambda: std(q4, q4, q4, OFFSETS, 8), ValueError,
+                         r"for padded \[B, L, H, D\] arrays, jagged_flash_jax.padded_to_jagged"),
+        "max_seq_len array": (lambda: std(q, k, v, OFFSETS, jnp.asarray(8)), TypeError,
+                              r"max_seq_len must be a static Python int, got a .* scalar: pass "
+                              r"int\(max_seq_len\)"),
+        "scale subnormal": (lambda: std(q, k, v, OFFSETS, 8, scale=1e-39), ValueError,
+                            "scale must be a finite, normal float32"),
+        "softcap over scale overflows": (lambda: std(q, k, v, OFFSETS, 8, softcap=1e38, scale=1e-3),
+                                         ValueError, r"softcap / scale must lie within float32's range"),
+        "softcap under scale underflows": (lambda: std(q, k, v, OFFSETS, 8, softcap=1e-30, scale=1e10),
+                                           ValueError, r"softcap / scale must lie within float32's range"),
+        "slope over scale overflows": (lambda: std(q, k, v, OFFSETS, 8, scale=1e-30,
+                                                   alibi_slopes=jnp.asarray([0.5, 1e10])), ValueError,
+                                       r"alibi_slopes / scale must be finite.*alibi_slopes\[1\] = "
+                                       r"10000000000.0"),
+        "implementation": (lambda: std(q, k, v, OFFSETS, 8, implementation="cudnn"), ValueError,
+                           r"implementation must be one of \('hopper', 'portable', 'interpret', 'xla'\)"),
+        "implementation and backend": (lambda: std(q, k, v, OFFSETS, 8, backend="xla", implementation="xla"),
+                                       ValueError, "pass either backend .* or implementation"),
+        "implementation unsupported": (lambda: std(q, k, v, OFFSETS, 8, implementation="hopper"),
+                                       ValueError, r"no implementation among \('hopper',\) can run this "
+                                                   r"forward: 'hopper': float32 inputs"),
         "not array": (lambda: std([[1.0]], k, v, OFFSETS, 8), TypeError, "q must be an array"),
         "heads": (lambda: std(q, *arrays((T, 3, D))[:2], OFFSETS, 8), ValueError,
                   "multiple of the number of kv"),
@@ -67,11 +91,11 @@ def bad_calls():
         "scale traced": (lambda: jax.jit(lambda s: std(q, k, v, OFFSETS, 8, scale=s))(1.0), TypeError,
                          "scale must be a static Python float"),
         "scale inf": (lambda: std(q, k, v, OFFSETS, 8, scale=float("inf")), ValueError,
-                      "scale must be finite and positive"),
+                      "scale must be a finite, normal float32"),
         "scale overflows": (lambda: std(q, k, v, OFFSETS, 8, scale=3e38), ValueError,
-                            r"scale must be .*at most 2.359e\+38"),
+                            r"scale must be .*2.359e\+38\]"),
         "scale 0": (lambda: std(q, k, v, OFFSETS, 8, scale=0.0), ValueError,
-                    "scale must be finite and positive"),
+                    "scale must be a finite, normal float32"),
         "offsets negative": (lambda: std(q, k, v, [-1, 5], 8), ValueError, r"offsets must be >= 0"),
         "offsets decreasing": (lambda: fb(q, k, v, jnp.asarray([0, 9, 4]), 8, layout="THD"), ValueError,
                                r"non-decreasing, got offsets\[1\] = 9 > offsets\[2\] = 4"),
@@ -83,7 +107,10 @@ def bad_calls():
         "offsets int64 wrap": (lambda: std(q, k, v, np.array([0, 2**31 + 3], np.int64), 8), ValueError,
                                "offsets holds values outside int32"),
         "causal": (lambda: std(q, k, v, OFFSETS, 8, causal="yes"), TypeError, "causal must be a bool"),
-        "head dim": (lambda: std(*arrays((4, 1, 257)), OFFSETS[:2] * 0, 8), ValueError, "at most 256"),
+        "window -1": (lambda: std(q, k, v, OFFSETS, 8, window=(-1, -1)), ValueError,
+                      r"window's left bound must be >= 0 or None \(None: no bound, FlashAttention's -1\)"),
+        "head dim": (lambda: std(*arrays((4, 1, 257)), OFFSETS[:2] * 0, 8, backend="interpret"), ValueError,
+                     r"'interpret': head dimension D=257 \(the kernels take D <= 256; the 'xla'"),
         "backend": (lambda: std(q, k, v, OFFSETS, 8, backend="cuda"), ValueError, "backend must be one of"),
         "layout": (lambda: std(q, k, v, OFFSETS, 8, layout="BTHD"), ValueError, "layout must be one of"),
         "allow_tf32": (lambda: fb(q, k, v, OFFSETS, 8, allow_tf32="yes"), TypeError,
@@ -126,6 +153,27 @@ def test_fbgemm_layout_mix_up_raises():
                                             allow_tf32=False)
     want, *_ = reference(batch.q, batch.k, batch.v, batch.do, batch.offsets, 16, out_scale=1 / 16)
     assert relative_error(got, want) < 1e-5
+
+
+def test_traced_slopes_past_float32_are_clamped_not_nan():
+    """Slopes that a trace hides from the check (1e10 with scale 1e-30: slope / scale past float32) are
+    clamped: the bias saturates, and the output stays finite (each query's own key dominates)."""
+    q, k, v = arrays(seed=3)
+    op = jax.jit(lambda slopes: jagged_attention(q, k, v, OFFSETS, 8, scale=1e-30, alibi_slopes=slopes,
+                                                 backend="xla"))
+    out = op(jnp.asarray([1e10, 1e10], jnp.float32))
+    assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_head_dimensions_past_256_run_on_xla():
+    """The kernels take D <= 256; the xla implementation (and so backend="auto" where no kernel can run
+    it) takes any D, against float64."""
+    batch = Batch.make([5, 0, 11], 2, 300, seed=8, scale=0.3)
+    q, k, v, do = batch.arrays(jnp.float32)
+    out = jagged_attention(q, k, v, batch.offsets, 8, causal=True, allow_tf32=False)
+    rounded = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    want = reference(*rounded, batch.offsets, 8, scale=300**-0.5, causal=True)[0]
+    assert relative_error(out, want) < 1e-5
 
 
 @pytest.mark.parametrize("offsets,ok", [([0, 5, 5, 20], True), ([0, 9, 4, 20], False),

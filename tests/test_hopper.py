@@ -10,7 +10,7 @@ layouts, both 16-bit types), and on a Hopper GPU against float64 (both layouts, 
 right, both), a soft cap, ALiBi, all with causal, GQA/MQA, cross-attention both ways, empty and
 truncated sequences, D = 64 and 128, float16, FBGEMM's op, inf and nan in unattended tokens, the
 options' too), bitwise deterministic with the Hopper forward, the gradients of the log-sum-exp against
-the portable backward, and its own zero fill under adversarial offsets; a spy on plan._hopper_backward
+the portable backward, and its own zero fill under adversarial offsets; spies of the implementations
 says it ran. The compile tests follow jax-triton 0.4.1's pipeline (make_ttir on the Gluon module, which
 triton.compile skips). Which problems take the Hopper kernels, and their launches' exact arguments:
 test_launchers.py."""
@@ -18,6 +18,7 @@ test_launchers.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 
@@ -28,6 +29,7 @@ import pytest
 from helpers import (
     TOLERANCES,
     Batch,
+    Spy,
     assert_matches,
     attended_mask,
     reference,
@@ -37,119 +39,92 @@ from helpers import (
 )
 
 import jagged_flash_jax as jfa
-from jagged_flash_jax import configs, transforms
-from jagged_flash_jax.launch import hopper as hopper_launch
-from jagged_flash_jax.launch import plan
+from benchmarks.probes import ptx
+from jagged_flash_jax import checks, configs, implementations, select
+from jagged_flash_jax.launch import calls
+from jagged_flash_jax.launch.calls import HopperConfig
+from jagged_flash_jax.problem import Problem
 
 # ---------------------------------------------------------------------------------------------------
 # Compiled for sm_90a, without a GPU
 # ---------------------------------------------------------------------------------------------------
 
 
-def _problem(dim: int, causal: bool, layout: str, dtype, **kernels_and_options):
+def _problem(dim: int, causal: bool, layout: str, dtype, dkdv_block_m=None, **options):
     """A Problem of 4 query heads over 2 kv heads (GQA), 64 query and 48 key tokens (cross-attention),
-    with the table's Hopper tiles for it (at these lengths, D = 128's 64-key ones), q and k-shaped zero
-    arrays and its offsets."""
+    the Hopper configuration with the table's tiles for it (at these lengths, D = 128's 64-key ones;
+    dk/dv's query tiles `dkdv_block_m` rows if given, as a tuned table may), q and k-shaped zero arrays and
+    its offsets."""
     shape = lambda tokens, heads: (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)  # noqa: E731
     q, kv = jnp.zeros(shape(64, 4), dtype), jnp.zeros(shape(48, 2), dtype)
-    band = configs.band_width(kernels_and_options.get("window", (None, None)), causal)
-    p = plan.Problem(layout=layout, num_heads=4, num_kv_heads=2, head_dim=dim, batch=2, num_segments=1,
-                     q_tokens=64, kv_tokens=48, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=40,
-                     kv_max_seq_len=50, causal=causal, scale=0.1, out_scale=1.0, input_precision="tf32",
-                     block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton",
-                     hopper_tiles=configs.hopper_block_sizes(dim, dtype, 40, 50, band),
-                     **kernels_and_options)
-    return p, q, kv, jnp.asarray([[0, 10, 64]], jnp.int32)
+    p = Problem(layout=layout, num_heads=4, num_kv_heads=2, head_dim=dim, batch=2, num_segments=1,
+                q_tokens=64, kv_tokens=48, q_offsets_rows=1, kv_offsets_rows=1, max_seq_len=40,
+                kv_max_seq_len=50, causal=causal, scale=0.1, out_scale=1.0, dtype=jnp.dtype(dtype).name,
+                input_precision="tf32", **options)
+    tiles = configs.hopper_block_sizes(dim, dtype, 40, 50, configs.band_width(p.window, causal))
+    if dkdv_block_m is not None:
+        tiles = dataclasses.replace(tiles, dkdv=dataclasses.replace(tiles.dkdv, block_m=dkdv_block_m))
+    return p, HopperConfig(tiles, configs.HOPPER_SMS, 64), q, kv, jnp.asarray([[0, 10, 64]], jnp.int32)
 
 
 def _captured(launch, *args):
-    """The (KernelCall, arrays) pairs that `launch` (plan.forward or plan.backward) makes, run nowhere."""
-    calls = []
+    """The (KernelCall, arrays) pairs that `launch` (calls.hopper_forward or hopper_backward) makes, run
+    nowhere."""
+    recorded = []
 
     def run(call, arrays):
-        calls.append((call, arrays))
+        recorded.append((call, arrays))
         return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
 
     launch(run, *args)
-    return calls
+    return recorded
 
 
 def hopper_call(dim: int, causal: bool, layout: str, dtype, window=(None, None), softcap=None, alibi=False):
-    """The Hopper forward's KernelCall and arrays, as plan.forward makes them (GQA, cross-attention;
-    the options of Problem: a window (left, right), a soft cap, ALiBi)."""
-    p, q, kv, offsets = _problem(dim, causal, layout, dtype, forward_kernel="hopper", window=window,
-                                 softcap=softcap, alibi=alibi)
-    (call,) = _captured(plan.forward, p, q, kv, kv, offsets, offsets,
+    """The Hopper forward's KernelCall and arrays, as calls.hopper_forward makes them (GQA,
+    cross-attention; the options of Problem: a window (left, right), a soft cap, ALiBi)."""
+    p, config, q, kv, offsets = _problem(dim, causal, layout, dtype, window=window, softcap=softcap,
+                                         alibi=alibi)
+    (call,) = _captured(calls.hopper_forward, p, config, q, kv, kv, offsets, offsets,
                         jnp.ones(4, jnp.float32) if alibi else None)
     return call
 
 
 def hopper_backward_calls(dim: int, causal: bool, layout: str, dtype, window=(None, None), softcap=None,
-                          alibi=False):
-    """The Hopper backward's two KernelCalls (dk/dv, dq) and arrays, as plan.backward makes them (GQA,
-    cross-attention; the options as `hopper_call`'s)."""
-    p, q, kv, offsets = _problem(dim, causal, layout, dtype, backward_kernel="hopper", window=window,
-                                 softcap=softcap, alibi=alibi)
+                          alibi=False, dkdv_block_m=None):
+    """The Hopper backward's two KernelCalls (dk/dv, dq) and arrays, as calls.hopper_backward makes them
+    (GQA, cross-attention; the options as `hopper_call`'s)."""
+    p, config, q, kv, offsets = _problem(dim, causal, layout, dtype, dkdv_block_m, window=window,
+                                         softcap=softcap, alibi=alibi)
     lse = jnp.zeros(p.stats_shape, jnp.float32)
-    calls = _captured(plan.backward, p, q, kv, kv, offsets, offsets, q, lse, q,
-                      jnp.ones(4, jnp.float32) if alibi else None)
-    calls = [c for c in calls if c[0].descriptors]  # the preprocess is the portable kernel
-    assert len(calls) == 2
-    return calls
-
-
-def _signature(call, arrays):
-    """The signature, constants and attributes jax-triton 0.4.1 builds: descriptors as
-    `tensordesc<dtype[block],layout>`, 16-divisible pointers."""
-    from triton.experimental.gluon import language as gl
-
-    names = {jnp.dtype(jnp.bfloat16): ("bf16", gl.bfloat16), jnp.dtype(jnp.float16): ("fp16", gl.float16),
-             jnp.dtype(jnp.float32): ("fp32", None), jnp.dtype(jnp.int32): ("i32", None)}
-    blocks = dict(call.descriptors)
-    params = [name for name in call.kernel.arg_names if name not in call.constants]
-    signature = {}
-    arrays = (*arrays, *call.out_shapes)
-    for index, (name, array) in enumerate(zip(params, arrays, strict=True)):
-        type_name, gl_dtype = names[jnp.dtype(array.dtype)]
-        if index in blocks:
-            block = list(blocks[index])
-            layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-            signature[name] = f"tensordesc<{type_name}[{','.join(map(str, block))}],{layout!r}>"
-        else:
-            signature[name] = f"*{type_name}"
-    signature.update(dict.fromkeys(call.constants, "constexpr"))
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name.endswith("_ptr")}
-    return signature, attrs
+    recorded = _captured(calls.hopper_backward, p, config, q, kv, kv, offsets, offsets, q, lse, q,
+                         jnp.ones(4, jnp.float32) if alibi else None)
+    recorded = [c for c in recorded if c[0].descriptors]  # the preprocess is the portable kernel
+    assert len(recorded) == 2
+    return recorded
 
 
 def compile_for_sm90(call, arrays):
-    """The call's Gluon kernel compiled for sm_90a as jax-triton 0.4.1 compiles it: the Gluon AST to IR
-    (GluonASTSource.make_ir), then the CUDA backend's make_ttir, make_ttgir, make_llir, make_ptx, make_cubin
-    (jax-triton runs make_ttir on Gluon modules, which triton.compile skips; Triton 3.6's verifier
-    rejected there what triton.compile accepted). Returns (ptx, metadata)."""
-    from triton._C.libtriton import ir
+    """The call's Gluon kernel compiled for sm_90a as jax-triton 0.4.1 compiles it (the probe's
+    `compile_for_sm90`: make_ttir on the Gluon module too, which triton.compile skips; Triton 3.6's
+    verifier rejected there what triton.compile accepted), then assembled by Triton's ptxas. Returns
+    (ptx, metadata)."""
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
-    from triton.experimental.gluon._runtime import GluonASTSource
 
-    signature, attrs = _signature(call, arrays)
-    target = GPUTarget("cuda", 90, 128)
-    backend = CUDABackend(target)
+    blocks = dict(call.descriptors)
+    described = lambda i, a: dict(dtype=jnp.dtype(a.dtype).name, **({"block": list(blocks[i])}  # noqa: E731
+                                                                   if i in blocks else {}))
+    launch = dict(constants=call.constants, arrays=[described(i, a) for i, a in enumerate(arrays)],
+                  out=[dict(dtype=jnp.dtype(s.dtype).name) for s in call.out_shapes])
+    signature, attrs = ptx.kernel_signature(call.kernel, launch)
+    text, metadata = ptx.compile_for_sm90(call.kernel, signature, call.constants, attrs, call.num_warps,
+                                          call.num_stages, dict(maxnreg=call.max_registers))
+    backend = CUDABackend(GPUTarget("cuda", 90, 128))
     options = backend.parse_options(dict(num_warps=call.num_warps, num_stages=call.num_stages,
                                          maxnreg=call.max_registers))
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    source = GluonASTSource(call.kernel, signature, dict(call.constants), attrs)
-    module = source.make_ir(target, options, backend.get_codegen_implementation(options),
-                            backend.get_module_map(), context)
-    metadata = {}
-    module = backend.make_ttir(module, metadata, options, 90)
-    module = backend.make_ttgir(module, metadata, options, 90)
-    llir = backend.make_llir(module, metadata, options, 90)
-    ptx = backend.make_ptx(llir, metadata, options, 90)
-    backend.make_cubin(ptx, metadata, options, 90)
-    return ptx, metadata
+    backend.make_cubin(text, metadata, options, 90)
+    return text, metadata
 
 
 def check_compiled(ptx: str, metadata: dict):
@@ -194,7 +169,7 @@ def _compile_id(x):
 @pytest.mark.parametrize("dim,causal,layout,dtype,options", COMPILE_CASES, ids=_compile_id)
 def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype, options):
     """With the constants the launcher passes, through jax-triton's pipeline (`compile_for_sm90`)."""
-    if not hopper_launch.gluon_available():
+    if not implementations.gluon_available():
         pytest.skip("this Triton has no triton.experimental.gluon (the Hopper forward is unavailable)")
     start = time.perf_counter()
     ptx, metadata = compile_for_sm90(*hopper_call(dim, causal, layout, dtype, **options))
@@ -218,38 +193,35 @@ BACKWARD_COMPILE_CASES = [(64, True, "THD", jnp.bfloat16, {}),
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
 @pytest.mark.parametrize("dim,causal,layout,dtype,options", BACKWARD_COMPILE_CASES, ids=_compile_id)
 def test_the_hopper_backward_compiles_for_sm90a(dim, causal, layout, dtype, options):
-    """The dk/dv and dq kernels with the constants plan.backward passes, through jax-triton's pipeline:
-    as the forward."""
-    if not hopper_launch.gluon_available():
+    """The dk/dv and dq kernels with the constants calls.hopper_backward passes, through jax-triton's
+    pipeline: as the forward."""
+    if not implementations.gluon_available():
         pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
     for call, arrays in hopper_backward_calls(dim, causal, layout, dtype, **options):
         ptx, metadata = compile_for_sm90(call, arrays)
         check_compiled(ptx, metadata)
 
 
-def _narrower_dkdv_tiles(monkeypatch, module, block_m: int) -> list:
-    """`module.hopper_block_sizes` (configs' for the problems built here, launch/hopper's for the op's)
-    patched to give the table's tiles with dk/dv query tiles of `block_m` rows, as a tuned table may;
-    returns the list of the tiles it gave."""
-    table_tiles, given = module.hopper_block_sizes, []
-
-    def narrower(*args):
-        tiles = table_tiles(*args)
-        given.append(dataclasses.replace(tiles, dkdv=dataclasses.replace(tiles.dkdv, block_m=block_m)))
-        return given[-1]
-
-    monkeypatch.setattr(module, "hopper_block_sizes", narrower)
-    return given
+def narrower_dkdv_table(tmp_path, block_m: int) -> str:
+    """A tuned tile table (the file $JAGGED_FLASH_JAX_TUNED_CONFIGS names) whose Hopper entries at D = 128
+    give dk/dv query tiles of `block_m` rows, as a tuned table may."""
+    entries = []
+    for key, tiles in configs.BUILTIN_TABLE.items():
+        if key[1] == "hopper" and key[3] == 128:
+            tiles = dataclasses.replace(tiles, dkdv=dataclasses.replace(tiles.dkdv, block_m=block_m))
+            entries.append(configs.entry_to_json(key, tiles))
+    path = tmp_path / f"dkdv{block_m}.json"
+    path.write_text(json.dumps(entries))
+    return str(path)
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
-def test_the_hopper_dkdv_compiles_with_query_tiles_narrower_than_a_warp(monkeypatch):
+def test_the_hopper_dkdv_compiles_with_query_tiles_narrower_than_a_warp():
     """A tuned table may give dk/dv 16-query tiles: its producer's statistics (a tile's log-sum-exp and
     delta, spread over its warp's 32 lanes) still compile."""
-    if not hopper_launch.gluon_available():
+    if not implementations.gluon_available():
         pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
-    _narrower_dkdv_tiles(monkeypatch, configs, 16)
-    (call, arrays), _ = hopper_backward_calls(128, False, "THD", jnp.bfloat16)
+    (call, arrays), _ = hopper_backward_calls(128, False, "THD", jnp.bfloat16, dkdv_block_m=16)
     assert call.kernel.__name__ == "attention_bwd_dkdv_kernel" and call.constants["BLOCK_M"] == 16
     check_compiled(*compile_for_sm90(call, arrays))
 
@@ -259,29 +231,31 @@ def test_the_hopper_dkdv_compiles_with_query_tiles_narrower_than_a_warp(monkeypa
 # ---------------------------------------------------------------------------------------------------
 
 
-def _recorded_choices(monkeypatch, env: str, chooser: str) -> list:
-    """On a Hopper GPU (else the test skips), the Hopper kernel asked for through `env` and every answer
-    of launch/hopper.py's `chooser` recorded in the returned list."""
-    if hopper_launch.device_capability() is None or hopper_launch.device_capability()[0] != 9:
-        pytest.skip(f"needs a Hopper GPU (compute capability 9.x), not {hopper_launch.device_capability()}")
-    monkeypatch.setenv(env, "hopper")
-    chosen = []
-    choose = getattr(hopper_launch, chooser)
+class Chosen:
+    """What ran: spies of the Hopper and portable implementations sharing one record (helpers.Spy), and
+    the arguments that ask for `kind`'s pass ("forward" or "backward") on the Hopper kernels wherever they
+    can run, else the portable ones (these short sequences take the portable ones under "auto"), the
+    other pass on the portable ones. `ran` lists the implementations that ran `kind`, in order."""
 
-    def record(p, dtype):
-        chosen.append(choose(p, dtype))
-        return chosen[-1]
+    def __init__(self, kind: str):
+        device = select.current_device()
+        if device.capability is None or device.capability[0] != 9:
+            pytest.skip(f"needs a Hopper GPU (compute capability 9.x), not {device.capability}")
+        self.kind, self.calls = kind, []
+        self.hopper, self.portable = Spy("hopper", self.calls), Spy("portable", self.calls)
+        asked = (self.hopper, self.portable)
+        self.kwargs = (dict(implementation=asked, backward_implementation="portable") if kind == "forward"
+                       else dict(implementation="portable", backward_implementation=asked))
 
-    monkeypatch.setattr(hopper_launch, chooser, record)
-    return chosen
+    @property
+    def ran(self) -> list[str]:
+        return [name for kind, name, *_ in self.calls if kind == self.kind]
 
 
 @pytest.fixture
-def forward_kernels(monkeypatch):
-    """The forward kernel chosen for each call (launch/hopper.py's answer, recorded), on a Hopper GPU;
-    the Hopper forward asked for wherever it can run (these short sequences take the portable one under
-    "auto")."""
-    return _recorded_choices(monkeypatch, configs.FORWARD_KERNEL_ENV, "forward_kernel")
+def forward_kernels():
+    """The forwards that ran (`Chosen`), the Hopper one asked for wherever it can run, on a Hopper GPU."""
+    return Chosen("forward")
 
 
 CASES = {
@@ -331,8 +305,9 @@ def slopes_for(heads: int) -> np.ndarray:
 
 
 def matches_float64(spec: dict, layout: str, precision: str, seed: int, **options) -> None:
-    """A case of CASES or BACKWARD_CASES on the triton backend: o and dq, dk, dv against float64, with
-    the case's options (a window, a soft cap, ALiBi with `slopes_for`'s slopes)."""
+    """A case of CASES or BACKWARD_CASES on the GPU kernels that `options` ask for (Chosen.kwargs): o and
+    dq, dk, dv against float64, with the case's options (a window, a soft cap, ALiBi with `slopes_for`'s
+    slopes)."""
     spec = dict(spec)
     dtype, _, tol = TOLERANCES[precision]
     batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
@@ -341,7 +316,7 @@ def matches_float64(spec: dict, layout: str, precision: str, seed: int, **option
     slopes = slopes_for(batch.q.shape[1]) if spec.pop("alibi", False) else None
     if slopes is not None:
         options["alibi_slopes"] = jnp.asarray(slopes)
-    results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend="triton", **spec, **options)
+    results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, **spec, **options)
     max_len, kv_max = spec["max_seq_len"], spec.get("kv_max_seq_len", spec["max_seq_len"])
     scale = spec.get("scale", batch.q.shape[-1] ** -0.5)
     expected = reference(*results[:4], batch.offsets, max_len, kv_offsets=batch.kv_offsets,
@@ -353,9 +328,9 @@ def matches_float64(spec: dict, layout: str, precision: str, seed: int, **option
                    attended_kv=attended_mask(batch.key_offsets, batch.k.shape[0], kv_max))
 
 
-def check(case: str, layout: str, precision: str, forward_kernels, want="hopper", **options):
-    matches_float64(CASES[case], layout, precision, seed=len(case), **options)
-    assert forward_kernels == [want]
+def check(case: str, layout: str, precision: str, forward_kernels, **options):
+    matches_float64(CASES[case], layout, precision, seed=len(case), **forward_kernels.kwargs, **options)
+    assert forward_kernels.ran == ["hopper"]
 
 
 @pytest.mark.gpu
@@ -380,10 +355,10 @@ def test_int64_offsets(case, forward_kernels):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["self-causal", "cross-nq>nk-causal-mqa", "self-D256-scale"])
-def test_the_override_runs_the_portable_forward(case, forward_kernels, monkeypatch):
-    """$JAGGED_FLASH_JAX_FORWARD=portable on the same cases: the portable forward, as right."""
-    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "portable")
-    check(case, "THD", "bf16", forward_kernels, want="portable")
+def test_the_portable_forward_on_the_same_cases(case, forward_kernels):
+    """implementation="portable" on the same cases: the portable forward, as right."""
+    matches_float64(CASES[case], "THD", "bf16", seed=len(case), implementation=forward_kernels.portable)
+    assert forward_kernels.ran == ["portable"]
 
 
 @pytest.mark.gpu
@@ -393,8 +368,8 @@ def test_fbgemm_op(layout, forward_kernels):
     max_len = 200
     batch = Batch.make([5, 0, 300, 130, 1], 3, 128, lead=2, extra=40, seed=6, scale=0.3)
     results = run_vjp(jfa.multi_head_jagged_flash_attention, batch, jnp.bfloat16, layout=layout,
-                      max_seq_len=max_len, backend="triton")
-    assert forward_kernels == ["hopper"]
+                      max_seq_len=max_len, **forward_kernels.kwargs)
+    assert forward_kernels.ran == ["hopper"]
     expected = reference(*results[:4], batch.offsets, max_len, scale=1.0, out_scale=1.0 / max_len)
     attended = attended_mask(batch.offsets, batch.q.shape[0], max_len)
     assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
@@ -422,8 +397,8 @@ def test_inf_and_nan_in_unattended_tokens_stay_out(operand, layout, forward_kern
     batch = Batch.make([5, 0, 200, 3], 2, dim, kv_heads=1, extra=90, seed=3)
     attended = poison_unattended(batch, operand, max_len)
     results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
-                      causal=operand == "k", backend="triton")
-    assert forward_kernels == ["hopper"]
+                      causal=operand == "k", **forward_kernels.kwargs)
+    assert forward_kernels.ran == ["hopper"]
     expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5, causal=operand == "k")
     assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
 
@@ -444,8 +419,8 @@ def test_inf_and_nan_in_unattended_tokens_with_the_options(operand, layout, forw
     options = dict(window=(70, 20), softcap=8.0)
     slopes = slopes_for(heads)
     results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
-                      backend="triton", alibi_slopes=jnp.asarray(slopes), **options)
-    assert forward_kernels == ["hopper"]
+                      alibi_slopes=jnp.asarray(slopes), **forward_kernels.kwargs, **options)
+    assert forward_kernels.ran == ["hopper"]
     expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5, alibi_slopes=slopes,
                          **options)
     assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
@@ -462,8 +437,8 @@ def test_a_soft_cap_on_large_logits(forward_kernels):
     batch.k = np.random.default_rng(5).integers(-8, 9, batch.k.shape).astype(np.float64)
     batch.q = batch.k * 2.0**30
     results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout="THD", max_seq_len=256,
-                      backend="triton", scale=1 / 3, softcap=40.0, causal=True)
-    assert forward_kernels == ["hopper"]
+                      scale=1 / 3, softcap=40.0, causal=True, **forward_kernels.kwargs)
+    assert forward_kernels.ran == ["hopper"]
     expected = reference(*results[:4], batch.offsets, 256, scale=1 / 3, softcap=40.0, causal=True)
     assert all(np.all(np.isfinite(x)) for x in results[4:])
     assert relative_error(results[4], expected[0]) < TOLERANCES["bf16"][2]
@@ -483,8 +458,8 @@ def test_large_logits_with_any_scale(scale, exponent, layout, forward_kernels):
     batch.q = batch.k * 2.0**exponent
     kwargs = {} if scale is None else {"scale": scale}
     results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=256,
-                      backend="triton", **kwargs)
-    assert forward_kernels == ["hopper"]
+                      **forward_kernels.kwargs, **kwargs)
+    assert forward_kernels.ran == ["hopper"]
     for b in range(3):
         tokens = slice(batch.offsets[b], batch.offsets[b + 1])
         scores = np.sort(np.einsum("qhd,khd->hqk", results[0][tokens], results[1][tokens]), axis=-1)
@@ -497,7 +472,7 @@ def test_large_logits_with_any_scale(scale, exponent, layout, forward_kernels):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
-def test_lse_and_its_gradient_match_the_portable_forward(layout, forward_kernels, monkeypatch):
+def test_lse_and_its_gradient_match_the_portable_forward(layout, forward_kernels):
     """return_lse=True: o, the log-sum-exp (-inf where no key or unattended) and the gradients of a loss
     of both (the portable backward, fed each forward's log-sum-exp) from the Hopper forward match the
     portable forward's."""
@@ -506,18 +481,18 @@ def test_lse_and_its_gradient_match_the_portable_forward(layout, forward_kernels
     q, k, v, _ = batch.arrays(jnp.bfloat16, layout)
     offsets, kv_offsets = (jnp.asarray(x, jnp.int32) for x in (batch.offsets, batch.kv_offsets))
 
-    def loss(q, k, v):
+    def loss(q, k, v, forward):
         o, lse = jfa.jagged_attention(q, k, v, offsets, 256, kv_offsets=kv_offsets, causal=True,
-                                      layout=layout, backend="triton", return_lse=True)
+                                      layout=layout, implementation=forward,
+                                      backward_implementation="portable", return_lse=True)
         finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(finite)), (o, lse)
 
     results = {}
-    for forward in ("hopper", "portable"):  # "auto" keeps sequences this short on the portable one
-        monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, forward)
-        (_, (o, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-        results[forward] = [np.asarray(x, np.float64) for x in (o, lse, *grads)]
-    assert forward_kernels == ["hopper", "portable"]
+    for forward in (forward_kernels.hopper, forward_kernels.portable):
+        (_, (o, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, forward)
+        results[forward.name] = [np.asarray(x, np.float64) for x in (o, lse, *grads)]
+    assert forward_kernels.ran == ["hopper", "portable"]
     hopper, portable = results["hopper"], results["portable"]
     np.testing.assert_array_equal(np.isfinite(hopper[1]), np.isfinite(portable[1]))
     assert np.all(hopper[1][~np.isfinite(hopper[1])] == -np.inf)
@@ -538,13 +513,13 @@ def test_a_jitted_training_step_runs_twice(forward_kernels):
 
     @jax.jit
     def step(q, k, v):
-        loss = lambda q, k, v: jnp.sum(jfa.jagged_attention(q, k, v, offsets, 256, causal=True).astype(  # noqa: E731
-            jnp.float32) ** 2)
+        loss = lambda q, k, v: jnp.sum(jfa.jagged_attention(  # noqa: E731
+            q, k, v, offsets, 256, causal=True, **forward_kernels.kwargs).astype(jnp.float32) ** 2)
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     first = jax.block_until_ready(step(q, k, v))
     second = jax.block_until_ready(step(q, k, v))
-    assert forward_kernels == ["hopper"]
+    assert forward_kernels.ran == ["hopper"]
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         assert np.all(np.isfinite(np.asarray(a, np.float32)))
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
@@ -560,13 +535,10 @@ FILL_OFFSETS = {"sorted-gaps": [7, 50, 50, 290], "unsorted": [250, 10, 240, -3, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,causal", [("THD", True), ("HTD", False)])
 def test_rows_no_block_computes_are_zero_and_inf(layout, causal, forward_kernels):
-    """The kernel's own zero fill (no pre-filled output): plan.forward on the Hopper kernel, each time
-    into memory just freed full of NaN, with offsets of every kind (FILL_OFFSETS): o exactly 0 and the
-    kernel's log-sum-exp exactly +inf on every row that no query block writes, and the rows it does
-    write equal to the portable forward's (o to rounding, the log-sum-exp finite)."""
-    from jagged_flash_jax import api
-    from jagged_flash_jax.launch import gpu
-
+    """The kernel's own zero fill (no pre-filled output): the Hopper forward, each time into memory just
+    freed full of NaN, with offsets of every kind (FILL_OFFSETS): o exactly 0 and the kernel's
+    log-sum-exp exactly +inf on every row that no query block writes, and the rows it does write equal
+    to the portable forward's (o to rounding, the log-sum-exp finite)."""
     tokens, heads, dim, max_len = 300, 4, 128, 200
     rng = np.random.default_rng(2)
     shape = (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)
@@ -576,17 +548,16 @@ def test_rows_no_block_computes_are_zero_and_inf(layout, causal, forward_kernels
     for name, values in FILL_OFFSETS.items():
         offsets = jnp.asarray(values, jnp.int32)
         shape_only = jnp.zeros_like(offsets)  # the Problem needs the batch only (these would be refused)
-        p = api._problem(q, k, v, shape_only, shape_only, max_seq_len=max_len, kv_max_seq_len=max_len,
-                         scale=dim**-0.5, out_scale=1.0, causal=causal, layout=layout, allow_tf32=True,
-                         backend="triton", block_sizes=None, self_attention=True, validate=False)
-        assert p.forward_kernel == "hopper", name
+        p = checks.attention_problem(q, k, v, shape_only, shape_only, max_seq_len=max_len,
+                                     kv_max_seq_len=max_len, scale=dim**-0.5, out_scale=1.0, causal=causal,
+                                     layout=layout, allow_tf32=True, self_attention=True, validate=False)
         results = {}
-        for kernel in ("hopper", "portable"):
+        for impl in (forward_kernels.hopper, forward_kernels.portable):
+            config = select.choose(p, select.request(implementation=impl)).forward_config
             for poison in (jnp.full(shape, jnp.nan, jnp.bfloat16), jnp.full(p.stats_shape, jnp.nan)):
                 poison.block_until_ready().delete()  # its memory, free, for the outputs to reuse
-            o, lse = plan.forward(gpu.run, p.with_(forward_kernel=kernel), q, k, v, offsets[None],
-                                  offsets[None])
-            results[kernel] = (to_numpy(o, layout), np.asarray(lse)[0].T)  # [tokens, H, D], [tokens, H]
+            o, lse = impl.forward(p, config, q, k, v, offsets[None], offsets[None], None)
+            results[impl.name] = (to_numpy(o, layout), np.asarray(lse)[0].T)  # [tokens, H, D], [tokens, H]
         mask = attended_mask(values, tokens, max_len)
         (o, lse), (o_portable, lse_portable) = results["hopper"], results["portable"]
         assert np.all(o[~mask] == 0), (name, np.flatnonzero(~mask & np.any(o != 0, axis=(1, 2))))
@@ -594,7 +565,7 @@ def test_rows_no_block_computes_are_zero_and_inf(layout, causal, forward_kernels
         assert np.all(np.isfinite(o)) and np.all(np.isfinite(lse[mask])), name
         assert relative_error(o, o_portable) < 1e-2, name
         np.testing.assert_allclose(lse[mask], lse_portable[mask], rtol=1e-3, atol=1e-3, err_msg=name)
-    assert forward_kernels == ["hopper"] * len(FILL_OFFSETS)
+    assert forward_kernels.ran == ["hopper", "portable"] * len(FILL_OFFSETS)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -603,23 +574,9 @@ def test_rows_no_block_computes_are_zero_and_inf(layout, causal, forward_kernels
 
 
 @pytest.fixture
-def backward_kernels(monkeypatch):
-    """The backward kernel chosen for each call (launch/hopper.py's answer), on a Hopper GPU, the Hopper
-    backward asked for wherever it can run (these short sequences take the portable one under "auto");
-    and, last in the list, how many times plan.backward went to `_hopper_backward` (the spy: "ran").
-    JAX's and the transforms' caches are cleared first: a problem traced by an earlier test of the same
-    process (the operand poisoned differs, the Problem not) would replay its kernels past the spy."""
-    chosen = _recorded_choices(monkeypatch, configs.BACKWARD_KERNEL_ENV, "backward_kernel")
-    jax.clear_caches()
-    transforms.clear_programs()
-    launch = plan._hopper_backward
-
-    def spy(*args, **kwargs):
-        chosen.append("ran")
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(plan, "_hopper_backward", spy)
-    return chosen
+def backward_kernels():
+    """The backwards that ran (`Chosen`), the Hopper one asked for wherever it can run, on a Hopper GPU."""
+    return Chosen("backward")
 
 
 BACKWARD_CASES = {
@@ -666,11 +623,11 @@ BACKWARD_CASES = {
 }
 
 
-def check_backward(case: str, layout: str, precision: str, backward_kernels, want="hopper", **options):
-    """`matches_float64` on BACKWARD_CASES (o from the forward as "auto" picks it), and the backward
-    that ran."""
-    matches_float64(BACKWARD_CASES[case], layout, precision, seed=len(case) + 1, **options)
-    assert backward_kernels == ([want, "ran"] if want == "hopper" else [want])
+def check_backward(case: str, layout: str, precision: str, backward_kernels, **options):
+    """`matches_float64` on BACKWARD_CASES (o from the portable forward), and the backward that ran."""
+    matches_float64(BACKWARD_CASES[case], layout, precision, seed=len(case) + 1, **backward_kernels.kwargs,
+                    **options)
+    assert backward_kernels.ran == ["hopper"]
 
 
 @pytest.mark.gpu
@@ -697,32 +654,35 @@ def test_backward_float16(backward_kernels):
 @pytest.mark.parametrize("programs", [1, 3])
 @pytest.mark.parametrize("case,layout", [("cross-D64-gqa", "THD"), ("cross-window-right-gqa", "HTD"),
                                          ("cross-causal-all-options-gqa", "THD")], ids=str)
-def test_backward_on_few_programs(case, layout, programs, backward_kernels, monkeypatch):
+def test_backward_on_few_programs(case, layout, programs, backward_kernels):
     """Few persistent programs, each taking many blocks of both kernels in turn: the barriers' phases
     running on from block to block (dk/dv: K and V reloaded behind kv_free, the Q/dO ring and its tail
     barriers; dq: the Q tiles behind q_free, the K/V ring), and key blocks that no query sees (their dk,
     dv zeros) between the others."""
-    monkeypatch.setattr(hopper_launch, "device_sms", lambda: programs)
-    check_backward(case, layout, "bf16", backward_kernels)
+    with select.use_device(dataclasses.replace(select.current_device(), sms=programs)):
+        check_backward(case, layout, "bf16", backward_kernels)
+    assert backward_kernels.calls[-1][3].programs == programs
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("case,layout", [("cross-nq<nk-causal-gqa", "THD"),
                                          ("cross-causal-all-options-gqa", "HTD")], ids=str)
-def test_backward_with_narrower_query_tiles(case, layout, block_m, backward_kernels, monkeypatch):
+def test_backward_with_narrower_query_tiles(case, layout, block_m, backward_kernels, monkeypatch, tmp_path):
     """dk/dv streaming the 16- and 32-query tiles a tuned table may give (the producer's statistics
     spread over fewer rows than a warp's lanes at 16): the gradients still match float64."""
-    given = _narrower_dkdv_tiles(monkeypatch, hopper_launch, block_m)
+    monkeypatch.setenv(select.TUNED_CONFIGS_ENV, narrower_dkdv_table(tmp_path, block_m))
     check_backward(case, layout, "bf16", backward_kernels)
-    assert given and all(tiles.dkdv.block_m == block_m for tiles in given)
+    assert backward_kernels.calls[-1][3].tiles.dkdv.block_m == block_m
 
 
 @pytest.mark.gpu
-def test_the_override_runs_the_portable_backward(backward_kernels, monkeypatch):
-    """$JAGGED_FLASH_JAX_BACKWARD=portable: the portable backward (the spy sees no Hopper launch)."""
-    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "portable")
-    check_backward("cross-nq>nk-causal-mqa", "THD", "bf16", backward_kernels, want="portable")
+def test_the_portable_backward_on_a_case(backward_kernels):
+    """backward_implementation="portable" on a case: the portable backward, as right."""
+    case = "cross-nq>nk-causal-mqa"
+    matches_float64(BACKWARD_CASES[case], "THD", "bf16", seed=len(case) + 1, implementation="portable",
+                    backward_implementation=backward_kernels.portable)
+    assert backward_kernels.ran == ["portable"]
 
 
 @pytest.mark.gpu
@@ -732,8 +692,8 @@ def test_backward_fbgemm_op(backward_kernels):
     max_len = 200
     batch = Batch.make([5, 0, 300, 130, 1], 3, 128, lead=2, extra=40, seed=6, scale=0.3)
     results = run_vjp(jfa.multi_head_jagged_flash_attention, batch, jnp.bfloat16, layout="HTD",
-                      max_seq_len=max_len, backend="triton")
-    assert backward_kernels == ["hopper", "ran"]
+                      max_seq_len=max_len, **backward_kernels.kwargs)
+    assert backward_kernels.ran == ["hopper"]
     expected = reference(*results[:4], batch.offsets, max_len, scale=1.0, out_scale=1.0 / max_len)
     attended = attended_mask(batch.offsets, batch.q.shape[0], max_len)
     assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
@@ -750,8 +710,8 @@ def test_backward_keeps_inf_and_nan_in_unattended_tokens_out(operand, layout, ba
     batch = Batch.make([5, 0, 200, 3, 70], 4, dim, kv_heads=2, extra=90, seed=3)
     attended = poison_unattended(batch, operand, max_len)
     results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
-                      causal=operand == "k", backend="triton")
-    assert backward_kernels == ["hopper", "ran"]
+                      causal=operand == "k", **backward_kernels.kwargs)
+    assert backward_kernels.ran == ["hopper"]
     expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5, causal=operand == "k")
     assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
 
@@ -768,8 +728,8 @@ def test_backward_keeps_inf_and_nan_in_unattended_tokens_out_with_the_options(op
     options = dict(window=(70, 20), softcap=8.0)
     slopes = slopes_for(heads)
     results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
-                      backend="triton", alibi_slopes=jnp.asarray(slopes), **options)
-    assert backward_kernels == ["hopper", "ran"]
+                      alibi_slopes=jnp.asarray(slopes), **backward_kernels.kwargs, **options)
+    assert backward_kernels.ran == ["hopper"]
     expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5, alibi_slopes=slopes,
                          **options)
     assert_matches(results, expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
@@ -778,13 +738,12 @@ def test_backward_keeps_inf_and_nan_in_unattended_tokens_out_with_the_options(op
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, dict(window=(70, 10), softcap=20.0, alibi=True)],
                          ids=["causal", "causal-all-options"])
-def test_backward_is_bitwise_deterministic_with_both_hopper_kernels(backward_kernels, monkeypatch, options):
+def test_backward_is_bitwise_deterministic_with_both_hopper_kernels(backward_kernels, options):
     """A jitted forward + backward, the Hopper forward and backward together, run twice: the same bits
     (no atomics: one writer per element), all finite; with a window, a soft cap and ALiBi too."""
     options = dict(options)
     if options.pop("alibi", False):
         options["alibi_slopes"] = jnp.asarray([0.3, 0.1, 0.05, 0.02], jnp.float32)
-    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
     batch = Batch.make([300, 5, 128, 0, 257], 4, 128, kv_lengths=[260, 9, 300, 4, 100], kv_heads=2, seed=1,
                        scale=0.5)
     q, k, v, do = batch.arrays(jnp.bfloat16)
@@ -792,13 +751,15 @@ def test_backward_is_bitwise_deterministic_with_both_hopper_kernels(backward_ker
 
     @jax.jit
     def step(q, k, v, do):
-        o, vjp = jax.vjp(lambda q, k, v: jfa.jagged_attention(q, k, v, offsets, 256, kv_offsets=kv_offsets,
-                                                              causal=True, **options), q, k, v)
+        o, vjp = jax.vjp(lambda q, k, v: jfa.jagged_attention(
+            q, k, v, offsets, 256, kv_offsets=kv_offsets, causal=True,
+            implementation=(backward_kernels.hopper, backward_kernels.portable), **options), q, k, v)
         return o, *vjp(do)
 
     first = jax.block_until_ready(step(q, k, v, do))
     second = jax.block_until_ready(step(q, k, v, do))
-    assert backward_kernels == ["hopper", "ran"]
+    assert backward_kernels.ran == ["hopper"]
+    assert [name for kind, name, *_ in backward_kernels.calls if kind == "forward"] == ["hopper"]
     for a, b in zip(first, second):
         assert np.all(np.isfinite(np.asarray(a, np.float32)))
         np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16)),
@@ -806,26 +767,26 @@ def test_backward_is_bitwise_deterministic_with_both_hopper_kernels(backward_ker
 
 
 @pytest.mark.gpu
-def test_backward_of_the_lse_matches_the_portable_backward(backward_kernels, monkeypatch):
-    """return_lse=True, a loss of o and the log-sum-exp (dlse taken from delta, as plan.backward does
+def test_backward_of_the_lse_matches_the_portable_backward(backward_kernels):
+    """return_lse=True, a loss of o and the log-sum-exp (dlse taken from delta, as calls.delta does
     for both): the Hopper backward's gradients match the portable backward's."""
     batch = Batch.make([150, 0, 40, 260], 4, 128, kv_lengths=[100, 20, 0, 300], kv_heads=2, lead=1, extra=20,
                        seed=4, scale=0.6)
     q, k, v, _ = batch.arrays(jnp.bfloat16, "HTD")
     offsets, kv_offsets = (jnp.asarray(x, jnp.int32) for x in (batch.offsets, batch.kv_offsets))
 
-    def loss(q, k, v):
+    def loss(q, k, v, backward):
         o, lse = jfa.jagged_attention(q, k, v, offsets, 256, kv_offsets=kv_offsets, causal=True,
-                                      layout="HTD", backend="triton", return_lse=True)
+                                      layout="HTD", implementation="portable",
+                                      backward_implementation=backward, return_lse=True)
         finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(finite))
 
     results = {}
-    for backward in ("hopper", "portable"):
-        monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, backward)
-        grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-        results[backward] = [np.asarray(x, np.float64) for x in grads]
-    assert backward_kernels == ["hopper", "ran", "portable"]
+    for backward in (backward_kernels.hopper, backward_kernels.portable):
+        grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, backward)
+        results[backward.name] = [np.asarray(x, np.float64) for x in grads]
+    assert backward_kernels.ran == ["hopper", "portable"]
     for name, got, want in zip(("dq", "dk", "dv"), results["hopper"], results["portable"]):
         assert np.all(np.isfinite(got)), name
         assert relative_error(got, want) < 1e-2, name
@@ -834,12 +795,9 @@ def test_backward_of_the_lse_matches_the_portable_backward(backward_kernels, mon
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,causal", [("THD", True), ("HTD", False)])
 def test_backward_rows_no_block_computes_are_zero(layout, causal, backward_kernels):
-    """The backward kernels' own zero fill (no pre-filled outputs): plan.backward on the Hopper kernels,
-    each time into memory just freed full of NaN, with offsets of every kind (FILL_OFFSETS): dq, dk, dv
-    exactly 0 on every row that no block writes, and equal to the portable backward's elsewhere."""
-    from jagged_flash_jax import api
-    from jagged_flash_jax.launch import gpu
-
+    """The backward kernels' own zero fill (no pre-filled outputs): the Hopper backward, each time into
+    memory just freed full of NaN, with offsets of every kind (FILL_OFFSETS): dq, dk, dv exactly 0 on
+    every row that no block writes, and equal to the portable backward's elsewhere."""
     tokens, heads, dim, max_len = 300, 4, 128, 200
     rng = np.random.default_rng(2)
     shape = (tokens, heads, dim) if layout == "THD" else (heads, tokens, dim)
@@ -849,23 +807,24 @@ def test_backward_rows_no_block_computes_are_zero(layout, causal, backward_kerne
     for name, values in FILL_OFFSETS.items():
         offsets = jnp.asarray(values, jnp.int32)[None]
         shape_only = jnp.zeros_like(offsets[0])  # the Problem needs the batch only (these would be refused)
-        p = api._problem(q, k, v, shape_only, shape_only, max_seq_len=max_len, kv_max_seq_len=max_len,
-                         scale=dim**-0.5, out_scale=1.0, causal=causal, layout=layout, allow_tf32=True,
-                         backend="triton", block_sizes=None, self_attention=True, validate=False)
-        assert p.backward_kernel == "hopper", name
-        o, lse = plan.forward(gpu.run, p.with_(forward_kernel="portable"), q, k, v, offsets, offsets)
+        p = checks.attention_problem(q, k, v, shape_only, shape_only, max_seq_len=max_len,
+                                     kv_max_seq_len=max_len, scale=dim**-0.5, out_scale=1.0, causal=causal,
+                                     layout=layout, allow_tf32=True, self_attention=True, validate=False)
+        portable = implementations.PORTABLE
+        o, lse = portable.forward(p, select.choose(p, select.request(implementation=portable)).forward_config,
+                                  q, k, v, offsets, offsets, None)
         results = {}
-        for kernel in ("hopper", "portable"):
+        for impl in (backward_kernels.hopper, backward_kernels.portable):
+            config = select.choose(p, select.request(implementation=impl)).backward_config
             for poison in (jnp.full(shape, jnp.nan, jnp.bfloat16), jnp.full(kv_shape, jnp.nan, jnp.bfloat16),
                            jnp.full(kv_shape, jnp.nan, jnp.bfloat16)):
                 poison.block_until_ready().delete()  # its memory, free, for the outputs to reuse
-            grads = plan.backward(gpu.run, p.with_(backward_kernel=kernel), q, k, v, offsets, offsets, o, lse,
-                                  do)
-            results[kernel] = [to_numpy(x, layout) for x in grads]
+            grads = impl.backward(p, config, q, k, v, offsets, offsets, o, lse, do, None, None)
+            results[impl.name] = [to_numpy(x, layout) for x in grads]
         mask = attended_mask(values, tokens, max_len)
         for what, got, want in zip(("dq", "dk", "dv"), results["hopper"], results["portable"]):
             nonzero = np.flatnonzero(~mask & np.any(got != 0, axis=(1, 2)))
             assert np.all(got[~mask] == 0), (name, what, nonzero)
             assert np.all(np.isfinite(got)), (name, what)
             assert relative_error(got, want) < 1e-2, (name, what)
-    assert backward_kernels.count("ran") == len(FILL_OFFSETS)
+    assert backward_kernels.ran == ["hopper", "portable"] * len(FILL_OFFSETS)

@@ -17,10 +17,10 @@ from helpers import (
     case_backend_params,
     reference,
     run_vjp,
+    variant,
 )
 
 import jagged_flash_jax as jfa
-from jagged_flash_jax.launch import plan
 
 CASES = {
     # n_q = n_k per sequence; one sequence longer than max_seq_len. (Heads are computed apart: two show
@@ -49,8 +49,9 @@ def check(case: str, backend: str, layout: str, precision="fp32", offsets_dtype=
     batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
                        kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None),
                        lead=1, extra=2, seed=len(case), scale=0.6)
-    results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend=backend,
-                      allow_tf32=allow_tf32, offsets_dtype=offsets_dtype, **spec, **options)
+    where = dict(backend=backend) if isinstance(backend, str) else dict(implementation=backend)
+    results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, allow_tf32=allow_tf32,
+                      offsets_dtype=offsets_dtype, **where, **spec, **options)
     max_len, kv_max = spec["max_seq_len"], spec.get("kv_max_seq_len", spec["max_seq_len"])
     scale = spec.get("scale", batch.q.shape[-1] ** -0.5)
     expected = reference(*results[:4], batch.offsets, max_len, kv_offsets=batch.kv_offsets,
@@ -78,11 +79,10 @@ def test_matches_float64(case, layout, backend):
 
 @pytest.mark.parametrize("backend", backend_params(["interpret", "triton"]))
 @pytest.mark.parametrize("case", ["cross-nq<nk-causal-gqa", "self-scale-D40"])
-def test_programs_grouped_by_sequence(case, backend, monkeypatch):
+def test_programs_grouped_by_sequence(case, backend):
     """The one-axis grid large problems get (each sequence's programs adjacent, for L2 reuse) computes
     the same results as the two-axis grid small problems get (the test cases are small)."""
-    monkeypatch.setattr(plan, "L2_REUSE_BYTES", 0)
-    check(case, backend, "THD")
+    check(case, variant(backend, l2_reuse_bytes=0), "THD")
 
 
 # The key-major copies read either layout (then the kernels read the copies alike): both layouts on
@@ -97,26 +97,24 @@ KEY_MAJOR_ON_THE_INTERPRETER = {("self-causal-blocks", "THD"), ("self-causal-blo
     [(case, layout) for case in ("self-causal-blocks", "cross-nq<nk-causal-gqa", "cross-gqa-truncated",
                                  "self-scale-D40") for layout in ("THD", "HTD")],
     xla=lambda case, layout: False, interpret=lambda *case: case in KEY_MAJOR_ON_THE_INTERPRETER))
-def test_key_major_operands(case, layout, backend, monkeypatch):
+def test_key_major_operands(case, layout, backend):
     """The key-major v of the forward and q and do of the dk/dv programs, which float32 inputs with TF32
     products take, forced here for exact float32 products: key and query windows that start before the
     sequence, causal, cross, GQA, padded D."""
-    monkeypatch.setattr(plan, "key_major", lambda p, dtype, operands: True)
-    check(case, backend, layout)
+    check(case, variant(backend, key_major=True), layout)
 
 
 @pytest.mark.parametrize("backend", backend_params(["interpret", "triton"]))
-def test_key_major_windows_ignore_the_tokens_before_a_sequence(backend, monkeypatch):
+def test_key_major_windows_ignore_the_tokens_before_a_sequence(backend):
     """A key-major key or query window starts up to 15 tokens before its sequence: those tokens' q, k
     and v (inf and nan here, on every token no sequence attends) reach neither the output nor the
     gradients."""
-    monkeypatch.setattr(plan, "key_major", lambda p, dtype, operands: True)
     max_len = 24
     batch = Batch.make([30, 30], 2, 16, lead=5, extra=3, seed=2, scale=0.6)  # windows from 0 and 32
     attended = attended_mask(batch.offsets, batch.q.shape[0], max_len)
     batch.q[~attended], batch.k[~attended], batch.v[~attended] = -np.inf, np.inf, np.nan
-    results = run_vjp(jfa.jagged_attention, batch, jnp.float32, max_seq_len=max_len, backend=backend,
-                      allow_tf32=False)
+    results = run_vjp(jfa.jagged_attention, batch, jnp.float32, max_seq_len=max_len,
+                      implementation=variant(backend, key_major=True), allow_tf32=False)
     expected = reference(*results[:4], batch.offsets, max_len, scale=16**-0.5)
     assert_matches(results, expected, TOLERANCES["fp32"][2], attended_q=attended, attended_kv=attended)
 

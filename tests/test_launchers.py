@@ -27,11 +27,13 @@ import triton.language as tl
 from helpers import Batch, reference
 
 import jagged_flash_jax as jfa
-from jagged_flash_jax import _compat, api, configs, kernels, transforms
+from jagged_flash_jax import _compat, checks, configs, implementations, kernels, select, transforms
 from jagged_flash_jax.configs import BlockSizes, KernelConfig
+from jagged_flash_jax.implementations import Device
 from jagged_flash_jax.kernels import spec
-from jagged_flash_jax.launch import gpu, plan
-from jagged_flash_jax.launch import hopper as hopper_launch
+from jagged_flash_jax.launch import calls, gpu
+from jagged_flash_jax.launch.calls import HopperConfig
+from jagged_flash_jax.problem import Problem
 
 TESTS = Path(__file__).resolve().parent
 LOG2E = 1.4426950408889634
@@ -205,17 +207,25 @@ def test_the_interpret_backend_refuses_an_unsupported_triton_at_trace_time(monke
 
 def _clear_backend_caches():
     # Without its cache, _warn_fallback would warn every time: the fallback test says so, not an error here.
-    for cached in (gpu.jax_triton_module, gpu.unavailable_reason, api._warn_fallback):
+    for cached in (gpu.jax_triton_module, gpu.unavailable_reason, select._warn_fallback):
         getattr(cached, "cache_clear", lambda: None)()
 
 
+H200 = configs.FALLBACK_GPU
+
+
+def gpu_device(capability=None, sms=132, kind=H200) -> Device:
+    """A GPU for the choice (select.use_device); the arrays stay on the CPU."""
+    return Device("gpu", kind, capability, sms)
+
+
 @pytest.fixture
-def fake_gpu(monkeypatch):
-    """JAX's default backend reads "gpu"; the arrays stay on the CPU. Caches of what jax-triton's
-    import gave are cleared before and after, so that no test sees another's."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+def fake_gpu():
+    """The ops choose as on a GPU (not a Hopper). Caches of what jax-triton's import gave are cleared
+    before and after, so that no test sees another's."""
     _clear_backend_caches()
-    yield
+    with select.use_device(gpu_device()):
+        yield
     _clear_backend_caches()
 
 
@@ -231,7 +241,7 @@ def fake_jax_triton(fake_gpu, monkeypatch):
         return tuple(jnp.zeros(s.shape, s.dtype) for s in out_type)
 
     # The params array is traced when triton_call sees it: its values are recorded where it is made.
-    make_params = plan._params
+    make_params = calls._params
 
     def params(call):
         array = make_params(call)
@@ -258,7 +268,7 @@ def fake_jax_triton(fake_gpu, monkeypatch):
     module.TensorDescriptor = TensorDescriptor
     module.reset = reset
     module.params = {}
-    monkeypatch.setattr(plan, "_params", params)
+    monkeypatch.setattr(calls, "_params", params)
     monkeypatch.setitem(sys.modules, "jax_triton", module)
     return module
 
@@ -307,7 +317,8 @@ def test_gpu_launcher_arguments_gqa_cross_causal(fake_jax_triton, allow_tf32, pr
     forward, preprocess, backward = fake_jax_triton.calls
     common = dict(NUM_HEADS=4, KV_GROUP=2, D=8, BLOCK_D=16, Q_MAX_LEN=20, KV_MAX_LEN=24, CAUSAL=True,
                   WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
-                  QK_SCALE=0.5 * LOG2E, INPUT_PRECISION=precision, STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK)
+                  QK_SCALE=0.5 * LOG2E, INPUT_PRECISION=precision, STRIDE_ALIGN=8,
+                  FILL_BLOCK=calls.FILL_BLOCK)
     # Params: batch, q and kv tokens per segment, q token/head strides, kv token/head strides (in units
     # of STRIDE_ALIGN = 8 elements), offsets row strides (0: one shared row), then fill chunks.
     strides = (2, 24, 30, 4, 1, 2, 1, 0, 0)
@@ -354,7 +365,7 @@ def test_gpu_launcher_two_backward_launches(fake_jax_triton):
     _, _, dq_call, dkdv_call = fake_jax_triton.calls
     constants = dict(NUM_HEADS=4, KV_GROUP=2, D=8, BLOCK_D=16, Q_MAX_LEN=20, KV_MAX_LEN=24, CAUSAL=True,
                      WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
-                  QK_SCALE=0.5 * LOG2E, INPUT_PRECISION="tf32", STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK,
+                  QK_SCALE=0.5 * LOG2E, INPUT_PRECISION="tf32", STRIDE_ALIGN=8, FILL_BLOCK=calls.FILL_BLOCK,
                      OUT_SCALE=1.0, DS_SCALE=0.5, DKDV_BLOCK_M=32, DKDV_BLOCK_N=16, DQ_BLOCK_M=32,
                      DQ_BLOCK_N=16, QDO_KEY_MAJOR=False, KEY_MAJOR_ALIGN=16)
     strides = (2, 24, 30, 4, 1, 2, 1, 0, 0)
@@ -385,7 +396,7 @@ def test_gpu_launcher_arguments_fbgemm_htd_bfloat16(fake_jax_triton):
     forward, preprocess, backward = fake_jax_triton.calls
     common = dict(NUM_HEADS=2, KV_GROUP=1, D=24, BLOCK_D=32, Q_MAX_LEN=32, KV_MAX_LEN=32, CAUSAL=False,
                   WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
-                  QK_SCALE=LOG2E, INPUT_PRECISION="tf32", STRIDE_ALIGN=8, FILL_BLOCK=plan.FILL_BLOCK)
+                  QK_SCALE=LOG2E, INPUT_PRECISION="tf32", STRIDE_ALIGN=8, FILL_BLOCK=calls.FILL_BLOCK)
     # HTD: token stride D, head stride T * D, in units of 8 elements.
     strides = (3, 40, 40, 3, 120, 3, 120, 0, 0)
     arrays = [((2, 40, 24), bf16)] * 3 + [((1, 4), i32)] * 2 + [((1,), f32)]
@@ -434,7 +445,7 @@ def test_gpu_launcher_key_major_operands(fake_jax_triton, dtype, allow_tf32, hea
     assert forward["V_KEY_MAJOR"] is v_key_major and backward["QDO_KEY_MAJOR"] is qdo_key_major
     assert [a.shape for a in backward["args"][:4]] == [(24, 4, head_dim), (30, 2, head_dim),
                                                       (30, 2, head_dim), (24, 4, head_dim)]
-    transpose = dict(BLOCK_T=plan.KEY_MAJOR_BLOCK, STRIDE_ALIGN=16, KEY_MAJOR_ALIGN=16)
+    transpose = dict(BLOCK_T=calls.KEY_MAJOR_BLOCK, STRIDE_ALIGN=16, KEY_MAJOR_ALIGN=16)
     # Params: tokens, token and head strides in units of 16 elements, padded tokens in units of 16.
     if v_key_major:
         _check_call(fake_jax_triton, fake_jax_triton.calls[0], kernels.key_major_kernel, (1, 2),
@@ -453,18 +464,18 @@ def test_gpu_launcher_key_major_operands(fake_jax_triton, dtype, allow_tf32, hea
     assert fake_jax_triton.params[id(backward["args"][-1])][-1] == 2 * qdo_key_major
 
 
-def test_gpu_launcher_groups_programs_by_sequence_past_l2(fake_jax_triton, monkeypatch):
-    """Operands larger than L2_REUSE_BYTES get a one-axis grid, each sequence's slots adjacent."""
+def test_gpu_launcher_groups_programs_by_sequence_past_l2(fake_jax_triton):
+    """Operands larger than the portable kernels' l2_reuse_bytes get a one-axis grid, each sequence's
+    slots adjacent."""
     q = jnp.ones((24, 4, 8), jnp.float32)  # q, k, v: 3 * 24 * 4 * 8 * 4 bytes = 9216
-    op = lambda q: jfa.jagged_attention(q, q, q, jnp.asarray([0, 5, 24], jnp.int32), 20,
-                                        backend="triton", block_sizes=GPU_BLOCKS)
-    monkeypatch.setattr(plan, "L2_REUSE_BYTES", 9216 - 1)
-    o, vjp = jax.vjp(op, q)
+    op = lambda q, limit: jfa.jagged_attention(  # noqa: E731
+        q, q, q, jnp.asarray([0, 5, 24], jnp.int32), 20, block_sizes=GPU_BLOCKS,
+        implementation=dataclasses.replace(implementations.PORTABLE, l2_reuse_bytes=limit))
+    o, vjp = jax.vjp(lambda q: op(q, 9216 - 1), q)
     vjp(jnp.ones_like(o))
     grids = [call["grid"] for call in fake_jax_triton.calls]
-    monkeypatch.setattr(plan, "L2_REUSE_BYTES", 9216)
     fake_jax_triton.reset()
-    jax.vjp(op, q)
+    jax.vjp(lambda q: op(q, 9216), q)
     # forward: 3 sequences (with the fill) * 4 heads * 3 slots; backward: * 6 slots; the preprocess
     # keeps its own grid.
     assert grids == [(36,), (2, 4), (72,)] and fake_jax_triton.calls[-1]["grid"] == (12, 3)
@@ -474,7 +485,7 @@ def test_gpu_launcher_returns_what_triton_call_returns(fake_jax_triton):
     q = jnp.ones((6, 2, 8), jnp.float32)
     o = jfa.jagged_attention(q, q, q, [0, 6], 8, backend="triton")
     assert o.shape == q.shape and not bool(jnp.any(o))  # the fake's zeros
-    assert gpu.available()
+    assert select.default_backend() == "triton"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -524,7 +535,7 @@ def test_auto_on_a_gpu_without_jax_triton_warns_once_and_runs_xla(fake_gpu, monk
     expected = jfa.jagged_attention(q, k, v, offsets, 8, backend="xla")
     np.testing.assert_array_equal(first, expected)
     np.testing.assert_array_equal(second, expected)
-    assert not gpu.available()
+    assert select.default_backend() == "xla"
     with pytest.raises(ValueError, match="backend='triton' cannot run: " + type(error).__name__) as raised:
         jfa.jagged_attention(q, k, v, offsets, 8, backend="triton")
     assert str(error) in str(raised.value)
@@ -535,7 +546,7 @@ def test_auto_on_the_cpu_runs_xla_without_a_warning():
     q, k, v, offsets = _small_problem()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert api.default_backend() == "xla"
+        assert select.default_backend() == "xla"
         o = jfa.jagged_attention(q, k, v, offsets, 8)
     np.testing.assert_array_equal(o, jfa.jagged_attention(q, k, v, offsets, 8, backend="xla"))
     with pytest.raises(ValueError, match="backend='triton' needs a GPU"):
@@ -591,7 +602,7 @@ def test_the_triton_backend_under_triton_interpret_says_so(fake_jax_triton, monk
     with pytest.raises(ValueError, match="backend='triton' cannot run: .*TRITON_INTERPRET is set.*unset"):
         jfa.jagged_attention(q, k, v, offsets, 8, backend="triton")
     with pytest.warns(RuntimeWarning, match="'xla'.*TRITON_INTERPRET is set"):
-        assert api.default_backend() == "xla"
+        assert select.default_backend() == "xla"
     assert fake_jax_triton.calls == []
 
 
@@ -604,9 +615,9 @@ def test_the_triton_backend_under_triton_interpret_says_so(fake_jax_triton, monk
 def hopper_gpu(fake_jax_triton, monkeypatch):
     """The fake jax_triton on a device of compute capability 9.0, the Hopper forward asked for wherever
     it can run (the short sequences below would take the portable one under "auto")."""
-    monkeypatch.setattr(hopper_launch, "device_capability", lambda: (9, 0))
-    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
-    return fake_jax_triton
+    monkeypatch.setenv(select.FORWARD_ENV, "hopper")
+    with select.use_device(gpu_device((9, 0))):
+        yield fake_jax_triton
 
 
 def _forward_kernel(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_heads=4, cross=False,
@@ -648,9 +659,9 @@ def test_the_portable_forward_keeps_what_the_hopper_one_lacks(hopper_gpu, case):
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0), None])
-def test_other_gpus_take_the_portable_forward(hopper_gpu, monkeypatch, capability):
-    monkeypatch.setattr(hopper_launch, "device_capability", lambda: capability)
-    assert _forward_kernel(hopper_gpu) is kernels.attention_fwd_kernel
+def test_other_gpus_take_the_portable_forward(hopper_gpu, capability):
+    with select.use_device(gpu_device(capability)):
+        assert _forward_kernel(hopper_gpu) is kernels.attention_fwd_kernel
 
 
 def test_the_environment_chooses_the_forward(hopper_gpu, monkeypatch):
@@ -662,9 +673,9 @@ def test_the_environment_chooses_the_forward(hopper_gpu, monkeypatch):
     for value, max_seq_len, kernel in (("portable", 32, portable), (" Portable ", shortest, portable),
                                        ("hopper", 32, hopper), ("auto", shortest - 1, portable),
                                        ("auto", shortest, hopper), ("", 32, portable), ("", 4096, hopper)):
-        monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, value)
+        monkeypatch.setenv(select.FORWARD_ENV, value)
         assert _forward_kernel(hopper_gpu, max_seq_len=max_seq_len) is kernel, (value, max_seq_len)
-    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "auto")
+    monkeypatch.setenv(select.FORWARD_ENV, "auto")
     # Cross-attention with long keys: the Hopper forward from a query block's worth of queries per
     # sequence; with fewer the portable one (measured faster).
     queries = configs.HOPPER_FORWARD_MIN_QUERIES
@@ -674,25 +685,25 @@ def test_the_environment_chooses_the_forward(hopper_gpu, monkeypatch):
     # A soft cap with causal masking: the portable forward under "auto" (measured faster), else Hopper.
     assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0) is hopper
     assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0, causal=True) is portable
-    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
+    monkeypatch.setenv(select.FORWARD_ENV, "hopper")
     assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0, causal=True) is hopper
-    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hoper")
-    with pytest.raises(ValueError, match=f"{configs.FORWARD_KERNEL_ENV}='hoper'.*'portable', 'hopper'"):
+    monkeypatch.setenv(select.FORWARD_ENV, "hoper")
+    with pytest.raises(ValueError, match=f"{select.FORWARD_ENV}='hoper'.*'portable', 'hopper'"):
         _forward_kernel(hopper_gpu)
 
 
 def test_without_gluon_the_portable_forward_runs(hopper_gpu, monkeypatch):
     """A Triton without triton.experimental.gluon: the kernel module does not import, and the portable
     forward runs."""
-    hopper_launch.gluon_available.cache_clear()
+    implementations.gluon_available.cache_clear()
     monkeypatch.delitem(sys.modules, "jagged_flash_jax.kernels.hopper", raising=False)
     monkeypatch.delattr(kernels, "hopper", raising=False)
     monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)
     try:
-        assert not hopper_launch.gluon_available()
+        assert not implementations.gluon_available()
         assert _forward_kernel(hopper_gpu) is kernels.attention_fwd_kernel
     finally:
-        hopper_launch.gluon_available.cache_clear()
+        implementations.gluon_available.cache_clear()
 
 
 def test_vmap_keeps_the_hopper_forward_only_with_one_segment(hopper_gpu):
@@ -711,7 +722,7 @@ def test_vmap_keeps_the_hopper_forward_only_with_one_segment(hopper_gpu):
 
 
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
-def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, monkeypatch, layout):
+def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 600, kv_max_seq_len 30,
     causal: one launch of a persistent grid, one program per SM of the device (78 here), q, k, v as TMA
     descriptors over 2-D views one token stride wide, o and the log-sum-exp as outputs (no pre-filled
@@ -720,17 +731,13 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, monkeypatch, l
     register cap of 168."""
     from triton.experimental.gluon import language as gl
 
-    class Device:
-        core_count = 78
-
-    monkeypatch.setattr(jax, "devices", lambda *backend: [Device()])
-
     bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
     q_shape, kv_shape = ((40, 4, 128), (50, 2, 128)) if layout == "THD" else ((4, 40, 128), (2, 50, 128))
     q, kv = jnp.ones(q_shape, bf16), jnp.ones(kv_shape, bf16)
-    o = jfa.jagged_attention(q, kv, kv, jnp.asarray([0, 15, 40], jnp.int32), 600,
-                             kv_offsets=jnp.asarray([0, 20, 50], jnp.int32), kv_max_seq_len=30, scale=0.5,
-                             causal=True, layout=layout, backend="triton")
+    with select.use_device(gpu_device((9, 0), sms=78)):
+        o = jfa.jagged_attention(q, kv, kv, jnp.asarray([0, 15, 40], jnp.int32), 600,
+                                 kv_offsets=jnp.asarray([0, 20, 50], jnp.int32), kv_max_seq_len=30, scale=0.5,
+                                 causal=True, layout=layout, backend="triton")
     assert o.shape == q_shape
     (call,) = hopper_gpu.calls
     call = dict(call)
@@ -756,7 +763,7 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, monkeypatch, l
     assert call.pop("zeroed_outputs") == (2,)
     assert call == dict(NUM_HEADS=4, KV_GROUP=2, D=128, Q_MAX_LEN=600, KV_MAX_LEN=30, CAUSAL=True,
                         WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
-                        QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, FILL_BLOCK=plan.FILL_BLOCK, OUT_SCALE=1.0,
+                        QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, FILL_BLOCK=calls.FILL_BLOCK, OUT_SCALE=1.0,
                         BLOCK_M=128, BLOCK_N=128, STAGES=2, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
                         PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS)
 
@@ -764,7 +771,7 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, monkeypatch, l
 def test_the_hopper_launch_passes_the_options(hopper_gpu):
     """A window, a soft cap and ALiBi reach the Hopper forward as the portable one gets them: the
     window's bounds, the cap in units of the unscaled scores, and the slopes [1, H] (divided by the
-    scale: plan._slopes), float32, before the params."""
+    scale: calls._slopes), float32, before the params."""
     q = jnp.ones((40, 4, 128), jnp.bfloat16)
     slopes = jnp.asarray([0.5, 0.25, 0.125, 1.0], jnp.float32)
     jfa.jagged_attention(q, q, q, jnp.asarray([0, 15, 40], jnp.int32), 32, scale=0.5, window=(8, 2),
@@ -795,7 +802,7 @@ def test_narrow_bands_take_the_hopper_kernels_narrow_tiles(hopper_gpu, monkeypat
     """At D = 128 a band of at most 512 keys (left + right, right 0 under causal; a side without a
     bound is no narrow band, nor is causal alone), or sequences as short, take the table's 64-key tiles
     in the forward and dq (dk/dv's are the same in both entries); the rest 128-key tiles."""
-    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "hopper")
+    monkeypatch.setenv(select.BACKWARD_ENV, "hopper")
     forward, *_, dkdv, dq = _step_launches(hopper_gpu, 1040, max_seq_len, window=window, causal=causal)
     assert (forward["kernel"], dq["kernel"]) == (kernels.hopper_attention_fwd_kernel,
                                                  kernels.hopper_attention_bwd_dq_kernel)
@@ -812,7 +819,7 @@ def test_the_hopper_tiles_come_from_the_table(hopper_gpu, tmp_path, monkeypatch)
     """The table's "hopper" entries, of exactly the problem's head dimension (the Hopper kernels do not
     pad): an override file replaces them as it does the portable ones; a kernel whose tiles are None,
     or a head dimension with no entry, runs the portable kernel."""
-    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "hopper")
+    monkeypatch.setenv(select.BACKWARD_ENV, "hopper")
     table, hopper = configs.BUILTIN_TABLE, (H200, "hopper", 16, 128)
     assert configs.hopper_block_sizes(128, jnp.bfloat16, 4096) == table[(*hopper, None)]
     assert configs.hopper_block_sizes(128, jnp.float16, 4096, band=300) == table[(*hopper, 512)]
@@ -821,7 +828,7 @@ def test_the_hopper_tiles_come_from_the_table(hopper_gpu, tmp_path, monkeypatch)
     assert configs.hopper_block_sizes(256, jnp.bfloat16, 4096).dq is None
     entry = dict(gpu=H200, kernels="hopper", bits=16, head_dim=128, max_seq_len=None,
                  fwd=[128, 32, 4, 3, 160], dkdv=None, dq=[128, 32, 4, 4, 160])
-    monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, _override(tmp_path, entry))
+    monkeypatch.setenv(select.TUNED_CONFIGS_ENV, _override(tmp_path, entry))
     forward, *_, backward = _step_launches(hopper_gpu, 1040, 1024)
     assert forward["kernel"] is kernels.hopper_attention_fwd_kernel
     assert (forward["BLOCK_N"], forward["STAGES"], forward["backend_options"]) == (32, 3, {"maxnreg": 160})
@@ -843,16 +850,17 @@ def test_why_the_forward_is_portable_comes_from_the_active_table(hopper_gpu, tmp
     have a forward (the built-in table has none at D = 64); the reason otherwise names the inputs' type,
     or the head dimensions of that table."""
     if override:
-        monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, _override(tmp_path, dict(
+        monkeypatch.setenv(select.TUNED_CONFIGS_ENV, _override(tmp_path, dict(
             gpu=H200, kernels="hopper", bits=16, head_dim=64, max_seq_len=None, fwd=[128, 64, 4, 2, 168],
             dkdv=[64, 128, 4, 2, 168], dq=[128, 128, 4, 3, 168])))
     q = jnp.ones((2000, 2, head_dim), dtype)
     offsets = jnp.asarray([0, 2000], jnp.int32)
-    p = api._problem(q, q, q, offsets, offsets, max_seq_len=2000, kv_max_seq_len=2000, scale=0.1,
-                     out_scale=1.0, causal=False, layout="THD", allow_tf32=True, backend="triton",
-                     block_sizes=None, self_attention=True, validate=False)  # with_kernels' choice
-    assert hopper_launch.portable_reason(p, dtype) == want
-    assert p.forward_kernel == ("hopper" if want is None else "portable")
+    p = checks.attention_problem(q, q, q, offsets, offsets, max_seq_len=2000, kv_max_seq_len=2000,
+                                 scale=0.1, out_scale=1.0, causal=False, layout="THD", allow_tf32=True,
+                                 self_attention=True, validate=False)
+    assert select.why(p, "hopper") == want
+    plan = select.choose(p, select.request("triton"))
+    assert plan.forward.name == ("hopper" if want is None else "portable")
 
 
 def _recorder():
@@ -867,12 +875,10 @@ def _recorder():
     return calls, run
 
 
-def _hopper_problem(batch: int, **fields) -> plan.Problem:
-    """A Problem of one segment of "THD" tokens on the triton backend, 7 persistent Hopper programs."""
-    return plan.Problem(batch=batch, layout="THD", num_segments=1, q_offsets_rows=1, kv_offsets_rows=1,
-                        scale=0.1, out_scale=0.5, input_precision="tf32",
-                        block_sizes=configs.INTERPRET_BLOCK_SIZES, backend="triton", hopper_programs=7,
-                        **fields)
+def _hopper_problem(batch: int, **fields) -> Problem:
+    """A Problem of one segment of "THD" tokens."""
+    return Problem(batch=batch, layout="THD", num_segments=1, q_offsets_rows=1, kv_offsets_rows=1, scale=0.1,
+                   out_scale=0.5, input_precision="tf32", **fields)
 
 
 def test_the_hopper_launch_zeroes_its_own_outputs():
@@ -880,17 +886,18 @@ def test_the_hopper_launch_zeroes_its_own_outputs():
     (the kernel writes 0 and +inf where it computes nothing), and the counter it takes query blocks
     from the one zeroed output; its grid is the problem's persistent programs, a batch of no sequence
     included, whose programs still zero every token (the fills' chunks: the blocks' count plus one)."""
-    calls, run = _recorder()
+    recorded, run = _recorder()
     q = jnp.ones((300, 4, 256), jnp.float16)
     fields = dict(num_heads=4, num_kv_heads=4, head_dim=256, q_tokens=300, kv_tokens=300, max_seq_len=260,
-                  kv_max_seq_len=300, causal=False, forward_kernel="hopper",
-                  hopper_tiles=configs.hopper_block_sizes(256, jnp.float16, 260, 300))
+                  kv_max_seq_len=300, causal=False, dtype="float16")
+    config = HopperConfig(configs.hopper_block_sizes(256, jnp.float16, 260, 300), programs=7,
+                          preprocess_block_m=64)
     offsets = jnp.asarray([[0, 40, 300]], jnp.int32)
     for batch in (2, 0):
-        calls.clear()
+        recorded.clear()
         p = _hopper_problem(batch, **fields)
-        o, lse = plan.forward(run, p, q, q, q, offsets[:, :batch + 1], offsets[:, :batch + 1])
-        (call, arrays), = calls
+        o, lse = calls.hopper_forward(run, p, config, q, q, q, offsets[:, :batch + 1], offsets[:, :batch + 1])
+        (call, arrays), = recorded
         assert call.grid == (7,) and call.zeroed_outputs == (2,) and call.out_shapes[2].shape == (1,)
         assert dict(call.descriptors) == {0: (64, 256), 1: (64, 256), 2: (64, 256)}
         assert call.constants["OUT_SCALE"] == 0.5 and call.constants["BLOCK_N"] == 64
@@ -905,19 +912,20 @@ def test_the_hopper_backward_launches_zero_their_own_outputs():
     each launch takes its blocks from the one zeroed output; both grids are the problem's persistent
     programs, a batch of no sequence included, whose programs still zero every token (the fills'
     chunks: the blocks' count plus one, of the keys for dk/dv, of the queries for dq)."""
-    calls, run = _recorder()
+    recorded, run = _recorder()
     q, kv = jnp.ones((300, 4, 128), jnp.bfloat16), jnp.ones((200, 2, 128), jnp.bfloat16)
     lse = jnp.zeros((1, 4, 300), jnp.float32)
     fields = dict(num_heads=4, num_kv_heads=2, head_dim=128, q_tokens=300, kv_tokens=200, max_seq_len=260,
-                  kv_max_seq_len=150, causal=True, backward_kernel="hopper",
-                  hopper_tiles=configs.hopper_block_sizes(128, jnp.bfloat16, 260, 150))
+                  kv_max_seq_len=150, causal=True, dtype="bfloat16")
+    config = HopperConfig(configs.hopper_block_sizes(128, jnp.bfloat16, 260, 150), programs=7,
+                          preprocess_block_m=64)
     q_offsets, kv_offsets = jnp.asarray([[0, 40, 300]], jnp.int32), jnp.asarray([[0, 90, 200]], jnp.int32)
     for batch in (2, 0):
-        calls.clear()
+        recorded.clear()
         p = _hopper_problem(batch, **fields)
-        dq, dk, dv = plan.backward(run, p, q, kv, kv, q_offsets[:, :batch + 1], kv_offsets[:, :batch + 1],
-                                   q, lse, q)
-        _, (dkdv_call, _), (dq_call, _) = calls
+        dq, dk, dv = calls.hopper_backward(run, p, config, q, kv, kv, q_offsets[:, :batch + 1],
+                                           kv_offsets[:, :batch + 1], q, lse, q)
+        _, (dkdv_call, _), (dq_call, _) = recorded
         for call, kernel, shape, tokens, blocks, zeroed in (
                 (dkdv_call, kernels.hopper_attention_bwd_dkdv_kernel, kv.shape, 200, 2, (2,)),
                 (dq_call, kernels.hopper_attention_bwd_dq_kernel, q.shape, 300, 3, (1,))):
@@ -938,10 +946,10 @@ def test_the_hopper_backward_launches_zero_their_own_outputs():
 def hopper_backward_gpu(fake_jax_triton, monkeypatch):
     """The fake jax_triton on a device of compute capability 9.0, the Hopper backward asked for wherever
     it can run (the forward left to "auto": the portable one on these short sequences)."""
-    monkeypatch.setattr(hopper_launch, "device_capability", lambda: (9, 0))
-    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "hopper")
-    monkeypatch.delenv(configs.FORWARD_KERNEL_ENV, raising=False)
-    return fake_jax_triton
+    monkeypatch.setenv(select.BACKWARD_ENV, "hopper")
+    monkeypatch.delenv(select.FORWARD_ENV, raising=False)
+    with select.use_device(gpu_device((9, 0))):
+        yield fake_jax_triton
 
 
 HOPPER_BACKWARD = ("hopper_attention_bwd_dkdv_kernel", "hopper_attention_bwd_dq_kernel")
@@ -1004,7 +1012,7 @@ def test_no_key_tokens_keep_both_kernels_portable(hopper_backward_gpu, monkeypat
     """A key array of no tokens (every key sequence empty): no TMA descriptor over an empty array, so
     the portable forward and backward run even when the Hopper ones are asked for; o and every
     gradient are 0."""
-    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
+    monkeypatch.setenv(select.FORWARD_ENV, "hopper")
     q = jnp.ones((40, 4, 128), jnp.bfloat16)
     kv = jnp.ones((0, 4, 128), jnp.bfloat16)
     offsets, kv_offsets = jnp.asarray([0, 15, 40], jnp.int32), jnp.zeros(3, jnp.int32)
@@ -1021,9 +1029,9 @@ def test_no_key_tokens_keep_both_kernels_portable(hopper_backward_gpu, monkeypat
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (10, 0), None])
-def test_other_gpus_take_the_portable_backward(hopper_backward_gpu, monkeypatch, capability):
-    monkeypatch.setattr(hopper_launch, "device_capability", lambda: capability)
-    assert _backward_kernels(hopper_backward_gpu) == PORTABLE_BACKWARD
+def test_other_gpus_take_the_portable_backward(hopper_backward_gpu, capability):
+    with select.use_device(gpu_device(capability)):
+        assert _backward_kernels(hopper_backward_gpu) == PORTABLE_BACKWARD
 
 
 def test_the_environment_chooses_the_backward(hopper_backward_gpu, monkeypatch):
@@ -1035,9 +1043,9 @@ def test_the_environment_chooses_the_backward(hopper_backward_gpu, monkeypatch):
     for value, max_seq_len, want in (("portable", 4096, portable), ("hopper", 32, hopper),
                                      ("auto", shortest - 1, portable), ("auto", shortest, hopper),
                                      ("", 32, portable), ("", 4096, hopper)):
-        monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, value)
+        monkeypatch.setenv(select.BACKWARD_ENV, value)
         assert _backward_kernels(hopper_backward_gpu, max_seq_len=max_seq_len) == want, (value, max_seq_len)
-    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "auto")
+    monkeypatch.setenv(select.BACKWARD_ENV, "auto")
     assert _backward_kernels(hopper_backward_gpu, cross=True, kv_max_seq_len=shortest) == HOPPER_BACKWARD
     # "auto" keeps D = 64 on the portable backward (the faster there); "hopper" runs it (above).
     assert _backward_kernels(hopper_backward_gpu, dim=64, max_seq_len=4096) == PORTABLE_BACKWARD
@@ -1045,12 +1053,12 @@ def test_the_environment_chooses_the_backward(hopper_backward_gpu, monkeypatch):
     assert _backward_kernels(hopper_backward_gpu, max_seq_len=shortest, causal=True, softcap=5.0,
                              window=(8, None), alibi_slopes=jnp.ones(4)) == HOPPER_BACKWARD
     # The forward's variable does not choose the backward, nor the reverse.
-    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "portable")
-    monkeypatch.setenv(configs.FORWARD_KERNEL_ENV, "hopper")
+    monkeypatch.setenv(select.BACKWARD_ENV, "portable")
+    monkeypatch.setenv(select.FORWARD_ENV, "hopper")
     assert _backward_kernels(hopper_backward_gpu) == PORTABLE_BACKWARD
     assert hopper_backward_gpu.calls[0]["kernel"] is kernels.hopper_attention_fwd_kernel
-    monkeypatch.setenv(configs.BACKWARD_KERNEL_ENV, "hoper")
-    with pytest.raises(ValueError, match=f"{configs.BACKWARD_KERNEL_ENV}='hoper'.*'portable', 'hopper'"):
+    monkeypatch.setenv(select.BACKWARD_ENV, "hoper")
+    with pytest.raises(ValueError, match=f"{select.BACKWARD_ENV}='hoper'.*'portable', 'hopper'"):
         _backward_kernels(hopper_backward_gpu)
 
 
@@ -1119,7 +1127,7 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
             heads = dict(NUM_HEADS=4, BLOCK_M=128, BLOCK_N=128, STAGES=2)
         assert call == dict(KV_GROUP=2, D=128, Q_MAX_LEN=600, KV_MAX_LEN=30, CAUSAL=True, WINDOW_LEFT=-1,
                             WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False, QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16,
-                            FILL_BLOCK=plan.FILL_BLOCK, DS_SCALE=0.5,
+                            FILL_BLOCK=calls.FILL_BLOCK, DS_SCALE=0.5,
                             CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
                             PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS, **heads)
 
@@ -1292,7 +1300,6 @@ def test_the_gpu_launcher_applies_the_is_im2col_shim(fake_jax_triton, monkeypatc
 # bucket), whose JSON form is a list of entries; adapt this section alone if that representation moves.
 # ---------------------------------------------------------------------------------------------------
 
-H200 = configs.FALLBACK_GPU
 PORTABLE = (H200, "portable")  # the first two fields of a key of the portable kernels' entries on an H200
 
 
@@ -1322,7 +1329,7 @@ def test_a_gpu_with_entries_of_its_own_takes_them():
 
 
 def test_default_block_sizes_reads_the_builtin_table(monkeypatch):
-    monkeypatch.delenv(configs.TUNED_CONFIGS_ENV, raising=False)
+    monkeypatch.delenv(select.TUNED_CONFIGS_ENV, raising=False)
     assert configs.default_block_sizes(8, jnp.float32, 200) == BlockSizes(
         KernelConfig(32, 16, 2, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2))
     assert configs.default_block_sizes(128, jnp.bfloat16, 2048) == BlockSizes(
@@ -1339,7 +1346,7 @@ def test_default_block_sizes_fit_the_sequence_lengths(monkeypatch):
     """Blocks no longer than the sequences they cover: 8 queries against 4096 keys take the long keys'
     entry with 16-row query blocks, whose rows go to the key blocks (up to 128), and a 4-warp forward;
     20 tokens take 32-row blocks."""
-    monkeypatch.delenv(configs.TUNED_CONFIGS_ENV, raising=False)
+    monkeypatch.delenv(select.TUNED_CONFIGS_ENV, raising=False)
     assert configs.default_block_sizes(128, jnp.bfloat16, 8, 4096) == BlockSizes(
         KernelConfig(16, 128, 4, 3), KernelConfig(16, 128, 8, 2), KernelConfig(16, 128, 8, 2))
     assert configs.default_block_sizes(128, jnp.bfloat16, 4096, 8) == BlockSizes(
@@ -1359,38 +1366,44 @@ def _override(tmp_path, *entries) -> str:
     return str(path)
 
 
-def test_the_override_file_replaces_and_adds_entries(tmp_path, monkeypatch):
+def test_the_override_file_replaces_and_adds_entries(fake_jax_triton, tmp_path, monkeypatch):
     replaced = dict(gpu=H200, bits=32, head_dim=32, max_seq_len=256, fwd=[16, 16, 1, 1], dkdv=[16, 32, 2, 1],
                     dq=[32, 16, 2, 1], preprocess_block_m=16)
     added = dict(gpu="NVIDIA B200", bits=32, head_dim=64, max_seq_len=None, fwd=[128, 128, 8, 4],
                  dkdv=[64, 64, 8, 4], dq=[64, 64, 8, 4])
-    monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, _override(tmp_path, replaced, added))
-    assert configs.default_block_sizes(8, jnp.float32, 100) == BlockSizes(
+    table = configs.load_table(_override(tmp_path, replaced, added))
+    assert configs.default_block_sizes(8, jnp.float32, 100, table=table) == BlockSizes(
         KernelConfig(16, 16, 1, 1), KernelConfig(16, 32, 2, 1), KernelConfig(32, 16, 2, 1), 16)
-    untouched = configs.default_block_sizes(64, jnp.float32, 100)
+    untouched = configs.default_block_sizes(64, jnp.float32, 100, table=table)
     assert untouched == configs.BUILTIN_TABLE[(*PORTABLE, 32, 64, 256)]
-    monkeypatch.setattr(configs, "current_gpu", lambda: "NVIDIA B200")
-    assert configs.default_block_sizes(64, jnp.float32, 100) == BlockSizes(
+    assert configs.default_block_sizes(64, jnp.float32, 100, table=table, gpu="NVIDIA B200") == BlockSizes(
         KernelConfig(128, 128, 8, 4), KernelConfig(64, 64, 8, 4), KernelConfig(64, 64, 8, 4))
-    monkeypatch.delenv(configs.TUNED_CONFIGS_ENV)
     assert configs.default_block_sizes(8, jnp.float32, 100) == configs.BUILTIN_TABLE[(*PORTABLE, 32, 32, 256)]
+    # The op reads the file $JAGGED_FLASH_JAX_TUNED_CONFIGS names (select.py, its only reader).
+    monkeypatch.setenv(select.TUNED_CONFIGS_ENV, _override(tmp_path, replaced))
+    p = checks.attention_problem(*(jnp.ones((40, 2, 8), jnp.float32),) * 3, *(jnp.asarray([0, 40]),) * 2,
+                                 max_seq_len=100, kv_max_seq_len=100, scale=0.1, out_scale=1.0, causal=False,
+                                 layout="THD", allow_tf32=True, self_attention=True, validate=False)
+    config = select.choose(p, select.request("interpret"), gpu_device()).forward_config
+    assert config.tiles == configs.INTERPRET_BLOCK_SIZES  # the interpreter keeps its own tiles
+    with select.use_device(gpu_device()):
+        config = select.choose(p, select.request(implementation="portable")).forward_config
+    assert config.tiles == configs.load_table(os.environ[select.TUNED_CONFIGS_ENV])[(*PORTABLE, 32, 32, 256)]
 
 
-def test_a_malformed_override_file_is_refused(tmp_path, monkeypatch):
+def test_a_malformed_override_file_is_refused(tmp_path):
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps({"32bit/D32/L256": {}}))
-    monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, str(path))
-    with pytest.raises(ValueError, match=configs.TUNED_CONFIGS_ENV):
-        configs.default_block_sizes(8, jnp.float32, 16)
+    with pytest.raises(ValueError, match="expected a list of entries"):
+        configs.load_table(str(path))
     entry = dict(gpu=H200, bits=32, head_dim=32, max_seq_len=None, fwd=[16, 16], dkdv=[16, 16], dq=[16, 16])
     for name, change, message in (("family", dict(kernels="ampere"), "kernels must be one of"),
                                   ("no-dq", dict(dq=None), "portable tile table entry needs fwd, dkdv"),
                                   ("hopper-32bit", dict(kernels="hopper"), "hopper tile table entry's bits")):
         path = tmp_path / f"{name}.json"  # a path each: load_table caches by path
         path.write_text(json.dumps([{**entry, **change}]))
-        monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, str(path))
         with pytest.raises(ValueError, match=message):
-            configs.default_block_sizes(8, jnp.float32, 16)
+            configs.load_table(str(path))
 
 
 def test_the_gpu_launcher_takes_its_tiles_from_the_table(fake_jax_triton, tmp_path, monkeypatch):
@@ -1399,7 +1412,7 @@ def test_the_gpu_launcher_takes_its_tiles_from_the_table(fake_jax_triton, tmp_pa
     max_seq_len = 16 and their key blocks grown by as much."""
     entry = dict(gpu=H200, bits=16, head_dim=128, max_seq_len=None, fwd=[32, 16, 2, 5], dkdv=[16, 64, 1, 6],
                  dq=[64, 16, 1, 6], preprocess_block_m=128)
-    monkeypatch.setenv(configs.TUNED_CONFIGS_ENV, _override(tmp_path, entry))
+    monkeypatch.setenv(select.TUNED_CONFIGS_ENV, _override(tmp_path, entry))
     q = jnp.ones((24, 2, 128), jnp.bfloat16)
     o, vjp = jax.vjp(lambda q, k, v: jfa.jagged_attention(q, k, v, [0, 24], 16, kv_max_seq_len=2000,
                                                           backend="triton"), q, q, q)
@@ -1417,7 +1430,7 @@ def test_a_window_keys_the_table_by_its_width(fake_jax_triton, monkeypatch):
     """A sliding window (left, right) takes the tiles of sequences of left + right tokens (its key blocks
     are shaped like theirs), whatever the sequences' length; a window open on one side keys by the
     lengths."""
-    monkeypatch.delenv(configs.TUNED_CONFIGS_ENV, raising=False)
+    monkeypatch.delenv(select.TUNED_CONFIGS_ENV, raising=False)
     assert configs.band_width((256, None), causal=True) == 256
     assert configs.band_width((100, 28), causal=False) == 128
     assert configs.band_width((100, None), causal=False) is None

@@ -12,10 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Batch, attended_mask, backend_params, case_backend_params, relative_error, to_numpy
+from helpers import (
+    Batch,
+    Spy,
+    attended_mask,
+    backend_params,
+    case_backend_params,
+    implementation_of,
+    relative_error,
+    to_numpy,
+)
 
 import jagged_flash_jax as jfa
-from jagged_flash_jax import transforms
+from jagged_flash_jax.jagged import attended_tokens
 
 TOL = 1e-5  # float32 with exact products (allow_tf32=False)
 
@@ -86,9 +95,11 @@ def _lse_layout(x, layout):
 
 def _run(batch, spec, backend, layout, dlse):
     """(o, lse, dq, dk, dv) of the op as float64 numpy, token-major, with cotangents (do, dlse); the
-    forward and its vjp jitted together, as helpers.run_vjp does (eager calls: test_vmap_and_jit)."""
+    forward and its vjp jitted together, as helpers.run_vjp does (eager calls: test_vmap_and_jit).
+    `backend` a name, or an implementation value."""
     q, k, v, do = batch.arrays(jnp.float32, layout)
-    kwargs = dict(spec, layout=layout, backend=backend, allow_tf32=False, return_lse=True)
+    where = dict(backend=backend) if isinstance(backend, str) else dict(implementation=backend)
+    kwargs = dict(spec, layout=layout, allow_tf32=False, return_lse=True, **where)
     if batch.kv_offsets is not None:
         kwargs["kv_offsets"] = jnp.asarray(batch.kv_offsets, jnp.int32)
     offsets = jnp.asarray(batch.offsets, jnp.int32)
@@ -267,33 +278,33 @@ def test_sharded_offsets_lay_lse_out_like_q(backend):
 
 
 @pytest.mark.parametrize("backend", ["xla"])  # the symbolic zero is the custom_vjp's, on any backend
-def test_without_lse_the_backward_is_unchanged(backend, monkeypatch):
+def test_without_lse_the_backward_is_unchanged(backend):
     """return_lse=False (and an lse that the loss does not read) gives the same output and gradients, and
     its backward gets no lse gradient at all (the custom_vjp's symbolic zero): nothing added to it."""
     batch, spec = _batch("self-causal")
     q, k, v, do = batch.arrays(jnp.float32)
     offsets = jnp.asarray(batch.offsets, jnp.int32)
     seen = []
-    backward = transforms.backward
 
-    def spy(p, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse):
-        seen.append(dlse is None)
-        return backward(p, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse)
+    class DlseSpy(Spy):
+        def backward(self, p, config, *args):
+            seen.append(args[-1] is None)  # dlse, the last operand
+            return super().backward(p, config, *args)
 
-    monkeypatch.setattr(transforms, "backward", spy)
-    results = []
+    spy = DlseSpy(backend)
+    results = []  # both calls run one backward program (one problem, no lse gradient): traced once
     for return_lse in (False, True):
         def loss(q, k, v, return_lse=return_lse):
-            out = jfa.jagged_attention(q, k, v, offsets, backend=backend, return_lse=return_lse, **spec)
+            out = jfa.jagged_attention(q, k, v, offsets, implementation=spy, return_lse=return_lse, **spec)
             return jnp.sum((out[0] if return_lse else out) * do)
 
         results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v))
-    assert seen == [True, True]
+    assert seen == [True]
     for g, w in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0])):
         np.testing.assert_array_equal(g, w)
 
     def with_lse(q):
-        o, lse = jfa.jagged_attention(q, k, v, offsets, backend=backend, return_lse=True, **spec)
+        o, lse = jfa.jagged_attention(q, k, v, offsets, implementation=spy, return_lse=True, **spec)
         return jnp.sum(o * do) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
     jax.jit(jax.grad(with_lse))(q)
@@ -301,21 +312,22 @@ def test_without_lse_the_backward_is_unchanged(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", backend_params())
-def test_unwritten_rows_are_never_exposed(backend, monkeypatch):
+def test_unwritten_rows_are_never_exposed(backend):
     """The kernels leave the residual of tokens no query attends unwritten (the interpreter fills NaN,
     the GPU leaves whatever was there): made finite garbage here, the lse there is still -inf, and the
     gradients finite."""
     batch, spec = _batch("self-causal")
     attended = attended_mask(batch.offsets, batch.q.shape[0], spec["max_seq_len"])
-    forward = transforms.forward
 
-    def garbage(p, *args):
-        o, lse = forward(p, *args)
-        return o, jnp.where(attended, lse, 1234.0)
+    class Garbage(Spy):
+        def forward(self, p, config, q, k, v, q_offsets, *args):
+            o, lse = super().forward(p, config, q, k, v, q_offsets, *args)
+            # (from the offsets operand: a constant cannot enter the partitioned call)
+            covered = attended_tokens(q_offsets[0], p.q_tokens, p.max_seq_len)
+            return o, jnp.where(covered, lse, 1234.0)
 
-    monkeypatch.setattr(transforms, "forward", garbage)
     dlse = np.ones(batch.q.shape[:2])
-    o, lse, *grads = _run(batch, spec, backend, "THD", dlse)
+    o, lse, *grads = _run(batch, spec, Garbage(implementation_of(backend)), "THD", dlse)
     assert np.all(np.isneginf(lse[~attended])) and np.all(np.isfinite(lse[attended]))
     assert all(np.all(np.isfinite(g)) for g in grads)
 

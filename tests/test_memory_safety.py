@@ -19,13 +19,12 @@ import numpy as np
 import pytest
 import triton
 import triton.language as tl
-from helpers import attended_mask, to_numpy
+from helpers import Spy, attended_mask, to_numpy, variant
 
 import jagged_flash_jax as jfa
-from jagged_flash_jax import configs, transforms
-from jagged_flash_jax.launch import hopper as hopper_launch
-from jagged_flash_jax.launch import interpret, plan
-from jagged_flash_jax.launch.plan import KernelCall
+from jagged_flash_jax import select, transforms
+from jagged_flash_jax.launch import interpret
+from jagged_flash_jax.launch.calls import KernelCall
 
 TESTS = Path(__file__).resolve().parent
 
@@ -166,32 +165,33 @@ CASES = [(offsets, False) for offsets in ADVERSARIAL_OFFSETS] + [(o, True) for o
 
 
 @functools.cache
-def _ops(backend: str):
-    """The jitted ops the cases run, made once per process, so that every case of a variant (the
-    offsets are traced arguments) reuses their compilations."""
-    self_op = jax.jit(lambda q, k, v, o: jfa.jagged_attention(q, k, v, o, MAX_SEQ_LEN, backend=backend))
+def _ops(where):
+    """The jitted ops the cases run on `where` (a backend's name, or an implementation), made once per
+    process, so that every case of a variant (the offsets are traced arguments) reuses their
+    compilations."""
+    where = dict(backend=where) if isinstance(where, str) else dict(implementation=where)
+    self_op = jax.jit(lambda q, k, v, o: jfa.jagged_attention(q, k, v, o, MAX_SEQ_LEN, **where))
     cross_op = jax.jit(lambda q, k, v, o, kv_o: jfa.jagged_attention(
-        q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, causal=True,
-        backend=backend))
+        q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, causal=True, **where))
     fbgemm_op = jax.jit(lambda q, k, v, o: jfa.multi_head_jagged_flash_attention(
-        q, k, v, o, MAX_SEQ_LEN, backend=backend))
+        q, k, v, o, MAX_SEQ_LEN, **where))
     # The band skips key and query blocks and ALiBi reads a slope per segment and head: with any
     # offsets, they stay inside the arrays too.
     options_op = jax.jit(lambda q, k, v, o, kv_o, slopes: jfa.jagged_attention(
         q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, window=(5, 3),
-        softcap=2.0, alibi_slopes=slopes, backend=backend))
+        softcap=2.0, alibi_slopes=slopes, **where))
     return self_op, cross_op, fbgemm_op, options_op
 
 
-def _check_offsets_case(offsets, int64: bool, backend: str, hopper: bool, variant: str) -> None:
-    """Forward and vjp of both ops on `backend` with these offsets (the kv offsets, reversed, for
-    cross-attention): every output finite, zero on tokens nothing attends."""
+def _check_offsets_case(offsets, int64: bool, where, hopper: bool, variant: str) -> None:
+    """Forward and vjp of both ops on `where` (see `_ops`) with these offsets (the kv offsets, reversed,
+    for cross-attention): every output finite, zero on tokens nothing attends."""
     rng = np.random.default_rng(11)
     dtype, dim = (jnp.bfloat16, HOPPER_DIM) if hopper else (jnp.float32, DIM)
     q = jnp.asarray(rng.standard_normal((TOKENS, HEADS, dim)), dtype)
     kv = jnp.asarray(rng.standard_normal((KV_TOKENS, HEADS, dim)), dtype)
     kv_offsets = offsets[::-1]
-    self_op, cross_op, fbgemm_op, options_op = _ops(backend)
+    self_op, cross_op, fbgemm_op, options_op = _ops(where)
     with jax.enable_x64(int64):
         dtype = jnp.int64 if int64 else jnp.int32
         # Offsets as jit arguments (traced): concrete malformed offsets are rejected before any kernel.
@@ -223,45 +223,25 @@ def _check_offsets_case(offsets, int64: bool, backend: str, hopper: bool, varian
 def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False) -> None:
     """Every case (offsets, int64) under each variant, in this process; prints `start CASE VARIANT`
     before and `ok CASE VARIANT` after each, so that a crash names its case. The variants: the kernels
-    as chosen, then with key-major operands forced (which float32 inputs with TF32 and D >= 64 take:
-    their transposes, and key and query windows that start before their sequence). With `hopper` (a
-    Hopper GPU), bfloat16 at D = 128 instead, so that every forward runs the Hopper kernel and every
-    backward the Hopper backward (both checked), whose tiles reach past the arrays' ends here and whose
-    own programs zero the uncovered tokens."""
-    chosen, choose = [], hopper_launch.forward_kernel
-    chosen_backward, choose_backward = [], hopper_launch.backward_kernel
-    if hopper:  # asked for on these short sequences, recorded, put back at the end
-        os.environ[configs.FORWARD_KERNEL_ENV] = "hopper"
-        os.environ[configs.BACKWARD_KERNEL_ENV] = "hopper"
-        hopper_launch.forward_kernel = lambda p, dtype: chosen.append(choose(p, dtype)) or chosen[-1]
-        hopper_launch.backward_kernel = (lambda p, dtype: chosen_backward.append(choose_backward(p, dtype))
-                                         or chosen_backward[-1])
-    as_chosen = plan.key_major
-    variants = {"as chosen": as_chosen}
-    if not hopper:
-        variants["key-major"] = lambda p, dtype, operands: True
-    try:
-        for variant, key_major in variants.items():
-            plan.key_major = key_major
-            # The plan runs when a problem is first traced: without this, the jitted ops and the
-            # transforms' cached functions would replay the first variant's kernels.
-            jax.clear_caches()
-            transforms.clear_programs()
-            for offsets, int64 in cases:
-                case = json.dumps([offsets, int64])
-                print("start", case, variant, flush=True)
-                _check_offsets_case(offsets, int64, backend, hopper, variant)
-                print("ok", case, variant, flush=True)
-    finally:
-        plan.key_major = as_chosen
-        hopper_launch.forward_kernel = choose
-        hopper_launch.backward_kernel = choose_backward
-        os.environ.pop(configs.FORWARD_KERNEL_ENV, None)
-        os.environ.pop(configs.BACKWARD_KERNEL_ENV, None)
-    if hopper:  # the four ops (the window, soft cap and ALiBi one too), on each of their traces
-        assert chosen.count("hopper") >= 4, chosen
-        # The Hopper backward on the four too (it takes the window, soft cap and ALiBi).
-        assert chosen_backward.count("hopper") >= 4, chosen_backward
+    as chosen, then the portable ones with key-major operands forced (which float32 inputs with TF32 and
+    D >= 64 take: their transposes, and key and query windows that start before their sequence). With
+    `hopper` (a Hopper GPU), bfloat16 at D = 128 on the Hopper kernels alone (a spy says they ran), whose
+    tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens."""
+    spy = Spy("hopper")
+    variants = {"hopper": spy} if hopper else {"as chosen": backend,
+                                                "key-major": variant(backend, key_major=True)}
+    for name, where in variants.items():
+        # Each variant traces its own programs: the last one's may go (memory).
+        jax.clear_caches()
+        transforms.clear_programs()
+        for offsets, int64 in cases:
+            case = json.dumps([offsets, int64])
+            print("start", case, name, flush=True)
+            _check_offsets_case(offsets, int64, where, hopper, name)
+            print("ok", case, name, flush=True)
+    if hopper:  # the four ops (the window, soft cap and ALiBi one too), forward and backward
+        kinds = [kind for kind, *_ in spy.calls]
+        assert kinds.count("forward") >= 4 and kinds.count("backward") >= 4, kinds
     print("all ok", flush=True)
 
 
@@ -290,8 +270,8 @@ def test_adversarial_offsets_are_memory_safe():
                             capture_output=True, text=True, timeout=600, cwd=TESTS)
     lines = result.stdout.splitlines()
     for offsets, int64 in CASES:
-        for variant in ("as chosen", "key-major"):
-            case = f"{json.dumps([offsets, int64])} {variant}"
+        for name in ("as chosen", "key-major"):
+            case = f"{json.dumps([offsets, int64])} {name}"
             if f"ok {case}" not in lines:
                 reached = f"start {case}" in lines
                 pytest.fail(f"case {case} {'failed' if reached else 'was not reached'}: "
@@ -321,7 +301,7 @@ def test_adversarial_offsets_on_the_gpu_under_compute_sanitizer():
     allocation, so an access just past an array is an error rather than a read of a neighbouring
     buffer in XLA's pool."""
     env = _child_env(XLA_PYTHON_CLIENT_ALLOCATOR="platform", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    capability = hopper_launch.device_capability()
+    capability = select.current_device().capability
     hopper = [False, True] if capability is not None and capability[0] == 9 else [False]
     call = (f"import test_memory_safety as t\nfor hopper in {hopper!r}:\n"
             f"    t.check_offsets_cases({CASES!r}, backend='triton', hopper=hopper)\n")

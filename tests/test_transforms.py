@@ -12,12 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import backend_params, relative_error
+from helpers import Spy, backend_params, relative_error, variant
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jagged_flash_jax as jfa
-from jagged_flash_jax.launch import plan
 
 V, T, H, HK, D, MAX_LEN = 2, 40, 4, 2, 8, 16
 OFFSETS = np.array([0, 5, 5, 22, 33])  # 7 tokens after the last sequence are not covered
@@ -25,9 +24,10 @@ ROWS = np.array([[0, 5, 5, 22, 33], [0, 3, 3, 30, 40]])  # per vmapped problem
 
 
 def attention(backend, layout="THD", **kw):
+    """The op with `backend` (a name), or with `implementation` (an implementation value)."""
+    where = dict(backend=backend) if isinstance(backend, str) else dict(implementation=backend)
     return lambda q, k, v, offsets: jfa.jagged_attention(q, k, v, offsets, MAX_LEN, causal=True,
-                                                         layout=layout, backend=backend, allow_tf32=False,
-                                                         **kw)
+                                                         layout=layout, allow_tf32=False, **where, **kw)
 
 
 def arrays(layout, seed=0, batch=(V,), heads=H, kv_heads=HK):
@@ -63,7 +63,7 @@ VMAP_CASES = [pytest.param(backend, layout, batched, key_major,
 
 
 @pytest.mark.parametrize("backend,layout,offsets_batched,key_major", VMAP_CASES)
-def test_vmap_equals_a_loop(backend, layout, offsets_batched, key_major, monkeypatch):
+def test_vmap_equals_a_loop(backend, layout, offsets_batched, key_major):
     """Forward, vmap(grad) and grad(vmap) of a vmapped call equal a Python loop of single calls.
 
     The loop runs on the xla backend (checked against float64 by test_jagged_attention.py), so that the
@@ -71,13 +71,11 @@ def test_vmap_equals_a_loop(backend, layout, offsets_batched, key_major, monkeyp
     (has_aux): the op's primal and its vjp's forward run the same vmap rule, so a forward of its own
     would run those kernels again. Two query heads share one kv head (GQA), half the interpreter's
     programs of four."""
-    if key_major:
-        monkeypatch.setattr(plan, "key_major", lambda p, dtype, operands: True)
     q, k, v = arrays(layout, heads=2, kv_heads=1)
     offsets = jnp.asarray(ROWS if offsets_batched else OFFSETS, jnp.int32)
     in_axes = (0, 0, 0, 0 if offsets_batched else None)
     row = (lambda i: offsets[i]) if offsets_batched else (lambda i: offsets)
-    op = attention(backend, layout)
+    op = attention(variant(backend, key_major=True) if key_major else backend, layout)
     loss = lambda q, k, v, o: jnp.sum(jnp.sin(op(q, k, v, o)))
 
     def gradient(op):  # (dq, dk, dv), o
@@ -106,20 +104,15 @@ def test_vmap_of_unbatched_keys_and_nested_vmap():
                              for a in range(2)]))
 
 
-def test_vmap_folds_into_one_launch(monkeypatch):
+def test_vmap_folds_into_one_launch():
     """A vmapped call is one kernel launch (no loop): one callback in the compiled program, run on the
     folded problem."""
-    from jagged_flash_jax.launch import plan
-
-    problems = []
-    original = plan.forward
-    monkeypatch.setattr(plan, "forward", lambda *a, **kw: problems.append(a[1]) or original(*a, **kw))
 
     def launches(layout, offsets, in_axes):
-        problems.clear()
-        text = jax.jit(jax.vmap(attention("interpret", layout), in_axes)).lower(
+        spy = Spy("interpret")
+        text = jax.jit(jax.vmap(attention(spy, layout), in_axes)).lower(
             *arrays(layout), jnp.asarray(offsets, jnp.int32)).as_text()
-        return len(re.findall(r"python_cpu_callback", text)), problems[-1]
+        return len(re.findall(r"python_cpu_callback", text)), spy.calls[-1][2]
 
     count, problem = launches("HTD", OFFSETS, (0, 0, 0, None))
     assert count == 1 and problem.num_heads == V * H  # shared offsets, HTD: folded into the heads
@@ -128,28 +121,22 @@ def test_vmap_folds_into_one_launch(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
-def test_eager_calls_trace_once(backend, monkeypatch):
+def test_eager_calls_trace_once(backend):
     """Called eagerly (no jax.jit around it), the op and its gradient are traced and compiled once per
     problem: the second call of the same shapes runs the compiled program (on xla, each eager call
     compiled its lax.scan again, about 0.3 s each even for tiny inputs), with the same numbers."""
-    from jagged_flash_jax import reference
-
-    traced = []
-    for module, name in ((reference, "forward"), (reference, "backward"), (plan, "forward"),
-                         (plan, "backward")):
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name, functools.partial(
-            lambda original, label, *a, **kw: traced.append(label) or original(*a, **kw), original, name))
+    spy = Spy(backend)
     q, k, v = arrays("THD", batch=())
     q, k, v = (x[:11] for x in (q, k, v))  # a token count of its own: no problem cached by another test
     offsets = jnp.asarray([0, 4, 4, 11], jnp.int32)
-    op = functools.partial(jfa.jagged_attention, max_seq_len=5, causal=True, backend=backend)
+    op = functools.partial(jfa.jagged_attention, max_seq_len=5, causal=True, implementation=spy)
     grad = jax.grad(lambda q, k, v: jnp.sum(op(q, k, v, offsets) ** 2), argnums=(0, 1, 2))
     first = (op(q, k, v, offsets), grad(q, k, v))
+    traced = [kind for kind, *_ in spy.calls]
     assert traced.count("forward") >= 1 and traced.count("backward") == 1
-    traced.clear()
+    spy.calls.clear()
     second = (op(q, k, v, offsets), grad(q, k, v))
-    assert traced == []
+    assert spy.calls == []
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         np.testing.assert_array_equal(a, b)
 

@@ -111,16 +111,13 @@ def _fake_jax_triton(calls: list):
 
 @contextlib.contextmanager
 def _pretended_hopper_gpu(calls: list):
-    """JAX's default backend reads "gpu" (the arrays stay on the CPU), jax_triton is the fake, and the
-    device is a Hopper (compute capability 9.0) with 132 SMs."""
-    import jax
-
-    from jagged_flash_jax import api, transforms
+    """The ops choose as on an H200 (compute capability 9.0, 132 SMs; the arrays stay on the CPU), and
+    jax_triton is the fake."""
+    from jagged_flash_jax import select, transforms
+    from jagged_flash_jax.implementations import Device
     from jagged_flash_jax.launch import gpu
-    from jagged_flash_jax.launch import hopper as hopper_launch
 
-    saved = dict(default_backend=jax.default_backend, capability=hopper_launch.device_capability,
-                 sms=hopper_launch.device_sms, module=sys.modules.get("jax_triton"), run=gpu.run)
+    saved = dict(module=sys.modules.get("jax_triton"), run=gpu.run)
     run = gpu.run
 
     def recording_run(call, arrays):  # the runtime parameters, which triton_call sees traced
@@ -128,20 +125,15 @@ def _pretended_hopper_gpu(calls: list):
         calls[-1]["params"] = list(call.params)
         return outputs
 
-    caches = (gpu.jax_triton_module, gpu.unavailable_reason, api._warn_fallback)
-    jax.default_backend = lambda: "gpu"
-    hopper_launch.device_capability = lambda: (9, 0)
-    hopper_launch.device_sms = lambda: 132
+    caches = (gpu.jax_triton_module, gpu.unavailable_reason)
     sys.modules["jax_triton"] = _fake_jax_triton(calls)
     gpu.run = recording_run
     for cached in caches:
         cached.cache_clear()
     try:
-        yield
+        with select.use_device(Device("gpu", "NVIDIA H200", (9, 0), 132)):
+            yield
     finally:
-        jax.default_backend = saved["default_backend"]
-        hopper_launch.device_capability = saved["capability"]
-        hopper_launch.device_sms = saved["sms"]
         gpu.run = saved["run"]
         if saved["module"] is None:
             sys.modules.pop("jax_triton", None)
@@ -161,10 +153,10 @@ def _run_case(dim, dtype, layout, kernels, kv_heads=4, cross=False, causal=False
     import jax.numpy as jnp
 
     import jagged_flash_jax as jfa
-    from jagged_flash_jax import configs
+    from jagged_flash_jax import configs, select
 
-    os.environ[configs.FORWARD_KERNEL_ENV] = kernels
-    os.environ[configs.BACKWARD_KERNEL_ENV] = kernels
+    os.environ[select.FORWARD_ENV] = kernels
+    os.environ[select.BACKWARD_ENV] = kernels
     dtype = jnp.dtype(dtype)
     tokens, kv_tokens = 96, 80 if cross else 96
     shape = lambda t, h: (t, h, dim) if layout == "THD" else (h, t, dim)  # noqa: E731
@@ -239,7 +231,7 @@ def _is_gluon(fn) -> bool:
     return type(fn).__name__.startswith("Gluon")
 
 
-def _signature(kernel, launch: dict) -> tuple[dict, dict]:
+def kernel_signature(kernel, launch: dict) -> tuple[dict, dict]:
     """The signature and attributes jax-triton 0.4.1 builds: descriptors as
     `tensordesc<dtype[block],layout>`, 16-divisible pointers, the constants as constexprs."""
     params = [name for name in kernel.arg_names if name not in launch["constants"]]
@@ -316,7 +308,7 @@ def _digest_one(key: str, dump: str | None) -> tuple[str, dict]:
     kernel = _kernel(launch["kernel"])
     arrays = [dict(dtype=t, **({"block": b} if b else {})) for t, b in launch["types"]]
     fake = dict(constants=launch["constants"], arrays=arrays, out=[])
-    signature, attrs = _signature(kernel, fake)
+    signature, attrs = kernel_signature(kernel, fake)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         ptx, metadata = compile_for_sm90(kernel, signature, launch["constants"], attrs, launch["num_warps"],

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat
-from .plan import KernelCall
+from .calls import KernelCall
 
 # What the GPU extra installs and what was tested together (jaxlib >= 0.11.1 allocates the global scratch
 # memory of Triton's tensor descriptors, which jax-triton 0.4 passes it; jax-triton 0.4 needs Python 3.12).

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
-from .plan import KernelCall
+from .calls import KernelCall
 
 
 def _host_dtype(dtype) -> np.dtype:

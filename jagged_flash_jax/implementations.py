@@ -1,0 +1,266 @@
+"""The implementations of the softmax attention, as values: each says which problems it supports (and why
+not), chooses its configuration, and runs the forward and the backward. select.py picks among them.
+
+- "xla": blockwise pure JAX (xla/softmax.py), any device.
+- "portable": the portable Triton kernels (kernels/portable.py) on a GPU, through jax-triton.
+- "interpret": the same kernels in Triton's interpreter on the CPU.
+- "hopper": the Hopper kernels in Gluon (kernels/hopper.py, kernels/hopper_backward.py), sm_90a.
+
+All four share one residual convention (the log-sum-exp in units of the unscaled scores, launch/calls.py),
+so a forward of one and a backward of another compose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from . import configs
+from .configs import (
+    HOPPER_BACKWARD_AUTO_HEAD_DIMS,
+    HOPPER_BACKWARD_MIN_LENGTH,
+    HOPPER_BITS,
+    HOPPER_FORWARD_MIN_LENGTH,
+    HOPPER_FORWARD_MIN_QUERIES,
+    INTERPRET_BLOCK_SIZES,
+    BlockSizes,
+    band_width,
+)
+from .launch import calls
+from .launch.calls import HopperConfig, PortableConfig
+from .problem import Problem
+from .xla import softmax as xla_softmax
+
+# The byte alignment TMA needs of every stride but the innermost.
+TMA_ALIGN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What the choice needs to know of the device the op runs on (select.py reads it from JAX)."""
+
+    platform: str  # JAX's default backend: "gpu", "cpu", "tpu", ...
+    kind: str  # jax.devices()[0].device_kind, e.g. "NVIDIA H200"; the tile table's GPU key
+    capability: tuple[int, int] | None = None  # CUDA compute capability
+    sms: int = configs.HOPPER_SMS  # streaming multiprocessors: the persistent kernels' programs
+
+    @property
+    def gpu(self) -> bool:
+        return self.platform in ("gpu", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What an implementation's choices read besides the problem: the device, the tile table (configs'
+    BUILTIN_TABLE with the tuned entries merged), and the caller's portable tiles, if any."""
+
+    device: Device
+    table: dict = dataclasses.field(hash=False, compare=False)
+    table_path: str | None = None  # what `table` was loaded from (its identity in hashes)
+    block_sizes: BlockSizes | None = None
+
+
+class Implementation:
+    """The interface: `supports` and `preferred` answer with a reason (None: yes). Implementations are
+    frozen dataclasses, hashable values in a plan; a caller may pass one of its own (a variant with other
+    settings) where a name is taken."""
+
+    name: str
+
+    def config(self, p: Problem, context: Context, backward: bool):
+        """The configuration the pass runs with (hashable), or None where it has none for `p`."""
+        return None
+
+    def supports(self, p: Problem, context: Context, config, backward: bool) -> str | None:
+        """Why this implementation cannot run the forward (backward) of `p` here, or None."""
+        return None
+
+    def preferred(self, p: Problem, context: Context, backward: bool) -> str | None:
+        """Why, among implementations that support `p`, auto would rather run another, or None."""
+        return None
+
+    def forward(self, p: Problem, config, q, k, v, q_offsets, kv_offsets, slopes):
+        raise NotImplementedError
+
+    def backward(self, p: Problem, config, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse):
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Xla(Implementation):
+    name: str = "xla"
+
+    def forward(self, p, config, q, k, v, q_offsets, kv_offsets, slopes):
+        return xla_softmax.forward(p, q, k, v, q_offsets, kv_offsets, slopes)
+
+    def backward(self, p, config, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse):
+        return xla_softmax.backward(p, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=slopes, dlse=dlse)
+
+
+def _runner(launcher: str):
+    """The `run(call, arrays)` of a launcher, imported on first use; its dependencies are checked there,
+    so that a missing one is named with the extra that installs it."""
+    if launcher == "gpu":
+        from .launch import gpu
+
+        gpu.jax_triton_module()
+        return gpu.run
+    from . import _compat
+    from .launch import interpret
+
+    _compat.triton_internals()
+    return interpret.run
+
+
+def gpu_reason(device: Device) -> str | None:
+    """Why the Triton kernels cannot run on `device` through jax-triton, or None."""
+    from .launch import gpu
+
+    if not device.gpu:
+        return f"it needs a GPU, and JAX's default backend is {device.platform!r}"
+    return gpu.unavailable_reason()
+
+
+def _kernels_reason(p: Problem) -> str | None:
+    """What every kernel family needs of the problem: a head dimension within the tiles, sequences within
+    int32 addressing."""
+    if p.head_dim > configs.MAX_HEAD_DIM:
+        return (f"head dimension D={p.head_dim} (the kernels take D <= {configs.MAX_HEAD_DIM}; the 'xla' "
+                f"implementation takes any)")
+    return calls.addressing_error(p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Portable(Implementation):
+    """The portable kernels, on the GPU ("portable") or in Triton's interpreter ("interpret").
+    `key_major` forces the key-major operands on (True) or off (False) instead of taking them where TF32
+    products need them; `l2_reuse_bytes` is the size of q, k, v above which each sequence's programs run
+    next to each other (launch/calls.py)."""
+
+    name: str = "portable"
+    launcher: str = "gpu"
+    key_major: bool | None = None
+    l2_reuse_bytes: int = calls.L2_REUSE_BYTES
+
+    def config(self, p, context, backward):
+        tiles = context.block_sizes
+        if tiles is None and p.head_dim > configs.MAX_HEAD_DIM:
+            return None
+        if tiles is None and self.launcher == "interpret":
+            tiles = INTERPRET_BLOCK_SIZES
+        elif tiles is None:
+            tiles = configs.default_block_sizes(p.head_dim, p.dtype, p.max_seq_len, p.kv_max_seq_len,
+                                                band_width(p.window, p.causal), table=context.table,
+                                                gpu=context.device.kind)
+        v_key_major, qdo_key_major = (self.key_major if self.key_major is not None
+                                      else calls.key_major(p, operands) for operands in ("v", "q_do"))
+        return PortableConfig(tiles, v_key_major, qdo_key_major, self.l2_reuse_bytes)
+
+    def supports(self, p, context, config, backward):
+        if self.launcher == "gpu" and (reason := gpu_reason(context.device)):
+            return reason
+        return _kernels_reason(p) or calls.grid_error(p, config.tiles)
+
+    def forward(self, p, config, q, k, v, q_offsets, kv_offsets, slopes):
+        return calls.forward(_runner(self.launcher), p, config, q, k, v, q_offsets, kv_offsets, slopes)
+
+    def backward(self, p, config, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse):
+        return calls.backward(_runner(self.launcher), p, config, q, k, v, q_offsets, kv_offsets, o, lse, do,
+                              slopes=slopes, dlse=dlse)
+
+
+@functools.cache
+def gluon_available() -> bool:
+    """Whether this Triton has Gluon's Hopper module (triton.experimental.gluon, 3.6 on) and the kernel
+    modules import with it."""
+    try:
+        from .kernels import hopper, hopper_backward  # noqa: F401
+    except Exception:  # ImportError, or an API the kernel module needs that this Triton lacks
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Hopper(Implementation):
+    """The Hopper kernels: 16-bit inputs, one offsets segment, the head dimensions of the tile table's
+    "hopper" entries (each pass its own)."""
+
+    name: str = "hopper"
+
+    def _kernels(self, backward: bool) -> tuple[str, ...]:
+        return ("dkdv", "dq") if backward else ("fwd",)
+
+    def config(self, p, context, backward):
+        if p.head_dim > configs.MAX_HEAD_DIM:
+            return None
+        tiles = configs.hopper_block_sizes(p.head_dim, p.dtype, p.max_seq_len, p.kv_max_seq_len,
+                                           band_width(p.window, p.causal), table=context.table,
+                                           gpu=context.device.kind)
+        if tiles is None or None in (getattr(tiles, kernel) for kernel in self._kernels(backward)):
+            return None
+        # The backward's preprocess is the portable kernel: its row block is the portable table's.
+        portable = PORTABLE.config(p, dataclasses.replace(context, block_sizes=None), backward)
+        return HopperConfig(tiles, context.device.sms, portable.tiles.preprocess_block_m)
+
+    def supports(self, p, context, config, backward):
+        if config is None:
+            if reason := _kernels_reason(p):
+                return reason
+            if configs.table_bits(p.dtype) != HOPPER_BITS:
+                return f"{p.dtype} inputs (the Hopper kernels take {HOPPER_BITS}-bit inputs only)"
+            kernels = self._kernels(backward)
+            dims = configs.hopper_head_dims(context.table, context.device.kind, *kernels)
+            return (f"head dimension {p.head_dim} (the tile table has Hopper {'/'.join(kernels)} tiles at "
+                    f"head dimensions {dims})")
+        if reason := gpu_reason(context.device) or _kernels_reason(p):
+            return reason
+        if p.num_segments != 1:
+            return (f"{p.num_segments} offsets segments (it takes one: vmap and data-parallel packing make "
+                    f"more)")
+        if p.kv_tokens == 0:
+            return "no key tokens (no TMA descriptor over an empty array)"
+        itemsize = np.dtype(p.dtype).itemsize
+        strides = (*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))
+        if any(stride * itemsize % TMA_ALIGN for stride in strides):
+            return f"strides {strides} not {TMA_ALIGN}-byte aligned (TMA)"
+        capability = context.device.capability
+        if capability is None or capability[0] != 9:
+            return f"compute capability {capability} (Hopper's wgmma needs 9.x)"
+        if not gluon_available():
+            return "no triton.experimental.gluon with Hopper support"
+        return None
+
+    def preferred(self, p, context, backward):
+        longest = max(p.max_seq_len, p.kv_max_seq_len)
+        if backward:
+            if longest < HOPPER_BACKWARD_MIN_LENGTH:
+                return (f"sequences of at most {HOPPER_BACKWARD_MIN_LENGTH - 1} tokens (the portable "
+                        f"backward is faster)")
+            if p.head_dim not in HOPPER_BACKWARD_AUTO_HEAD_DIMS:
+                return f"head dimension {p.head_dim} (the portable backward is faster)"
+            return None
+        if longest < HOPPER_FORWARD_MIN_LENGTH:
+            return (f"sequences of at most {HOPPER_FORWARD_MIN_LENGTH - 1} tokens (the portable forward is "
+                    f"faster)")
+        if p.max_seq_len < HOPPER_FORWARD_MIN_QUERIES:
+            return (f"at most {p.max_seq_len} queries per sequence, fewer than a Hopper query block's "
+                    f"{HOPPER_FORWARD_MIN_QUERIES} (the portable forward is faster)")
+        if p.softcap is not None and p.causal:
+            return "a soft cap with causal masking (the portable forward is faster)"
+        return None
+
+    def forward(self, p, config, q, k, v, q_offsets, kv_offsets, slopes):
+        return calls.hopper_forward(_runner("gpu"), p, config, q, k, v, q_offsets, kv_offsets, slopes)
+
+    def backward(self, p, config, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse):
+        return calls.hopper_backward(_runner("gpu"), p, config, q, k, v, q_offsets, kv_offsets, o, lse, do,
+                                     slopes=slopes, dlse=dlse)
+
+
+XLA = Xla()
+PORTABLE = Portable()
+INTERPRET = Portable("interpret", "interpret")
+HOPPER = Hopper()
+IMPLEMENTATIONS = {impl.name: impl for impl in (HOPPER, PORTABLE, INTERPRET, XLA)}

@@ -1,0 +1,1 @@
+"""The pure-JAX (`xla`) implementations: blockwise, any device."""

@@ -2,8 +2,8 @@
 
 JAX: how an abstract value names the manual mesh axes it varies over. Triton (triton>=3.6,<3.10): the
 private interpreter internals that run this process's `@triton.jit` kernels on numpy arrays. jax-triton
-(0.4.1): three shims, for its import under triton 3.6, its launch of warp-specialized kernels, and the
-TMA descriptors' metadata of triton < 3.7.
+(0.4.1): four shims, for its import under triton 3.6 (before it, and repaired after it), its launch of
+warp-specialized kernels, and the TMA descriptors' metadata of triton < 3.7.
 """
 
 from __future__ import annotations
@@ -354,7 +354,9 @@ def version_in(version: str, bounds: tuple[tuple[int, ...], tuple[int, ...]]) ->
 def prepare_jax_triton_import() -> None:
     """Call before `import jax_triton`. jax-triton 0.4 imports TMA_TF32 from triton>=3.7's NVIDIA driver;
     under triton 3.6 that import fails and jax-triton takes the machine for one without the NVIDIA
-    backend, and breaks. Defining the constant is enough: this package passes no TMA descriptor."""
+    backend, and breaks. Defining the constant, CUDA's value (the map type of float32 rounded to TF32,
+    which jax-triton gives a descriptor over float32 with `round_f32_to_tf32`), makes the import succeed.
+    Where jax_triton was imported before this ran, `repair_stubbed_jax_triton` mends it afterwards."""
     try:
         jax_triton_version = _release(importlib.metadata.version("jax-triton"))
         import triton
@@ -368,6 +370,43 @@ def prepare_jax_triton_import() -> None:
         return
     if not hasattr(driver, "TMA_TF32"):
         driver.TMA_TF32 = _TMA_TF32
+
+
+def _stubbed_nvidia_backend(triton_lib) -> bool:
+    """Whether jax-triton's triton_lib put stubs in place of Triton's NVIDIA backend (its `cb` a namespace
+    whose classes are its `_Stub`), as its import does when importing that backend fails."""
+    cb = getattr(triton_lib, "cb", None)
+    stub = getattr(triton_lib, "_Stub", None)
+    return (isinstance(cb, types.SimpleNamespace) and stub is not None
+            and getattr(cb, "CUDABackend", None) is stub)
+
+
+def repair_stubbed_jax_triton(jax_triton) -> bool:
+    """Put Triton's NVIDIA backend back into a jax_triton imported before `prepare_jax_triton_import` ran.
+
+    jax-triton 0.4.1's triton_lib imports `triton.backends.nvidia.compiler` as `cb` and the driver's
+    TMA_DTYPE_DEVICE_TO_HOST and TMA_TF32 at its import. Under triton 3.6, which lacks TMA_TF32, that
+    import fails and it puts stubs there (`cb.GPUTarget` and the rest `_Stub`, an empty dtype map, a
+    TF32 type 0): every triton_call then dies with `AttributeError: '_Stub' object has no attribute
+    'backend'`. That happens whenever jax_triton is imported first (by a user, or by a library such as
+    tokamax). Where the NVIDIA backend imports, this puts back the real module, the driver's dtype map and
+    the TF32 map type (triton's own, else `_TMA_TF32`); triton_lib's functions look those names up when
+    called, so they work from then on. Idempotent; nothing happens where nothing is stubbed or the
+    backend does not import (no NVIDIA backend: jax-triton's stubs are right then). Returns whether it
+    repaired."""
+    triton_lib = getattr(jax_triton, "triton_lib", None)
+    if triton_lib is None or not _stubbed_nvidia_backend(triton_lib):
+        return False
+    try:
+        compiler = importlib.import_module("triton.backends.nvidia.compiler")
+        driver = importlib.import_module("triton.backends.nvidia.driver")
+        dtype_map = driver.TMA_DTYPE_DEVICE_TO_HOST
+    except (ImportError, AttributeError):
+        return False
+    triton_lib._TMA_DTYPE_DEVICE_TO_HOST = dtype_map
+    triton_lib._TMA_TF32 = getattr(driver, "TMA_TF32", _TMA_TF32)
+    triton_lib.cb = compiler
+    return True
 
 
 # jax-triton versions that launch a kernel with the num_warps it was asked for rather than the count that

@@ -138,3 +138,17 @@ def test_the_flax_extra_installs_what_the_flax_notebook_imports():
     needed = {canonicalize_name(distributions.get(module, [module])[0]) for module in modules}
     assert {"flax", "optax", "matplotlib"} <= needed, needed  # what the notebook imports today
     assert needed <= installed, f"the flax extra lacks {sorted(needed - installed)}"
+
+
+def test_pytest_runs_without_xdist_and_nbmake():
+    """pyproject's addopts name pytest-xdist's and nbmake's options, which only the `test` extra installs:
+    without those plugins (disabled here) pytest used to stop at "unrecognized arguments"; it now runs in
+    one process and says why."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:nbmake", "-p", "no:cacheprovider",
+               "tests/test_readme_output.py", "-k", "every_block"]
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "xdist and nbmake not loaded" in result.stdout, result.stdout[-2000:]
+    assert re.search(r"\d+ passed", result.stdout), result.stdout[-2000:]

@@ -71,6 +71,8 @@ LONGEST_FIRST = (
     "tests/test_install.py",
     "tests/test_properties.py::test_kernels_on_random_batches",
     "tests/test_readme.py::test_readme_block_runs",
+    "tests/test_ptxas.py::test_a_hopper_cases_kernels_assemble_with_the_local_ptxas",
+    "tests/test_readme_output.py::test_a_printed_max_error_is_at_rounding_level",
     "tests/test_hopper.py::test_the_hopper_",
     "tests/test_launchers.py::test_first_use_from_several_threads",
     "tests/test_transforms.py::test_heads_shard_map_with_check_vma",

@@ -38,6 +38,17 @@ def offsets_from_lengths(lengths, dtype=jnp.int32) -> jax.Array:
     return jnp.concatenate([jnp.zeros(1, dtype), jnp.cumsum(lengths, dtype=dtype)])
 
 
+def lengths_hint(row: np.ndarray, name: str) -> str:
+    """For an error about a concrete row of offsets `name`: a pointer to `offsets_from_lengths` when the
+    row reads as sequence lengths (no entry below 0, and a first entry other than 0 or an entry below its
+    predecessor), else ""."""
+    row = np.asarray(row)
+    if row.size == 0 or np.any(row < 0) or (row[0] == 0 and not np.any(np.diff(row) < 0)):
+        return ""
+    return (f"; if {name} holds the sequences' lengths, pass offsets_from_lengths(lengths) instead "
+            f"(offsets are [0, len_0, len_0 + len_1, ...], B+1 entries)")
+
+
 def order_error(row: np.ndarray, name: str) -> str | None:
     """Why a concrete row of offsets `name` does not rise from 0 without falling, or None."""
     if row[0] < 0:
@@ -45,7 +56,8 @@ def order_error(row: np.ndarray, name: str) -> str | None:
     drops = np.flatnonzero(np.diff(row) < 0)
     if drops.size:
         i = int(drops[0])
-        return f"{name} must be non-decreasing, got {name}[{i}] = {row[i]} > {name}[{i + 1}] = {row[i + 1]}"
+        return (f"{name} must be non-decreasing, got {name}[{i}] = {row[i]} > {name}[{i + 1}] = {row[i + 1]}"
+                + lengths_hint(row, name))
     return None
 
 
@@ -66,7 +78,8 @@ def check_offsets(offsets, total: int) -> None:
     if error:
         raise ValueError(error)
     if a[-1] > total:
-        raise ValueError(f"offsets must be at most the number of tokens {total}, got offsets[-1] = {a[-1]}")
+        raise ValueError(f"offsets must be at most the number of tokens {total}, got offsets[-1] = {a[-1]}"
+                         + lengths_hint(a, "offsets"))
 
 
 def sequence_bounds(offsets: jax.Array, total: int, max_seq_len: int | None = None):

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import jax
 
-from . import configs
+from . import _compat, configs
 from .configs import BlockSizes
 from .implementations import IMPLEMENTATIONS, Context, Device, Implementation
 from .problem import Problem
@@ -93,13 +93,8 @@ def current_device() -> Device:
         kind = first.device_kind
     except Exception:  # no backend at all
         return Device(platform, configs.FALLBACK_GPU)
-    capability, sms = None, configs.HOPPER_SMS
-    try:
-        major, minor = str(first.compute_capability).split(".")[:2]
-        capability = (int(major), int(minor))
-        sms = int(first.core_count) or sms
-    except Exception:  # not a CUDA device
-        pass
+    capability = _compat.cuda_capability(first)
+    sms = int(getattr(first, "core_count", 0) or 0) or configs.HOPPER_SMS
     return Device(platform, kind, capability, sms)
 
 

@@ -8,7 +8,42 @@ import os
 
 import jax
 import pytest
-from hypothesis import HealthCheck, settings
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # not the test extra: only the property tests need it, and they say so at import
+    HealthCheck = settings = None
+
+# pyproject's addopts run the suite over every core (pytest-xdist's `--numprocesses auto --dist
+# worksteal`) and the notebooks (nbmake's `--nbmake`), which the `test` extra installs. Without those
+# plugins (or with them disabled, `-p no:xdist`), pytest would stop at its arguments ("unrecognized
+# arguments"); here the missing plugin's options are taken and ignored instead: the tests run in one
+# process, and the notebooks are not collected.
+STAND_IN_OPTIONS = {
+    "xdist": [("--numprocesses", "store"), ("--dist", "store")],
+    "nbmake": [("--nbmake", "store_true")],
+}
+
+
+def pytest_addoption(parser, pluginmanager):
+    for plugin, options in STAND_IN_OPTIONS.items():
+        if not pluginmanager.has_plugin(plugin):
+            group = parser.getgroup(f"{plugin} (not installed)")
+            for name, action in options:
+                group.addoption(name, action=action, dest=f"stand_in_{name.lstrip('-')}",
+                                help=f"ignored: the {plugin} plugin is not installed here (pip install -e "
+                                     f"'.[test]')")
+
+
+def pytest_report_header(config):
+    missing = [plugin for plugin in STAND_IN_OPTIONS if not config.pluginmanager.has_plugin(plugin)]
+    if missing:
+        effects = {"xdist": "one process", "nbmake": "no notebooks"}
+        return (f"{' and '.join(missing)} not loaded: pyproject's options for them ignored "
+                f"({', '.join(effects[plugin] for plugin in missing)}); pip install -e '.[test]' for the "
+                f"full run")
+    return None
+
 
 # Set before JAX starts its backends: the sharding tests need several devices; on a GPU machine this
 # only adds CPU devices, and the default device stays the GPU.
@@ -16,11 +51,12 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_enable_x64", False)
 
 # Reproducible property tests: a fixed seed and a bounded number of examples on CI; `dev` explores more.
-settings.register_profile("ci", max_examples=10, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", max_examples=60, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+if settings is not None:
+    settings.register_profile("ci", max_examples=10, deadline=None, derandomize=True,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("dev", max_examples=60, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 from helpers import GPU_AVAILABLE  # noqa: E402
 
@@ -35,6 +71,8 @@ LONGEST_FIRST = (
     "tests/test_install.py",
     "tests/test_properties.py::test_kernels_on_random_batches",
     "tests/test_readme.py::test_readme_block_runs",
+    "tests/test_ptxas.py::test_a_hopper_cases_kernels_assemble_with_the_local_ptxas",
+    "tests/test_readme_output.py::test_a_printed_max_error_is_at_rounding_level",
     "tests/test_hopper.py::test_the_hopper_",
     "tests/test_launchers.py::test_first_use_from_several_threads",
     "tests/test_transforms.py::test_heads_shard_map_with_check_vma",

@@ -367,3 +367,30 @@ def test_pack_data_parallel():
         jfa.pack_data_parallel(x, offsets, 2, tokens_per_shard=10)
     with pytest.raises(ValueError, match="non-decreasing"):
         jfa.pack_data_parallel(x, [0, 5, 3], 2)
+
+
+LENGTHS_HINT = r"if offsets holds the sequences' lengths, pass offsets_from_lengths\(lengths\)"
+
+
+@pytest.mark.parametrize("lengths,total", [([5, 12, 0, 7], 24), ([0, 4, 2], 6), ([3, 9, 30], 24)],
+                         ids=["falls", "falls-after-0", "past-the-tokens"])
+def test_lengths_passed_as_offsets_are_pointed_to_offsets_from_lengths(lengths, total):
+    """Sequence lengths passed where offsets go fail the offsets' checks; the error says how to make
+    offsets of them."""
+    with pytest.raises(ValueError, match=LENGTHS_HINT):
+        jfa.check_offsets(np.asarray(lengths), total)
+    jfa.check_offsets(jfa.offsets_from_lengths(np.asarray(lengths)), sum(lengths))  # the hint's fix passes
+
+
+def test_the_op_points_lengths_passed_as_offsets_to_offsets_from_lengths():
+    q = jnp.ones((24, 2, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"non-decreasing.*" + LENGTHS_HINT):
+        jfa.jagged_attention(q, q, q, [5, 12, 0, 7], 16)
+    jfa.jagged_attention(q, q, q, jfa.offsets_from_lengths([5, 12, 0, 7]), 16)  # the hint's call runs
+
+
+@pytest.mark.parametrize("offsets,total", [([-1, 3], 5), ([0, 4, 9], 5), ([2, -4], 5)])
+def test_offsets_that_do_not_read_as_lengths_get_no_lengths_hint(offsets, total):
+    with pytest.raises(ValueError) as raised:
+        jfa.check_offsets(np.asarray(offsets), total)
+    assert "offsets_from_lengths" not in str(raised.value)

@@ -7,7 +7,10 @@ environment without it)."""
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,6 +18,7 @@ import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,3 +118,37 @@ def test_the_package_requires_no_triton():
     assert not names(project["dependencies"]) & {"triton", "jax-triton"}, project["dependencies"]
     assert "triton" in names(project["optional-dependencies"]["interpret"])
     assert {"triton", "jax-triton"} <= names(project["optional-dependencies"]["cuda13"])
+
+
+def _notebook_imports(name: str) -> set[str]:
+    """The top-level modules a notebook's code cells import."""
+    notebook = json.loads((ROOT / "notebooks" / name).read_text())
+    code = "\n".join("".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code")
+    return {module.split(".")[0] for module in re.findall(r"^\s*(?:import|from)\s+([\w.]+)", code, re.M)}
+
+
+def test_the_flax_extra_installs_what_the_flax_notebook_imports():
+    """The README points to notebooks/flax_model.ipynb beside the `flax` extra: the extra with the package's
+    own dependencies must give every third-party module the notebook imports (matplotlib was missing)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = lambda requirements: {canonicalize_name(Requirement(r).name) for r in requirements}
+    installed = names(project["dependencies"]) | names(project["optional-dependencies"]["flax"])
+    distributions = importlib.metadata.packages_distributions()
+    modules = _notebook_imports("flax_model.ipynb") - set(sys.stdlib_module_names) - {"jagged_flash_jax"}
+    needed = {canonicalize_name(distributions.get(module, [module])[0]) for module in modules}
+    assert {"flax", "optax", "matplotlib"} <= needed, needed  # what the notebook imports today
+    assert needed <= installed, f"the flax extra lacks {sorted(needed - installed)}"
+
+
+def test_pytest_runs_without_xdist_and_nbmake():
+    """pyproject's addopts name pytest-xdist's and nbmake's options, which only the `test` extra installs:
+    without those plugins (disabled here) pytest used to stop at "unrecognized arguments"; it now runs in
+    one process and says why."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:nbmake", "-p", "no:cacheprovider",
+               "tests/test_readme_output.py", "-k", "every_block"]
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "xdist and nbmake not loaded" in result.stdout, result.stdout[-2000:]
+    assert re.search(r"\d+ passed", result.stdout), result.stdout[-2000:]

@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 import types
 import warnings
@@ -207,7 +208,7 @@ def test_the_interpret_backend_refuses_an_unsupported_triton_at_trace_time(monke
 
 def _clear_backend_caches():
     # Without its cache, _warn_fallback would warn every time: the fallback test says so, not an error here.
-    for cached in (gpu.jax_triton_module, gpu.unavailable_reason, select._warn_fallback):
+    for cached in (gpu.jax_triton_module, gpu.unavailable_reason, gpu.ptx_options, select._warn_fallback):
         getattr(cached, "cache_clear", lambda: None)()
 
 
@@ -220,9 +221,11 @@ def gpu_device(capability=None, sms=132, kind=H200) -> Device:
 
 
 @pytest.fixture
-def fake_gpu():
+def fake_gpu(monkeypatch):
     """The ops choose as on a GPU (not a Hopper). Caches of what jax-triton's import gave are cleared
     before and after, so that no test sees another's."""
+    # No ptxas for jaxlib: Triton's own PTX version, whatever ptxas this machine has (tests/test_ptxas.py).
+    monkeypatch.setattr(_compat, "xla_ptxas", lambda: None)
     _clear_backend_caches()
     with select.use_device(gpu_device()):
         yield
@@ -1179,6 +1182,80 @@ def test_tma_tf32_of_triton_itself_is_kept(monkeypatch):
     assert driver.TMA_TF32 == 99
 
 
+# jax-triton 0.4.1's triton_lib as its import leaves it where importing Triton's NVIDIA backend failed
+# (triton 3.6 lacks TMA_TF32), as far as the stubs and two module-level functions that use them
+# (make_cuda_target's line, and the TMA descriptor's map type as jax-triton picks it).
+STUBBED_TRITON_LIB = textwrap.dedent("""
+    import types
+    from typing import Any
+
+
+    class _Stub(Any):
+        ...
+
+
+    cb = types.SimpleNamespace(CUDAOptions=_Stub, CUDABackend=_Stub, GPUTarget=_Stub)
+    _TMA_DTYPE_DEVICE_TO_HOST = {}
+    _TMA_TF32 = 0
+
+
+    def make_cuda_target(compute_capability, num_ctas):
+        return cb.GPUTarget("cuda", compute_capability, 32)
+
+
+    def descriptor_map_type(elem_type, round_f32_to_tf32):
+        return _TMA_DTYPE_DEVICE_TO_HOST[_TMA_TF32 if round_f32_to_tf32 else elem_type]
+""")
+
+
+def _stubbed_jax_triton() -> types.ModuleType:
+    triton_lib = types.ModuleType("jax_triton.triton_lib")
+    exec(STUBBED_TRITON_LIB, triton_lib.__dict__)
+    module = types.ModuleType("jax_triton")
+    module.__version__ = "0.4.1"
+    module.triton_lib = triton_lib
+    return module
+
+
+def test_a_jax_triton_imported_first_gets_the_nvidia_backend_back():
+    """jax_triton imported before this package (by a user, or tokamax) under triton 3.6: its stubbed
+    backend fails every launch; repaired, its functions build a real target and find the map types."""
+    from triton.backends.nvidia import compiler, driver
+
+    module = _stubbed_jax_triton()
+    lib = module.triton_lib
+    # "'_Stub' object has no attribute 'backend'" (Python 3.13; the GPU machine's report), or typing.Any
+    # refusing the target's arguments (3.11, 3.12.1).
+    with pytest.raises((AttributeError, TypeError)):
+        triton.compiler.make_backend(lib.make_cuda_target(90, 1))
+    assert _compat.repair_stubbed_jax_triton(module)
+    target = lib.make_cuda_target(90, 1)
+    assert target == compiler.GPUTarget("cuda", 90, 32)
+    assert isinstance(triton.compiler.make_backend(target), lib.cb.CUDABackend)
+    assert lib.cb is compiler and lib._TMA_DTYPE_DEVICE_TO_HOST is driver.TMA_DTYPE_DEVICE_TO_HOST
+    assert lib._TMA_TF32 == 11 and lib.descriptor_map_type(0, round_f32_to_tf32=True) == 11
+    assert not _compat.repair_stubbed_jax_triton(module)  # once only
+    assert lib.cb is compiler
+
+
+def test_a_jax_triton_that_is_not_stubbed_is_left_alone():
+    from triton.backends.nvidia import compiler
+
+    triton_lib = types.SimpleNamespace(cb=compiler, _TMA_DTYPE_DEVICE_TO_HOST={}, _TMA_TF32=0)
+    assert not _compat.repair_stubbed_jax_triton(types.SimpleNamespace(triton_lib=triton_lib))
+    assert triton_lib.cb is compiler and triton_lib._TMA_DTYPE_DEVICE_TO_HOST == {}
+    assert not _compat.repair_stubbed_jax_triton(types.SimpleNamespace())  # no triton_lib at all
+
+
+def test_a_stubbed_jax_triton_stays_stubbed_without_the_nvidia_backend(monkeypatch):
+    """On a machine without Triton's NVIDIA backend, jax-triton's stubs are right: kept."""
+    module = _stubbed_jax_triton()
+    stubs = module.triton_lib.cb
+    monkeypatch.setitem(sys.modules, "triton.backends.nvidia.compiler", None)  # import fails
+    assert not _compat.repair_stubbed_jax_triton(module)
+    assert module.triton_lib.cb is stubs
+
+
 def _ptx(maxntid: str) -> str:
     return (".version 8.7\n.target sm_90a\n.visible .entry k(\n.param .u64 k_param_0\n)\n"
             f"{maxntid}\n{{\nret;\n}}\n")
@@ -1467,3 +1544,21 @@ def test_gpu_launcher_passes_register_caps(fake_jax_triton):
                        (kernels.attention_bwd_preprocess_kernel, None),
                        (kernels.attention_bwd_kernel, None),  # the dq launch
                        (kernels.attention_bwd_kernel, {"maxnreg": 128})]
+
+
+def test_the_gpu_launcher_asks_triton_for_ptx_that_jaxlibs_ptxas_accepts(fake_jax_triton, monkeypatch):
+    monkeypatch.setattr(_compat, "ptx_version_option", lambda default: {"ptx_version": 90})
+    q, k, v, offsets = _small_problem()
+    jfa.jagged_attention(q, k, v, offsets, 8, backend="triton")
+    assert fake_jax_triton.calls
+    assert all(call["backend_options"]["ptx_version"] == 90 for call in fake_jax_triton.calls)
+
+
+def test_a_ptxas_too_old_for_the_kernels_is_refused_and_auto_falls_back(fake_jax_triton, monkeypatch):
+    monkeypatch.setattr(_compat, "ptxas_unsupported_reason", lambda: "jaxlib assembles ... PTX up to 8.4")
+    q, k, v, offsets = _small_problem()
+    with pytest.raises(ValueError, match="backend='triton' cannot run: RuntimeError: jaxlib assembles"):
+        jfa.jagged_attention(q, k, v, offsets, 8, backend="triton")
+    with pytest.warns(RuntimeWarning, match="'xla'.*PTX up to 8.4"):
+        assert select.default_backend() == "xla"
+    assert fake_jax_triton.calls == []

@@ -125,9 +125,13 @@ def _pretended_hopper_gpu(calls: list):
         calls[-1]["params"] = list(call.params)
         return outputs
 
-    caches = (gpu.jax_triton_module, gpu.unavailable_reason)
+    from jagged_flash_jax import _compat
+
+    caches = (gpu.jax_triton_module, gpu.unavailable_reason, gpu.ptx_options)
     sys.modules["jax_triton"] = _fake_jax_triton(calls)
     gpu.run = recording_run
+    # No ptxas for jaxlib: Triton's own PTX version, whatever ptxas this machine has.
+    saved["xla_ptxas"], _compat.xla_ptxas = _compat.xla_ptxas, lambda: None
     for cached in caches:
         cached.cache_clear()
     try:
@@ -135,6 +139,7 @@ def _pretended_hopper_gpu(calls: list):
             yield
     finally:
         gpu.run = saved["run"]
+        _compat.xla_ptxas = saved["xla_ptxas"]
         if saved["module"] is None:
             sys.modules.pop("jax_triton", None)
         else:

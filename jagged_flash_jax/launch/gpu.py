@@ -50,9 +50,19 @@ def jax_triton_module():
     if outside:
         raise ImportError(f"backend='triton' is tested with {JAX_TRITON_SUPPORTED} and {TRITON_SUPPORTED}; "
                           f"found {' and '.join(outside)}: {INSTALL_HINT}")
+    _compat.repair_stubbed_jax_triton(jax_triton)
     _compat.patch_jax_triton(jax_triton)
     _compat.patch_tensordesc_meta(jax_triton)
     return jax_triton
+
+
+@functools.cache
+def ptx_options() -> dict:
+    """Triton backend options that make the kernels' PTX assemble with the ptxas jaxlib uses
+    (`_compat.ptx_version_option`), for this device's compute capability."""
+    capability = _compat.cuda_capability(jax.devices()[0])
+    arch = 10 * capability[0] + capability[1] if capability else 90
+    return _compat.ptx_version_option(_compat.triton_ptx_version(arch))
 
 
 def _check_kernels_compiled() -> None:
@@ -73,6 +83,8 @@ def unavailable_reason() -> str | None:
     try:
         jax_triton_module()
         _check_kernels_compiled()
+        if (reason := _compat.ptxas_unsupported_reason()) is not None:
+            raise RuntimeError(reason)
     except Exception as err:  # not only ImportError: a broken install can raise anything
         return f"{type(err).__name__}: {err}"
     return None
@@ -100,7 +112,10 @@ def _tensor_descriptor(jax_triton, x: jax.Array, block: tuple[int, ...]):
 
 def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     jax_triton = jax_triton_module()
-    options = {} if call.max_registers is None else {"backend_options": {"maxnreg": call.max_registers}}
+    backend_options = dict(ptx_options())
+    if call.max_registers is not None:
+        backend_options["maxnreg"] = call.max_registers
+    options = {"backend_options": backend_options} if backend_options else {}
     if call.zeroed_outputs:
         options["zeroed_outputs"] = call.zeroed_outputs
     arrays = list(arrays)

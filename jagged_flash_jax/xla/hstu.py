@@ -105,7 +105,7 @@ class _Rows:
         sequence = jnp.minimum(jnp.searchsorted(ends, slots, side="right"), p.batch - 1)
         self.rows = ((slots - (ends - counts)[sequence]) * BLOCK)[:, None] + jnp.arange(BLOCK)  # [N, BLOCK]
         self.start, self.length, self.attended = starts[sequence], lengths[sequence], attended[sequence]
-        self.targets = None if num_targets is None else jnp.asarray(num_targets, jnp.int32)[sequence]
+        self.targets = jnp.asarray(num_targets, jnp.int32)[sequence] if p.has_targets else None
         self.tokens = self.index(self.rows, valid[:, None])
         self.other_blocks = jnp.arange(cdiv(min(p.max_seq_len, p.tokens), BLOCK))  # what a slot scans
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -385,3 +387,39 @@ def test_xla_backend_empty():
         b = HstuBatch.make(lengths, attn_scale="jagged", extra=extra)
         results = run("xla", b, max_seq_len=8, alpha=ALPHA)
         assert all(r.shape[0] == b.q.shape[0] and not np.any(r) for r in results[4:])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The benchmarks' cases and padded baseline
+# ---------------------------------------------------------------------------------------------------
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: not installed
+from benchmarks import hstu_cases, hstu_padded  # noqa: E402
+
+
+@pytest.mark.parametrize("case", [c.shrunk() for c in hstu_cases.CASES[:5]] + [
+    hstu_cases.HstuCase("odd", 5, 1, 4, 4, 40, "random", max_targets=30, contextual_seq_len=7,
+                        max_attn_len=3),
+    hstu_cases.HstuCase("wide", 4, 1, 4, 4, 40, "random", contextual_seq_len=2, max_attn_len=40)],
+    ids=lambda c: c.name)
+def test_benchmark_case_pairs(case):
+    """A case's FLOP count rests on its attended pairs: those of the dense masks."""
+    targets = case.num_targets()
+    dense = sum(int(hstu_mask_np(int(n), 0 if targets is None else int(targets[b]), int(n),
+                                 contextual_seq_len=case.contextual_seq_len,
+                                 max_attn_len=case.max_attn_len).sum())
+                for b, n in enumerate(case.lengths()))
+    assert case.pairs() == dense
+    assert np.all(case.lengths() <= case.max_seq_len)
+
+
+def test_padded_baseline_matches_reference():
+    case = hstu_cases.CASES[4].shrunk()  # targets, context and window
+    q, k, v, do, offsets, targets = hstu_padded.inputs(case, jnp.float32)
+    options = dict(max_seq_len=case.max_seq_len, alpha=case.alpha, max_attn_len=case.max_attn_len,
+                   contextual_seq_len=case.contextual_seq_len)
+    got = jax.jit(hstu_padded.step(case, "fwd+bwd"))(q, k, v, do, offsets, targets)
+    o = jax.jit(hstu_padded.step(case, "fwd"))(q, k, v, do, offsets, targets)
+    expected = hstu_reference(q, k, v, do, np.asarray(offsets), num_targets=np.asarray(targets), **options)
+    for name, g, e in zip(("o", "dq", "dk", "dv"), (o, *got), expected):
+        assert relative_error(g, e) <= 1e-5, name

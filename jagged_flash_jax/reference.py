@@ -407,10 +407,12 @@ def hstu_attention_reference(q, k, v, offsets, max_seq_len: int, *, alpha: float
     This is `pytorch_hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, causal, dropout_pr=0.0,
     num_targets=num_targets, attn_scale=attn_scale, max_attn_len=max_attn_len,
     contextual_seq_len=contextual_seq_len, min_full_attn_seq_len=min_full_attn_seq_len)` of
-    generative-recommenders (gr's `hstu_mha` with kernel=PYTORCH; gr's Triton kernel takes neither
-    causal=False, attn_scale nor min_full_attn_seq_len), which also keeps the first max_seq_len tokens
-    of a sequence and writes 0 past them, and likewise multiplies attn_scale (or 1 / max_seq_len) into
-    silu before the mask.
+    generative-recommenders (its `hstu_mha` with kernel=PYTORCH), which likewise pads each sequence to
+    its first max_seq_len tokens, builds the mask from the full lengths, and multiplies silu by
+    attn_scale (or 1 / max_seq_len) and then by the mask. num_targets None and all zeros are the same.
+    gr's Triton kernel (`triton_hstu_mha`) is the causal case without attn_scale and
+    min_full_attn_seq_len, for lengths at most max_seq_len (past it, it is undefined); it leaves the
+    tokens of no sequence unwritten where this gives 0.
     """
     if layout == "HTD":
         q, k, v = (jnp.swapaxes(x, 0, 1) for x in (q, k, v))

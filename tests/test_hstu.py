@@ -205,11 +205,11 @@ def assert_close(results, expected, tol, attended):
 # ---------------------------------------------------------------------------------------------------
 
 # An empty and a 1-token sequence, one of 130 tokens cut at max_seq_len = 100 (two blocks of 64), one
-# token before the first sequence and two after the last. Targets: none in the empty sequence, the
-# whole of the 1-token and the 30-token ones, and 40 of the 130, of which positions 90-99 are computed
-# (gr counts them from the sequence's true end).
+# token before the first sequence and two after the last. Targets: none in the 5-token and the empty
+# sequences, the whole of the 1-token and the 30-token ones, and 40 of the 130, of which positions 90-99
+# are computed (gr counts them from the sequence's true end).
 LENGTHS, MAX_SEQ_LEN, ALPHA = [5, 0, 1, 130, 30], 100, 0.35
-TARGETS = [2, 0, 1, 40, 30]
+TARGETS = [0, 0, 1, 40, 30]
 CASES = {
     "causal": {},
     "noncausal": dict(causal=False),

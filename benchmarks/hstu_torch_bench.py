@@ -18,6 +18,13 @@ each config once per head size and option set: minutes for the whole suite); the
 `--autotune pinned` skips it with one config per kernel (a quick look, not gr's speed). The chosen
 configs are recorded per row.
 
+What gr's kernel computes (checked in the interpreter against the library's float64 reference): gr's
+semantics for causal attention without attn_scale and min_full_attn_seq_len, lengths at most
+max_seq_len, except two cases the benchmark avoids: its backward drops some rows' share of the context
+keys' dk and dv (and those rows' dq from them) when contextual_seq_len exceeds the backward's key tile
+and there is a window (here the context is 8 tokens, under every tile), and its forward counts the
+diagonal block twice for rows in the context when the targets reach into it (here n - targets >= c).
+
 `--smoke` runs the same code on the CPU in Triton's interpreter on shrunk cases (wall-clock times, no
 memory figures; float32 only: bfloat16 in Triton 3.6's interpreter gives garbage), with two interpreter
 gaps filled for the kernels' meaning: libdevice's fast_expf and fast_dividef (CUDA externs) as exp and a

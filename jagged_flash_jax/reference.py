@@ -4,6 +4,7 @@ checking, small problems and forward-mode autodiff.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -76,4 +77,112 @@ def jagged_attention_reference(q, k, v, offsets, max_seq_len: int, *, kv_offsets
     probs = weights / jnp.where(total > 0, total, 1.0)
     out = out_scale * jnp.einsum("bhqk,bkhd->bqhd", probs, vp, precision=lax.Precision.HIGHEST)
     o = padded_to_jagged(out, offsets, q.shape[0], layout="THD").astype(q.dtype)
+    return jnp.swapaxes(o, 0, 1) if layout == "HTD" else o
+
+
+# ---------------------------------------------------------------------------------------------------
+# HSTU attention (generative-recommenders' `hstu_mha`): the mask and the dense reference
+# ---------------------------------------------------------------------------------------------------
+
+
+def hstu_mask(query_pos, key_pos, lengths, num_targets=None, *, causal: bool = True, max_attn_len: int = 0,
+              contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0):
+    """HSTU's attention mask: [..., Q, K] bool, whether the query at position `query_pos` [..., Q]
+    (within its sequence, 0-based) sees the key at `key_pos` [..., K] of the same sequence, whose full
+    length is `lengths` [...] (not capped at max_seq_len) and whose last `num_targets` [...] tokens are
+    targets (None: no targets). The leading dimensions broadcast. Positions at or past a sequence's
+    (capped) length are the caller's to mask: this is the rule, not the bounds.
+
+    generative-recommenders' arithmetic (`_get_valid_attn_mask`), with c = contextual_seq_len,
+    W = max_attn_len, M = min_full_attn_seq_len, n = lengths, t = num_targets:
+      id(p) = max(p - c + 1, 0) when c > 0 (the c context tokens share id 0, the first history token
+              has id 1), else p;
+      m     = n - (c - 1 if c > 0 else 0) - t, the history's end in ids (the id of the first target);
+      with targets, id(p) = min(id(p), m): every target has the id m;
+      d     = id(i) - id(j), or |id(i) - id(j)| when not causal;
+      valid = (i == j) or d > 0                      (the diagonal by position, not by id)
+      W > 0: valid and= d <= W, or id(i) >= m - M when M > 0 (lifted for the last M history rows and
+              for every target);
+      c > 0: valid or= id(i) == 0 and id(j) < m      (the context rows see every context and history
+              token, after the window: so the window, not this, decides which rows see the context).
+    So equal ids never see each other off the diagonal: the targets see the history and themselves, and
+    with c > 1 the context tokens see each other only through the last rule.
+    """
+    query_pos, key_pos, lengths = (jnp.asarray(x, jnp.int32) for x in (query_pos, key_pos, lengths))
+    max_id = lengths
+    if contextual_seq_len > 0:
+        max_id = max_id - contextual_seq_len + 1
+    if num_targets is not None:
+        max_id = max_id - jnp.asarray(num_targets, jnp.int32)
+
+    def ids(pos):
+        if contextual_seq_len > 0:
+            pos = jnp.maximum(pos - contextual_seq_len + 1, 0)
+        return jnp.minimum(pos, max_id[..., None]) if num_targets is not None else pos
+
+    row, col = ids(query_pos)[..., :, None], ids(key_pos)[..., None, :]
+    max_id = max_id[..., None, None]
+    distance = row - col
+    if not causal:
+        distance = jnp.abs(distance)
+    valid = (query_pos[..., :, None] == key_pos[..., None, :]) | (distance > 0)
+    if max_attn_len > 0:
+        near = distance <= max_attn_len
+        if min_full_attn_seq_len > 0:
+            near |= row >= max_id - min_full_attn_seq_len
+        valid &= near
+    if contextual_seq_len > 0:
+        valid |= (row == 0) & (col < max_id)
+    return valid
+
+
+def hstu_attention_reference(q, k, v, offsets, max_seq_len: int, *, alpha: float, causal: bool = True,
+                             num_targets=None, max_attn_len: int = 0, contextual_seq_len: int = 0,
+                             min_full_attn_seq_len: int = 0, attn_scale=None, layout: str = "THD"):
+    """Dense pure-JAX HSTU attention (O(B * H * L^2) memory; JAX differentiates it in both modes).
+
+    q, k [T, H, D] and v [T, H, V] ([H, T, .] with layout="HTD"); offsets [B+1]: tokens
+    offsets[b]:offsets[b+1] are sequence b, of n_b tokens; num_targets [B] int or None; attn_scale None,
+    a scalar, or [T] (one factor per query token). Per sequence and head, for the first
+    min(n_b, max_seq_len) tokens (every other token gets output 0, and gradient 0):
+
+        o_i = sum_j mask_ij * silu(alpha * q_i . k_j) * s_i * v_j,   no softmax,
+
+    s_i = 1 / max_seq_len without attn_scale, else attn_scale (or attn_scale[token i]); mask is
+    `hstu_mask` on the positions within the sequence, with the full length n_b (targets, the window's
+    lift and the context's reach count from the sequence's true end even when it lies past
+    max_seq_len). Float32 accumulation (HIGHEST precision); the output has q's dtype.
+
+    This is `pytorch_hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, causal, dropout_pr=0.0,
+    num_targets=num_targets, attn_scale=attn_scale, max_attn_len=max_attn_len,
+    contextual_seq_len=contextual_seq_len, min_full_attn_seq_len=min_full_attn_seq_len)` of
+    generative-recommenders (its `hstu_mha` with kernel=PYTORCH), which likewise pads each sequence to
+    its first max_seq_len tokens, builds the mask from the full lengths, and multiplies silu by
+    attn_scale (or 1 / max_seq_len) and then by the mask. num_targets None and all zeros are the same.
+    gr's Triton kernel (`triton_hstu_mha`) is the causal case without attn_scale and
+    min_full_attn_seq_len, for lengths at most max_seq_len (past it, it is undefined); it leaves the
+    tokens of no sequence unwritten where this gives 0.
+    """
+    if layout == "HTD":
+        q, k, v = (jnp.swapaxes(x, 0, 1) for x in (q, k, v))
+    tokens = q.shape[0]
+    _, lengths = sequence_bounds(offsets, tokens)  # the full lengths: the mask counts ids from them
+    inside = jnp.arange(max_seq_len)[None] < jnp.minimum(lengths, max_seq_len)[:, None]  # [B, L]
+    qp, kp, vp = (jagged_to_padded(x.astype(jnp.float32), offsets, max_seq_len, layout="THD")
+                  for x in (q, k, v))
+    positions = jnp.arange(max_seq_len)[None]
+    keep = hstu_mask(positions, positions, lengths, num_targets, causal=causal, max_attn_len=max_attn_len,
+                     contextual_seq_len=contextual_seq_len, min_full_attn_seq_len=min_full_attn_seq_len)
+    keep &= inside[:, :, None] & inside[:, None, :]  # [B, L, L]
+    scores = jax.nn.silu(alpha * jnp.einsum("bqhd,bkhd->bhqk", qp, kp, precision=lax.Precision.HIGHEST))
+    if attn_scale is None:
+        scores = scores / max_seq_len
+    elif jnp.ndim(attn_scale) == 0:
+        scores = scores * jnp.asarray(attn_scale, jnp.float32)
+    else:  # one factor per query token
+        rows = jagged_to_padded(jnp.asarray(attn_scale, jnp.float32)[:, None], offsets, max_seq_len)
+        scores = scores * rows[:, None]  # [B, 1, L, 1]
+    scores = jnp.where(keep[:, None], scores, 0.0)
+    out = jnp.einsum("bhqk,bkhv->bqhv", scores, vp, precision=lax.Precision.HIGHEST)
+    o = padded_to_jagged(out, offsets, tokens, layout="THD").astype(q.dtype)
     return jnp.swapaxes(o, 0, 1) if layout == "HTD" else o

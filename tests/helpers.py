@@ -256,3 +256,87 @@ def assert_matches(results, expected, tol, *, attended_q=None, attended_kv=None)
 
 def fbgemm(q, k, v, offsets, max_seq_len, **kwargs):
     return jfa.multi_head_jagged_flash_attention(q, k, v, offsets, max_seq_len, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# HSTU attention: an independent float64 reference (generative-recommenders' hstu_mha), forward and
+# gradients derived by hand. It shares nothing with the package: it reads valid offsets as written and
+# builds the mask element by element.
+# ---------------------------------------------------------------------------------------------------
+
+
+def hstu_mask_np(length, targets, size, *, causal=True, max_attn_len=0, contextual_seq_len=0,
+                 min_full_attn_seq_len=0) -> np.ndarray:
+    """[size, size] bool: whether position i of a sequence of `length` tokens, whose last `targets` are
+    targets, attends position j (size <= length: the positions computed). Per generative-recommenders:
+    a position's id is its index, less contextual_seq_len - 1 (at least 0) when there is a context, and
+    at most the history's end (the first target's id) when there are targets; i sees j when i == j or
+    id(i) > id(j) (!= when not causal), within max_attn_len of ids unless id(i) is among the last
+    min_full_attn_seq_len ids before the history's end or later; and a context row (id 0) sees every
+    id before the history's end whatever the rest says."""
+    c = contextual_seq_len
+    history_end = length - targets - (c - 1 if c > 0 else 0)
+
+    def ident(pos):
+        pos = max(pos - c + 1, 0) if c > 0 else pos
+        return min(pos, history_end)  # no target: history_end = length (past every position)
+
+    mask = np.zeros((size, size), bool)
+    for i in range(size):
+        for j in range(size):
+            a, b = ident(i), ident(j)
+            d = a - b if causal else abs(a - b)
+            ok = i == j or d > 0
+            if max_attn_len > 0 and d > max_attn_len:
+                ok = ok and min_full_attn_seq_len > 0 and a >= history_end - min_full_attn_seq_len
+            if c > 0 and a == 0 and b < history_end:
+                ok = True
+            mask[i, j] = ok
+    return mask
+
+
+def hstu_reference(q, k, v, do, offsets, max_seq_len, *, alpha, causal=True, num_targets=None,
+                   max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0, attn_scale=None):
+    """(o, dq, dk, dv, d_attn_scale) in float64 of HSTU attention for token-major q, k [T, H, D],
+    v, do [T, H, V]: per sequence (its first min(n, max_seq_len) tokens; every other token gets 0) and
+    head, o_i = sum_j m_ij s_i silu(u_ij) v_j with u = alpha q_i . k_j, m = `hstu_mask_np` on the full
+    length n, s_i = 1 / max_seq_len, attn_scale (a scalar) or attn_scale[token i] ([T]).
+
+    By hand, with silu'(u) = sigmoid(u) (1 + u (1 - sigmoid(u))) and dp_ij = do_i . v_j:
+    dv_j = sum_i m_ij s_i silu(u_ij) do_i; du_ij = m_ij s_i dp_ij silu'(u_ij); dq_i = alpha sum_j du_ij k_j;
+    dk_j = alpha sum_i du_ij q_i; d s_i = sum_h sum_j m_ij silu(u_ij) dp_ij (summed over i for a scalar;
+    None without attn_scale)."""
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    o, dq, dk, dv = np.zeros_like(v), np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    d_rows = np.zeros(q.shape[0])
+    for b in range(len(offsets) - 1):
+        start, length = int(offsets[b]), int(offsets[b + 1]) - int(offsets[b])
+        size = min(length, max_seq_len)
+        if size <= 0:
+            continue
+        targets = 0 if num_targets is None else int(num_targets[b])
+        mask = hstu_mask_np(length, targets, size, causal=causal, max_attn_len=max_attn_len,
+                            contextual_seq_len=contextual_seq_len,
+                            min_full_attn_seq_len=min_full_attn_seq_len)
+        rows = slice(start, start + size)
+        if attn_scale is None:
+            s = np.full(size, 1.0 / max_seq_len)
+        elif np.ndim(attn_scale) == 0:
+            s = np.full(size, float(attn_scale))
+        else:
+            s = np.asarray(attn_scale, np.float64)[rows]
+        for h in range(q.shape[1]):
+            qh, kh, vh, doh = q[rows, h], k[rows, h], v[rows, h], do[rows, h]
+            u = alpha * qh @ kh.T
+            sig = 1.0 / (1.0 + np.exp(-u))
+            silu = u * sig
+            weights = mask * silu * s[:, None]
+            o[rows, h] = weights @ vh
+            dv[rows, h] += weights.T @ doh
+            dp = doh @ vh.T
+            du = mask * dp * sig * (1 + u * (1 - sig)) * s[:, None]
+            dq[rows, h] += alpha * du @ kh
+            dk[rows, h] += alpha * du.T @ qh
+            d_rows[rows] += (mask * silu * dp).sum(axis=1)
+    d_scale = None if attn_scale is None else (d_rows.sum() if np.ndim(attn_scale) == 0 else d_rows)
+    return o, dq, dk, dv, d_scale

@@ -1,0 +1,243 @@
+"""HSTU attention's `xla` backend: blockwise pure JAX, flash-style, forward and backward.
+
+The semantics are `reference.hstu_attention_reference`'s (generative-recommenders' `hstu_mha`): per
+sequence, o_i = s_i * sum_j mask_ij * silu(alpha * q_i . k_j) * v_j over its first max_seq_len tokens,
+mask = `reference.hstu_mask`, s_i = 1 / max_seq_len, a scalar or a per-token attn_scale.
+
+The structure is the softmax backend's (reference.py's `forward` and `backward`): the tokens of each
+sequence are cut into blocks of BLOCK rows listed in a static number of slots (ceil(T / BLOCK) + B, see
+`_Rows`); the forward and the dq pass scan over key blocks for every query block, the dk/dv pass over
+query blocks for every key block. Memory is O(T*H*D + T*H*BLOCK) whatever the lengths: nothing is padded
+to [B, L, L]. A block reads only its sequence's first max_seq_len tokens: the others are gathered as 0
+and masked with `where`, so inf or nan in tokens that no query attends never reach a result.
+
+No softmax, so no running max and no log-sum-exp: each key block's silu weights are final when computed,
+the forward just adds them up (its scan carries the accumulator alone), and the backward needs no
+residual but the inputs (q, k, v, do, attn_scale): it recomputes silu where the softmax backward reads the
+log-sum-exp, and needs no delta = rowsum(o * do) pass either, so the forward's output is not kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._compat import varying_axes
+from .._util import cdiv
+from ..jagged import sequence_bounds
+from ..reference import hstu_mask
+
+BLOCK = 64  # rows of a query or key block
+
+
+@dataclasses.dataclass(frozen=True)
+class HstuProblem:
+    """The static description of one HSTU attention call (hashable: a static argument of jit and
+    custom_vjp). Arrays are [T, H, D] ("THD") or [H, T, D] ("HTD"); v's last axis is value_dim."""
+
+    layout: str  # "THD" or "HTD"
+    num_heads: int
+    head_dim: int  # of q and k
+    value_dim: int  # of v and the output
+    batch: int  # B: offsets has B + 1 entries
+    tokens: int  # T
+    max_seq_len: int
+    alpha: float  # multiplies q . k before silu
+    causal: bool = True
+    max_attn_len: int = 0  # 0: no window
+    contextual_seq_len: int = 0
+    min_full_attn_seq_len: int = 0
+    has_targets: bool = False  # num_targets [B] is an operand
+    attn_scale: str = "none"  # "none" (1 / max_seq_len), "scalar" or "jagged" ([T], per query token)
+    input_precision: str = "ieee"  # "ieee" or "tf32"
+
+    def shape(self, dim: int) -> tuple[int, int, int]:
+        """The shape of an operand whose last axis is `dim`, in the problem's layout."""
+        return (self.tokens, self.num_heads, dim) if self.layout == "THD" else (self.num_heads, self.tokens,
+                                                                               dim)
+
+    @property
+    def empty(self) -> bool:
+        return self.tokens * self.num_heads * self.batch == 0
+
+    def mask_options(self) -> dict:
+        return dict(causal=self.causal, max_attn_len=self.max_attn_len,
+                    contextual_seq_len=self.contextual_seq_len,
+                    min_full_attn_seq_len=self.min_full_attn_seq_len)
+
+
+def _precision(p):
+    return lax.Precision.HIGHEST if p.input_precision == "ieee" else lax.Precision.DEFAULT
+
+
+def _canonical(x, p):
+    """[T, H, .] or [H, T, .] -> [T, H, .] float32."""
+    return (jnp.swapaxes(x, 0, 1) if p.layout == "HTD" else x).astype(jnp.float32)
+
+
+def _restore(x, p, dtype):
+    x = x.astype(dtype)
+    return jnp.swapaxes(x, 0, 1) if p.layout == "HTD" else x
+
+
+def _varying_like(values, reference):
+    """Scan carries start varying over the manual mesh axes (inside shard_map) that `reference` does."""
+    axes = tuple(sorted(varying_axes(reference)))
+    return jax.tree.map(lambda x: lax.pcast(x, axes, to="varying") if axes else x, values)
+
+
+class _Rows:
+    """The blocks of BLOCK rows of every sequence's first max_seq_len tokens, in ceil(T / BLOCK) + B
+    slots (enough for any lengths; unused slots are masked), as reference._Blocks; and, per slot, its
+    sequence's first token, full length n (the mask's), attended length min(n, max_seq_len) and targets."""
+
+    def __init__(self, p: HstuProblem, offsets, num_targets):
+        self.p = p
+        starts, lengths = sequence_bounds(offsets, p.tokens)
+        attended = jnp.minimum(lengths, p.max_seq_len)
+        counts = cdiv(attended, BLOCK)
+        ends = jnp.cumsum(counts)
+        slots = jnp.arange(cdiv(p.tokens, BLOCK) + p.batch)
+        valid = slots < ends[-1]
+        sequence = jnp.minimum(jnp.searchsorted(ends, slots, side="right"), p.batch - 1)
+        self.rows = ((slots - (ends - counts)[sequence]) * BLOCK)[:, None] + jnp.arange(BLOCK)  # [N, BLOCK]
+        self.start, self.length, self.attended = starts[sequence], lengths[sequence], attended[sequence]
+        self.targets = jnp.asarray(num_targets, jnp.int32)[sequence] if p.has_targets else None
+        self.tokens = self.index(self.rows, valid[:, None])
+        self.other_blocks = jnp.arange(cdiv(min(p.max_seq_len, p.tokens), BLOCK))  # what a slot scans
+
+    def index(self, rows, valid=True):
+        """[N, R] token of each row (a position in each slot's sequence); T (gathered as 0) outside."""
+        inside = valid & (rows < self.attended[:, None])
+        return jnp.where(inside, self.start[:, None] + rows, self.p.tokens)
+
+    def other(self, block):
+        """(positions [N, BLOCK], tokens [N, BLOCK]) of block `block` of each slot's sequence."""
+        rows = jnp.broadcast_to(block * BLOCK + jnp.arange(BLOCK), self.rows.shape)
+        return rows, self.index(rows)
+
+    def mask(self, query_rows, key_rows, query_tokens, key_tokens):
+        """[N, Q, 1, K]: hstu_mask, and both tokens attended."""
+        keep = hstu_mask(query_rows, key_rows, self.length, self.targets, **self.p.mask_options())
+        keep &= (query_tokens < self.p.tokens)[:, :, None] & (key_tokens < self.p.tokens)[:, None, :]
+        return keep[:, :, None, :]
+
+    def scatter(self, values, fill=0.0):
+        """[N, BLOCK, ...] of the slots' rows -> [T, ...], `fill` outside."""
+        out = jnp.full((self.p.tokens, *values.shape[2:]), fill, values.dtype)
+        return out.at[self.tokens].set(values, mode="drop")
+
+
+def _gather(x, tokens):
+    return jnp.take(x, tokens, axis=0, mode="fill", fill_value=0)
+
+
+def _row_scale(p, attn_scale, tokens):
+    """s_i of the rows `tokens` [N, R]: [N, R, 1, 1] (a scalar when it is one)."""
+    if p.attn_scale == "none":
+        return jnp.float32(1.0 / p.max_seq_len)
+    if p.attn_scale == "scalar":
+        return jnp.asarray(attn_scale, jnp.float32)
+    return _gather(jnp.asarray(attn_scale, jnp.float32), tokens)[:, :, None, None]
+
+
+def _silu_parts(p, qb, kb):
+    """(u, sigmoid(u)) of u = alpha * q . k: [N, Q, H, K]."""
+    u = p.alpha * jnp.einsum("nqhd,nkhd->nqhk", qb, kb, precision=_precision(p))
+    return u, jax.nn.sigmoid(u)
+
+
+def forward(p: HstuProblem, q, k, v, offsets, num_targets=None, attn_scale=None):
+    """o [T, H, V] (in p.layout, q's dtype): the `xla` backend's forward. num_targets [B] when
+    p.has_targets; attn_scale a scalar or [T] unless p.attn_scale == "none"."""
+    dtype = q.dtype
+    if p.empty:
+        return jnp.zeros(p.shape(p.value_dim), dtype)
+    q, k, v = (_canonical(x, p) for x in (q, k, v))
+    side = _Rows(p, offsets, num_targets)
+    qb = _gather(q, side.tokens)  # [N, Q, H, D]
+
+    def step(acc, key_block):
+        key_rows, key_tokens = side.other(key_block)
+        kb, vb = _gather(k, key_tokens), _gather(v, key_tokens)
+        u, sig = _silu_parts(p, qb, kb)
+        weights = jnp.where(side.mask(side.rows, key_rows, side.tokens, key_tokens), u * sig, 0.0)
+        return acc + jnp.einsum("nqhk,nkhv->nqhv", weights, vb, precision=_precision(p)), None
+
+    init = jnp.zeros((*side.tokens.shape, p.num_heads, p.value_dim))
+    acc, _ = lax.scan(step, _varying_like(init, qb), side.other_blocks)
+    o = acc * _row_scale(p, attn_scale, side.tokens)  # s_i is one factor per row: applied once, here
+    return _restore(side.scatter(o), p, dtype)
+
+
+def backward(p: HstuProblem, q, k, v, offsets, num_targets, attn_scale, do):
+    """(dq, dk, dv, d_attn_scale) from the inputs and the output's cotangent do: the `xla` backend's
+    backward. With u = alpha q.k, silu'(u) = sigmoid(u) (1 + u (1 - sigmoid(u))) and dp_ij = do_i . v_j:
+    dv_j = sum_i m s_i silu(u_ij) do_i, dq_i = alpha s_i sum_j m dp_ij silu'(u_ij) k_j, dk_j likewise
+    over i, and the attn_scale's gradient sum_h sum_j m silu(u_ij) dp_ij per query token (summed over
+    the tokens for a scalar; None without attn_scale)."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    if p.empty:
+        grads = (jnp.zeros(p.shape(p.head_dim), dtypes[0]), jnp.zeros(p.shape(p.head_dim), dtypes[1]),
+                 jnp.zeros(p.shape(p.value_dim), dtypes[2]))
+        return (*grads, None if p.attn_scale == "none" else jnp.zeros_like(attn_scale))
+    q, k, v, do = (_canonical(x, p) for x in (q, k, v, do))
+    side = _Rows(p, offsets, num_targets)
+    dq, d_scale = _dq(p, side, q, k, v, do, attn_scale)
+    dk, dv = _dkdv(p, side, q, k, v, do, attn_scale)
+    grads = (_restore(g, p, dtype) for g, dtype in zip((dq, dk, dv), dtypes))
+    if p.attn_scale == "none":
+        return (*grads, None)
+    d_scale = d_scale.sum() if p.attn_scale == "scalar" else d_scale
+    return (*grads, d_scale.astype(jnp.asarray(attn_scale).dtype))
+
+
+def _dq(p, side, q, k, v, do, attn_scale):
+    """dq [T, H, D] and the attn_scale's gradient per query token [T] (None without attn_scale): the
+    query blocks scan the key blocks, as the forward."""
+    qb, dob = _gather(q, side.tokens), _gather(do, side.tokens)
+    with_scale = p.attn_scale != "none"
+
+    def step(carry, key_block):
+        dq, d_scale = carry
+        key_rows, key_tokens = side.other(key_block)
+        kb, vb = _gather(k, key_tokens), _gather(v, key_tokens)
+        u, sig = _silu_parts(p, qb, kb)
+        keep = side.mask(side.rows, key_rows, side.tokens, key_tokens)
+        dp = jnp.einsum("nqhv,nkhv->nqhk", dob, vb, precision=_precision(p))
+        du = jnp.where(keep, dp * sig * (1 + u * (1 - sig)), 0.0)
+        dq = dq + jnp.einsum("nqhk,nkhd->nqhd", du, kb, precision=_precision(p))
+        if with_scale:
+            d_scale = d_scale + jnp.where(keep, u * sig * dp, 0.0).sum((-2, -1))
+        return (dq, d_scale), None
+
+    init = (jnp.zeros(qb.shape), jnp.zeros(side.tokens.shape) if with_scale else None)
+    (dq, d_scale), _ = lax.scan(step, _varying_like(init, qb), side.other_blocks)
+    dq = dq * (p.alpha * _row_scale(p, attn_scale, side.tokens))
+    return side.scatter(dq), side.scatter(d_scale) if with_scale else None
+
+
+def _dkdv(p, side, q, k, v, do, attn_scale):
+    """dk [T, H, D], dv [T, H, V]: the key blocks (the same slots) scan the query blocks."""
+    kb, vb = _gather(k, side.tokens), _gather(v, side.tokens)
+
+    def step(carry, query_block):
+        dk, dv = carry
+        query_rows, query_tokens = side.other(query_block)
+        qb, dob = _gather(q, query_tokens), _gather(do, query_tokens)
+        scale = _row_scale(p, attn_scale, query_tokens)
+        u, sig = _silu_parts(p, qb, kb)
+        keep = side.mask(query_rows, side.rows, query_tokens, side.tokens)
+        weights = jnp.where(keep, u * sig * scale, 0.0)
+        dv = dv + jnp.einsum("nqhk,nqhv->nkhv", weights, dob, precision=_precision(p))
+        dp = jnp.einsum("nqhv,nkhv->nqhk", dob, vb, precision=_precision(p))
+        du = jnp.where(keep, dp * sig * (1 + u * (1 - sig)) * scale, 0.0)
+        dk = dk + jnp.einsum("nqhk,nqhd->nkhd", du, qb, precision=_precision(p))
+        return (dk, dv), None
+
+    init = _varying_like((jnp.zeros(kb.shape), jnp.zeros(vb.shape)), kb)
+    (dk, dv), _ = lax.scan(step, init, side.other_blocks)
+    return side.scatter(p.alpha * dk), side.scatter(dv)

@@ -75,12 +75,14 @@ def _attention_bwd(problem: Problem, plan: Plan, residuals, cotangents):
 # custom_partitioning. Without tangents (first order) the rule is never called.
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _forward(problem: Problem, plan: Plan, q, k, v, q_offsets, kv_offsets, slopes):
-    return transforms.forward(problem, plan, q, k, v, q_offsets, kv_offsets, slopes)
+    return transforms.forward(transforms.SOFTMAX, problem, plan, q=q, k=k, v=v, q_offsets=q_offsets,
+                              kv_offsets=kv_offsets, slopes=slopes)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _backward(problem: Problem, plan: Plan, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse):
-    return transforms.backward(problem, plan, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse)
+    return transforms.backward(transforms.SOFTMAX, problem, plan, q=q, k=k, v=v, q_offsets=q_offsets,
+                               kv_offsets=kv_offsets, o=o, lse=lse, do=do, slopes=slopes, dlse=dlse)
 
 
 def _no_second_order(problem, plan, primals, tangents):

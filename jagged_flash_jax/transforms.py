@@ -1,24 +1,26 @@
-"""The kernel-level forward and backward, with their batching and partitioning rules.
+"""The kernel-level forward and backward of both ops, with their batching and partitioning rules.
 
-Every backend runs through `forward` and `backward` here, below the one custom_vjp of api.py:
+Every implementation runs through `forward` and `backward` here, below each op's one custom_vjp. An op
+declares its operands once, by kind (`Signature`: SOFTMAX, HSTU); the rules follow from the kinds:
 
 - `jax.custom_batching.custom_vmap` folds a vmapped axis into the problem, so that vmap costs one
   launch: into the heads for "HTD" with shared offsets (a free reshape), otherwise into the segments
-  of the token axis, each with its own row of offsets.
-- ALiBi slopes, when given, are one more operand [Z, H] (float32, a row per segment): vmap folds them
-  with the heads or the segments, and partitioning splits them as the heads and segments.
+  of the token axis, each with its own row of offsets (and of every per-sequence or per-token operand).
 - `jax.experimental.custom_partitioning` runs each device's heads, or each device's segments
   (data parallel: offsets [shards, B+1]), locally under a sharded `jax.jit`, with no collective; any
   other sharding raises an error that says what is supported.
-- Outputs are marked varying over the manual axes their inputs vary over, so that the op composes
+- The folded and the local problems are chosen for again (select.replan): an implementation runs only
+  problems it supports.
+- Outputs are marked varying over the manual axes their inputs vary over, so that the ops compose
   with `shard_map` and its default `check_vma=True`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,43 +32,99 @@ from jax.sharding import PartitionSpec as P
 from . import select
 from ._compat import varying_axes
 from .jagged import explicit_mesh
-from .problem import Problem
+from .problem import HstuProblem
 from .select import Plan
 
+# ---------------------------------------------------------------------------------------------------
+# The ops' operands, by kind
+# ---------------------------------------------------------------------------------------------------
 
-class ForwardArgs(NamedTuple):
-    """The operands of `forward`, in order (and their batched flags under vmap, their shardings)."""
-
-    q: object
-    k: object
-    v: object
-    q_offsets: object
-    kv_offsets: object
-    slopes: object = None  # ALiBi's [Z, H], only when the problem has ALiBi (Problem.alibi)
-
-
-class BackwardArgs(NamedTuple):
-    """The operands of `backward`: the forward's, its residuals o and lse, the output gradient, and the
-    log-sum-exp's gradient (None, and no operand at all, when the caller does not use it)."""
-
-    q: object
-    k: object
-    v: object
-    q_offsets: object
-    kv_offsets: object
-    o: object
-    lse: object
-    do: object
-    slopes: object = None
-    dlse: object = None
+# Kinds. Arrays laid out like q (the query side's tokens and heads) or k (the key side's): "q" and "k"
+# with the head dimension D, "o" and "v" with the value dimension. Per sequence: "offsets" and
+# "kv_offsets" [rows, B+1], "targets" [rows, B] (rows of the query side's). Per query: "stats"
+# [Z, H, T] float32; "tokens" [Z*T] (no heads). Per head: "slopes" [Z, H].
+ARRAYS = {"q": ("q", "d"), "o": ("q", "e"), "k": ("kv", "d"), "v": ("kv", "e")}
+ROWS = {"offsets": "q", "targets": "q", "kv_offsets": "kv"}
 
 
-# Operands laid out like q, k, v (tokens and heads axes), and the offsets, by name.
-_ARRAYS = ("q", "k", "v", "o", "do")
-_OFFSETS = (("q_offsets", "offsets"), ("kv_offsets", "kv_offsets"))
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    name: str
+    kind: str
+    # Present for problems where this holds (None: always); "caller": where the caller passes it.
+    when: Callable | str | None = None
+
+    def present(self, p, given: frozenset) -> bool:
+        if self.when == "caller":
+            return self.name in given
+        return self.when is None or bool(self.when(p))
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """An op's kernel-level forward and backward: their operands and results, in the implementations'
+    argument order (absent optional ones passed as None, absent results returned as None)."""
+
+    name: str
+    forward_in: tuple[Operand, ...]
+    forward_out: tuple[Operand, ...]
+    backward_in: tuple[Operand, ...]
+    backward_out: tuple[Operand, ...]
+
+
+SOFTMAX = Signature(
+    "softmax",
+    forward_in=(Operand("q", "q"), Operand("k", "k"), Operand("v", "v"), Operand("q_offsets", "offsets"),
+                Operand("kv_offsets", "kv_offsets"), Operand("slopes", "slopes", lambda p: p.alibi)),
+    forward_out=(Operand("o", "o"), Operand("lse", "stats")),
+    backward_in=(Operand("q", "q"), Operand("k", "k"), Operand("v", "v"), Operand("q_offsets", "offsets"),
+                 Operand("kv_offsets", "kv_offsets"), Operand("o", "o"), Operand("lse", "stats"),
+                 Operand("do", "o"), Operand("slopes", "slopes", lambda p: p.alibi),
+                 Operand("dlse", "stats", "caller")),
+    backward_out=(Operand("dq", "q"), Operand("dk", "k"), Operand("dv", "v")))
+
+_has_scale = lambda p: p.scale is None  # noqa: E731 (HSTU's per-token factor, an operand)
+HSTU = Signature(
+    "hstu",
+    forward_in=(Operand("q", "q"), Operand("k", "k"), Operand("v", "v"), Operand("offsets", "offsets"),
+                Operand("num_targets", "targets", lambda p: p.has_targets),
+                Operand("scale", "tokens", _has_scale)),
+    forward_out=(Operand("o", "o"),),
+    backward_in=(Operand("q", "q"), Operand("k", "k"), Operand("v", "v"), Operand("offsets", "offsets"),
+                 Operand("num_targets", "targets", lambda p: p.has_targets),
+                 Operand("scale", "tokens", _has_scale), Operand("do", "o")),
+    backward_out=(Operand("dq", "q"), Operand("dk", "k"), Operand("dv", "v"),
+                  Operand("dscale", "tokens", _has_scale)))
+
+
+def _side(p, side: str) -> tuple[int, int, int]:
+    """(heads, tokens per segment, offsets rows) of the query side ("q") or the key side ("kv")."""
+    if isinstance(p, HstuProblem):
+        return p.num_heads, p.tokens, p.offsets_rows
+    if side == "q":
+        return p.num_heads, p.q_tokens, p.q_offsets_rows
+    return p.num_kv_heads, p.kv_tokens, p.kv_offsets_rows
+
+
+def _resized(p, heads: int = 1, segments: int | None = None, rows: dict | None = None, divide: bool = False):
+    """p with its heads (query and kv) multiplied (or, `divide`, divided) by `heads`, `segments` segments
+    and the offsets rows of `rows` ({"q": n, "kv": n})."""
+    scale = (lambda n: n // heads) if divide else (lambda n: n * heads)
+    changes = dict(num_heads=scale(p.num_heads))
+    if segments is not None:
+        changes["num_segments"] = segments
+    rows = rows or {}
+    if isinstance(p, HstuProblem):
+        if "q" in rows:
+            changes["offsets_rows"] = rows["q"]
+    else:
+        changes["num_kv_heads"] = scale(p.num_kv_heads)
+        changes.update({f"{side}_offsets_rows": n for side, n in rows.items()})
+    return p.with_(**changes)
+
 
 # ---------------------------------------------------------------------------------------------------
-# Running one problem on its backend
+# Running one problem on its implementation
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -77,32 +135,36 @@ def _varying_like(outputs, inputs):
                  for out in outputs)
 
 
-def _fields(kind, p: Problem, with_dlse: bool = False) -> tuple[str, ...]:
-    """The fields of ForwardArgs or BackwardArgs that a call passes as operands, in order: ALiBi's
-    slopes only with ALiBi, and the log-sum-exp's gradient only when the caller uses it."""
-    return tuple(f for f in kind._fields if (f != "slopes" or p.alibi) and (f != "dlse" or with_dlse))
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One kernel-level call: the op's signature, the pass, and which optional operands are given (the
+    cache key of its programs, with the problem and the plan)."""
+
+    signature: Signature
+    backward: bool
+    given: frozenset = frozenset()
+
+    def inputs(self, p) -> tuple[Operand, ...]:
+        operands = self.signature.backward_in if self.backward else self.signature.forward_in
+        return tuple(o for o in operands if o.present(p, self.given))
+
+    def outputs(self, p) -> tuple[Operand, ...]:
+        operands = self.signature.backward_out if self.backward else self.signature.forward_out
+        return tuple(o for o in operands if o.present(p, self.given))
 
 
-def _operands(args, p: Problem, with_dlse: bool = False) -> tuple:
-    """ForwardArgs or BackwardArgs as the operands of a call (see `_fields`)."""
-    return tuple(getattr(args, f) for f in _fields(type(args), p, with_dlse))
-
-
-def _unpack(kind, p: Problem, operands, with_dlse: bool = False):
-    """The operands of a call (or their batched flags) as ForwardArgs or BackwardArgs."""
-    return kind(**dict(zip(_fields(kind, p, with_dlse), operands)))
-
-
-def _run_forward(p: Problem, plan: Plan, *operands):
-    args = _unpack(ForwardArgs, p, operands)
-    outputs = plan.forward.forward(p, plan.forward_config, *args)
-    return _varying_like(outputs, operands)
-
-
-def _run_backward(p: Problem, plan: Plan, *operands, with_dlse: bool = False):
-    args = _unpack(BackwardArgs, p, operands, with_dlse)
-    outputs = plan.backward.backward(p, plan.backward_config, *args)
-    return _varying_like(outputs, operands)
+def _run(call: _Call, p, plan: Plan, *operands):
+    given = dict(zip((o.name for o in call.inputs(p)), operands))
+    every = call.signature.backward_in if call.backward else call.signature.forward_in
+    args = [given.get(o.name) for o in every]
+    if call.backward:
+        results = plan.backward.backward(p, plan.backward_config, *args)
+    else:
+        results = plan.forward.forward(p, plan.forward_config, *args)
+    every_out = call.signature.backward_out if call.backward else call.signature.forward_out
+    present = {o.name for o in call.outputs(p)}
+    results = tuple(r for o, r in zip(every_out, results) if o.name in present)
+    return _varying_like(results, operands)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -116,41 +178,48 @@ def _axes(spec_entry) -> tuple[str, ...]:
     return tuple(spec_entry) if isinstance(spec_entry, tuple) else (spec_entry,)
 
 
-def _dims(p: Problem):
+def _dims(p):
     """(token dim, head dim) of q/k/v-like arrays."""
     return (0, 1) if p.layout == "THD" else (1, 0)
 
 
-def _sharding_rule(p: Problem, backward: bool, with_dlse: bool = False):
+def _sharding_rule(call: _Call, p):
     """Shardy rule: the token axis is (segments, tokens), the query heads are (kv heads, group).
 
     Factors that appear as a whole dimension somewhere (z and t in the statistics) get their size
     from there; factors of size 1 cannot be part of a compound, so they are left out.
     """
-    group = p.num_heads // p.num_kv_heads
+    heads, _, _ = _side(p, "q")
+    kv_heads, _, _ = _side(p, "kv")
+    group = heads // kv_heads
     z = p.num_segments > 1
     sizes = {}
-    q_tokens, kv_tokens = ("(z t)", "(z s)") if z else ("t", "s")
+    tokens = {"q": "(z t)" if z else "t", "kv": "(z s)" if z else "s"}
     if z:
-        sizes["s"] = p.kv_tokens
+        sizes["s"] = _side(p, "kv")[1]
     q_heads = "(g r)" if group > 1 else "g"
     if group > 1:
         sizes["r"] = group
+    head_factor = {"q": q_heads, "kv": "g"}
+    batch = {"offsets": "b", "kv_offsets": "b", "targets": "c"}
 
-    def array(tokens, heads):
-        return f"{tokens} {heads} d" if p.layout == "THD" else f"{heads} {tokens} d"
+    def factors(i: int, operand: Operand) -> str:
+        kind = operand.kind
+        if kind in ARRAYS:
+            side, dim = ARRAYS[kind]
+            parts = (tokens[side], head_factor[side], dim)
+            return " ".join(parts if p.layout == "THD" else (parts[1], parts[0], parts[2]))
+        if kind in ROWS:
+            rows = _side(p, ROWS[kind])[2]
+            return f"{'z' if rows > 1 else f'o{i}'} {batch[kind]}"
+        if kind == "stats":
+            return f"{'z' if z else 'y'} {q_heads} t"
+        if kind == "slopes":
+            return f"{'z' if z else 'y'} {q_heads}"
+        return tokens["q"]  # "tokens"
 
-    q_like, kv_like = array(q_tokens, q_heads), array(kv_tokens, "g")
-    offsets = [("z b" if rows > 1 else f"o{i} b") for i, rows in
-               enumerate((p.q_offsets_rows, p.kv_offsets_rows))]
-    stats = f"{'z' if z else 'y'} {q_heads} t"
-    slopes = [f"{'z' if z else 'y'} {q_heads}"] if p.alibi else []
-    if backward:
-        operands = [q_like, kv_like, kv_like, *offsets, q_like, stats, q_like, *slopes] + [stats] * with_dlse
-        results = [q_like, kv_like, kv_like]
-    else:
-        operands = [q_like, kv_like, kv_like, *offsets, *slopes]
-        results = [q_like, stats]
+    operands = [factors(i, o) for i, o in enumerate(call.inputs(p))]
+    results = [factors(len(operands) + i, o) for i, o in enumerate(call.outputs(p))]
     return f"{', '.join(operands)} -> {', '.join(results)}", sizes
 
 
@@ -158,16 +227,17 @@ class _Sharding:
     """How a problem is split over the mesh: its heads over `head_axes`, its segments over
     `segment_axes`. Built from the shardings XLA proposes; raises ValueError for anything else."""
 
-    def __init__(self, p: Problem, plan: Plan, mesh, arg_shapes, backward: bool):
+    def __init__(self, call: _Call, p, plan: Plan, mesh, arg_shapes):
         token_dim, head_dim = _dims(p)
-        shapes = (BackwardArgs if backward else ForwardArgs)(*arg_shapes)._asdict()
+        inputs = call.inputs(p)
+        shapes = dict(zip((o.name for o in inputs), arg_shapes))
 
         def spec(name: str, rank: int) -> tuple[tuple[str, ...], ...]:
             # A mesh axis of size 1 splits nothing: it counts as replicated.
             entries = tuple(shapes[name].sharding.spec) + (None,) * rank
             return tuple(tuple(a for a in _axes(e) if mesh.shape[a] > 1) for e in entries[:rank])
 
-        specs = {name: spec(name, 3) for name in _ARRAYS if name in shapes}
+        specs = {o.name: spec(o.name, 3) for o in inputs if o.kind in ARRAYS}
         head_axes = next((s[head_dim] for s in specs.values() if s[head_dim]), ())
         segment_axes = next((s[token_dim] for s in specs.values() if s[token_dim]), ())
         for name, axes in specs.items():
@@ -181,21 +251,28 @@ class _Sharding:
                                      f"over {target}")
         self.head_shards = math.prod(mesh.shape[a] for a in head_axes)
         self.segment_shards = math.prod(mesh.shape[a] for a in segment_axes)
-        if p.num_kv_heads % self.head_shards:
+        kv_heads = _side(p, "kv")[0]
+        if kv_heads % self.head_shards:
             raise ValueError(f"sharding the heads over {head_axes} ({self.head_shards} shards) needs the "
-                             f"number of kv heads ({p.num_kv_heads}) to be a multiple of {self.head_shards}")
+                             f"number of kv heads ({kv_heads}) to be a multiple of {self.head_shards}")
         if p.num_segments % self.segment_shards:
             raise ValueError(
                 f"q, k, v are sharded along their token axis over {segment_axes} ({self.segment_shards} "
                 f"shards), but the tokens are not split into that many independent segments: sequences "
                 f"cannot be cut between devices. Shard the heads axis, or pack each device's sequences "
                 f"with jagged_flash_jax.pack_data_parallel (offsets [devices, B+1]) and shard that")
-        for operand, name in _OFFSETS:
-            axes = spec(operand, 2)
-            rows = p.q_offsets_rows if operand == "q_offsets" else p.kv_offsets_rows
-            if axes[1] or (axes[0] and (rows == 1 or axes[0] != segment_axes)):
-                raise ValueError(f"{name} [{rows}, B+1] must be replicated, or split along its first axis "
-                                 f"exactly as the tokens of q, k, v are; got {P(*axes)}")
+        for operand in inputs:
+            if operand.kind in ROWS:
+                axes = spec(operand.name, 2)
+                rows = _side(p, ROWS[operand.kind])[2]
+                if axes[1] or (axes[0] and (rows == 1 or axes[0] != segment_axes)):
+                    raise ValueError(f"{operand.name} [{rows}, ...] must be replicated, or split along its "
+                                     f"first axis exactly as the tokens of q, k, v are; got {P(*axes)}")
+            elif operand.kind == "tokens":
+                (axes,) = spec(operand.name, 1)
+                if axes not in ((), segment_axes):
+                    raise ValueError(f"{operand.name} [tokens] must be replicated, or split as the tokens of "
+                                     f"q, k, v are; got {P(axes)}")
         if "interpret" in plan.names and self.head_shards * self.segment_shards > 1:
             # The interpreter is a Python callback, and JAX cannot call one from a partitioned
             # custom_partitioning body (https://github.com/jax-ml/jax/issues/34349): it would crash.
@@ -204,49 +281,44 @@ class _Sharding:
         self.mesh, self.head_axes, self.segment_axes = mesh, head_axes, segment_axes
         self.layout = p.layout
 
-    def sharding(self, kind: str) -> NamedSharding:
+    def sharding(self, operand: Operand, p) -> NamedSharding:
         heads = self.head_axes or None
         segments = self.segment_axes or None
-        spec = {"array": P(segments, heads, None) if self.layout == "THD" else P(heads, segments, None),
-                "offsets": P(segments, None), "shared_offsets": P(None, None),
-                "stats": P(segments, heads, None), "slopes": P(segments, heads)}[kind]
+        kind = operand.kind
+        if kind in ARRAYS:
+            spec = P(segments, heads, None) if self.layout == "THD" else P(heads, segments, None)
+        elif kind in ROWS:
+            spec = P(None, None) if _side(p, ROWS[kind])[2] == 1 else P(segments, None)
+        elif kind == "stats":
+            spec = P(segments, heads, None)
+        elif kind == "slopes":
+            spec = P(segments, heads)
+        else:  # "tokens"
+            spec = P(segments)
         return NamedSharding(self.mesh, spec)
 
-    def local(self, p: Problem) -> Problem:
+    def local(self, p):
         z = p.num_segments // self.segment_shards
-        return p.with_(num_heads=p.num_heads // self.head_shards,
-                       num_kv_heads=p.num_kv_heads // self.head_shards, num_segments=z,
-                       q_offsets_rows=1 if p.q_offsets_rows == 1 else z,
-                       kv_offsets_rows=1 if p.kv_offsets_rows == 1 else z)
-
-    def offsets_sharding(self, rows: int) -> NamedSharding:
-        return self.sharding("shared_offsets" if rows == 1 else "offsets")
+        rows = {side: 1 if _side(p, side)[2] == 1 else z for side in ("q", "kv")}
+        return _resized(p, self.head_shards, z, rows, divide=True)
 
 
-def _partitioned(p: Problem, plan: Plan, run, backward: bool, with_dlse: bool = False):
+def _partitioned(call: _Call, p, plan: Plan):
     @custom_partitioning
-    def call(*args):
-        return run(p, plan, *args)
+    def run(*args):
+        return _run(call, p, plan, *args)
 
     def partition(mesh, arg_shapes, result_shape):
-        sharding = _Sharding(p, plan, mesh, arg_shapes, backward)
-        array = sharding.sharding("array")
-        offsets = (sharding.offsets_sharding(p.q_offsets_rows), sharding.offsets_sharding(p.kv_offsets_rows))
-        arg_shardings = (array, array, array, *offsets)
-        if backward:
-            arg_shardings += (array, sharding.sharding("stats"), array)
-            result_shardings = (array, array, array)
-        else:
-            result_shardings = (array, sharding.sharding("stats"))
-        arg_shardings += (sharding.sharding("slopes"),) * p.alibi + (sharding.sharding("stats"),) * with_dlse
+        sharding = _Sharding(call, p, plan, mesh, arg_shapes)
+        arg_shardings = tuple(sharding.sharding(o, p) for o in call.inputs(p))
+        result_shardings = tuple(sharding.sharding(o, p) for o in call.outputs(p))
         local = sharding.local(p)
         # Each device's problem is chosen for again: its implementations must support it.
-        run_local = functools.partial(run, local, select.replan(plan, local))
+        run_local = functools.partial(_run, call, local, select.replan(plan, local))
         return mesh, run_local, result_shardings, arg_shardings
 
-    call.def_partition(partition=partition,
-                       sharding_rule=lambda *_: _sharding_rule(p, backward, with_dlse))
-    return call
+    run.def_partition(partition=partition, sharding_rule=lambda *_: _sharding_rule(call, p))
+    return run
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -259,59 +331,65 @@ def _broadcast(x, batched: bool, size: int):
 
 
 class _Fold:
-    """How a vmapped axis of size `size` joins the problem, and the array reshapes both ways."""
+    """How a vmapped axis of size `size` joins the problem, and each kind's reshapes both ways: into the
+    heads for "HTD" when nothing per sequence or per token is batched (a free reshape), else into the
+    segments."""
 
-    def __init__(self, p: Problem, size: int, offsets_batched: bool):
+    def __init__(self, call: _Call, p, size: int, batched: dict):
         self.p, self.size = p, size
-        self.into_heads = p.layout == "HTD" and not offsets_batched
+        # Into the heads, a per-token result would sum every vmapped element's: segments keep them apart.
+        per_row = any(batched[o.name] for o in call.inputs(p) if o.kind in ROWS or o.kind == "tokens")
+        per_row |= any(o.kind == "tokens" for o in call.outputs(p))
+        self.into_heads = p.layout == "HTD" and not per_row
         if self.into_heads:
-            self.problem = p.with_(num_heads=size * p.num_heads, num_kv_heads=size * p.num_kv_heads)
+            self.problem = _resized(p, size)
         else:
-            self.problem = p.with_(num_segments=size * p.num_segments)
+            rows = {}
+            for o in call.inputs(p):
+                if o.kind in ROWS and (batched[o.name] or _side(p, ROWS[o.kind])[2] > 1):
+                    rows[ROWS[o.kind]] = size * p.num_segments
+            self.problem = _resized(p, segments=size * p.num_segments, rows=rows)
 
-    def array(self, x, batched: bool):
-        """[V, ...] -> the folded problem's array (HTD segments need a transpose: a copy)."""
-        x = _broadcast(x, batched, self.size)
-        if self.into_heads or self.p.layout == "THD":
-            return x.reshape(-1, *x.shape[2:])
-        x = jnp.moveaxis(x, 0, 1)
-        return x.reshape(x.shape[0], -1, x.shape[-1])
+    def fold(self, operand: Operand, x, batched: bool):
+        """[V, ...] -> the folded problem's operand (HTD segments need a transpose: a copy)."""
+        kind = operand.kind
+        if kind in ARRAYS:
+            x = _broadcast(x, batched, self.size)
+            if self.into_heads or self.p.layout == "THD":
+                return x.reshape(-1, *x.shape[2:])
+            x = jnp.moveaxis(x, 0, 1)
+            return x.reshape(x.shape[0], -1, x.shape[-1])
+        if kind in ROWS:  # [V, rows, n] -> [1 or V*Z, n]
+            rows = _side(self.p, ROWS[kind])[2]
+            if self.into_heads or (not batched and rows == 1):
+                return x
+            x = _broadcast(x, batched, self.size)
+            x = jnp.broadcast_to(x, (self.size, self.p.num_segments, x.shape[-1]))
+            return x.reshape(-1, x.shape[-1])
+        if kind in ("stats", "slopes"):  # [V, Z, H, ...] -> [Z, V*H, ...] or [V*Z, H, ...]
+            x = _broadcast(x, batched, self.size)
+            x = x if kind == "stats" else x[..., None]
+            if self.into_heads:
+                x = jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[-1])
+            else:
+                x = x.reshape(-1, *x.shape[2:])
+            return x if kind == "stats" else x[..., 0]
+        if self.into_heads:  # "tokens", unbatched (see __init__)
+            return x
+        return _broadcast(x, batched, self.size).reshape(-1)
 
-    def unarray(self, x):
-        if self.into_heads or self.p.layout == "THD":
+    def unfold(self, operand: Operand, x):
+        kind = operand.kind
+        if kind in ARRAYS:
+            if self.into_heads or self.p.layout == "THD":
+                return x.reshape(self.size, -1, *x.shape[1:])
+            x = x.reshape(x.shape[0], self.size, -1, x.shape[-1])
+            return jnp.moveaxis(x, 1, 0)
+        if kind == "stats":
+            if self.into_heads:
+                return jnp.moveaxis(x.reshape(x.shape[0], self.size, -1, x.shape[-1]), 1, 0)
             return x.reshape(self.size, -1, *x.shape[1:])
-        x = x.reshape(x.shape[0], self.size, -1, x.shape[-1])
-        return jnp.moveaxis(x, 1, 0)
-
-    def offsets(self, offsets, batched: bool, rows: int):
-        """[V, rows, B+1] -> [1 or V*Z, B+1], and the new row count."""
-        if self.into_heads or (not batched and rows == 1):
-            return offsets, rows
-        offsets = _broadcast(offsets, batched, self.size)
-        offsets = jnp.broadcast_to(offsets, (self.size, self.p.num_segments, offsets.shape[-1]))
-        return offsets.reshape(-1, offsets.shape[-1]), self.problem.num_segments
-
-    def stats(self, x, batched: bool):
-        """[V, Z, H, T] -> [Z, V*H, T] (heads) or [V*Z, H, T] (segments)."""
-        x = _broadcast(x, batched, self.size)
-        if self.into_heads:
-            return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[-1])
-        return x.reshape(-1, *x.shape[2:])
-
-    def slopes(self, x, batched: bool):
-        """ALiBi's [V, Z, H] -> [Z, V*H] (heads) or [V*Z, H] (segments); None stays None."""
-        return None if x is None else self.stats(x[..., None], batched)[..., 0]
-
-    def unstats(self, x):
-        if self.into_heads:
-            return jnp.moveaxis(x.reshape(x.shape[0], self.size, -1, x.shape[-1]), 1, 0)
-        return x.reshape(self.size, -1, *x.shape[1:])
-
-    def fold_offsets(self, q_offsets, kv_offsets, q_batched, kv_batched):
-        q_offsets, q_rows = self.offsets(q_offsets, q_batched, self.p.q_offsets_rows)
-        kv_offsets, kv_rows = self.offsets(kv_offsets, kv_batched, self.p.kv_offsets_rows)
-        self.problem = self.problem.with_(q_offsets_rows=q_rows, kv_offsets_rows=kv_rows)
-        return q_offsets, kv_offsets
+        return x.reshape(self.size, -1)  # "tokens" (folded into segments, see __init__)
 
 
 # The most problems whose jitted programs are kept (each holds its compiled executables once called
@@ -320,88 +398,76 @@ PROGRAMS_KEPT = 256
 
 
 @functools.lru_cache(maxsize=PROGRAMS_KEPT)
-def _forward_fn(p: Problem, plan: Plan):
-    partitioned = _partitioned(p, plan, _run_forward, backward=False)
+def _program(call: _Call, p, plan: Plan):
+    """The jitted program of one call of one problem on its plan: vmap folds into one launch, sharded
+    jit runs each device's part."""
+    partitioned = _partitioned(call, p, plan)
 
     @custom_vmap
-    def call(*args):
+    def run(*args):
         return partitioned(*args)
 
-    @call.def_vmap
+    @run.def_vmap
     def rule(size, batched, *args):
-        args, batched = (_unpack(ForwardArgs, p, x) for x in (args, batched))
-        fold = _Fold(p, size, batched.q_offsets or batched.kv_offsets)
-        offsets = fold.fold_offsets(args.q_offsets, args.kv_offsets, batched.q_offsets, batched.kv_offsets)
-        arrays = (fold.array(getattr(args, n), getattr(batched, n)) for n in ("q", "k", "v"))
-        operands = ForwardArgs(*arrays, *offsets, fold.slopes(args.slopes, batched.slopes))
+        inputs = call.inputs(p)
+        batched = dict(zip((o.name for o in inputs), batched))
+        fold = _Fold(call, p, size, batched)
+        folded = [fold.fold(o, x, batched[o.name]) for o, x in zip(inputs, args)]
         # The folded problem is chosen for again: its implementations must support it.
-        folded = _forward_fn(fold.problem, select.replan(plan, fold.problem))
-        o, lse = folded(*_operands(operands, fold.problem))
-        return (fold.unarray(o), fold.unstats(lse)), (True, True)
-
-    return jax.jit(call)  # see `_backward_fn`
-
-
-@functools.lru_cache(maxsize=PROGRAMS_KEPT)
-def _backward_fn(p: Problem, plan: Plan, with_dlse: bool):
-    partitioned = _partitioned(p, plan, functools.partial(_run_backward, with_dlse=with_dlse), backward=True,
-                               with_dlse=with_dlse)
-
-    @custom_vmap
-    def call(*args):  # BackwardArgs, without the absent ones (see `_fields`)
-        return partitioned(*args)
-
-    @call.def_vmap
-    def rule(size, batched, *args):
-        args, batched = (_unpack(BackwardArgs, p, x, with_dlse) for x in (args, batched))
-        fold = _Fold(p, size, batched.q_offsets or batched.kv_offsets)
-        offsets = fold.fold_offsets(args.q_offsets, args.kv_offsets, batched.q_offsets, batched.kv_offsets)
-        arrays = [fold.array(getattr(args, n), getattr(batched, n)) for n in ("q", "k", "v")]
-        o, do = fold.array(args.o, batched.o), fold.array(args.do, batched.do)
-        operands = BackwardArgs(*arrays, *offsets, o, fold.stats(args.lse, batched.lse), do,
-                                fold.slopes(args.slopes, batched.slopes),
-                                fold.stats(args.dlse, batched.dlse) if with_dlse else None)
-        grads = _backward_fn(fold.problem, select.replan(plan, fold.problem), with_dlse)(
-            *_operands(operands, fold.problem, with_dlse))
-        return tuple(fold.unarray(g) for g in grads), (True, True, True)
+        results = _program(call, fold.problem, select.replan(plan, fold.problem))(*folded)
+        outputs = call.outputs(p)
+        return tuple(fold.unfold(o, r) for o, r in zip(outputs, results)), (True,) * len(outputs)
 
     # Jitted, one function per problem (this cache): called eagerly, the ops would run one by one, and
-    # the xla backend's lax.scan would be compiled again at every call (its body is a new closure).
-    return jax.jit(call)
+    # the xla implementation's lax.scan would be compiled again at every call (its body is a new closure).
+    return jax.jit(run)
 
 
 def clear_programs() -> None:
-    """Forget the per-problem programs (`_forward_fn`, `_backward_fn`): the next call of each problem is
-    traced again. For tests and probes that change what a trace reads (a plan rule, a tile table)."""
-    _forward_fn.cache_clear()
-    _backward_fn.cache_clear()
+    """Forget the per-problem programs: the next call of each problem is traced again. For tests and
+    probes that change what a trace reads (a tile table, say)."""
+    _program.cache_clear()
 
 
-def _with_auto_axes(p: Problem, plan: Plan, fn, args, result_types, backward: bool):
+def _with_auto_axes(call: _Call, p, plan: Plan, fn, args):
     """Run `fn` with explicit mesh axes turned into auto ones (custom_partitioning works with those),
-    checking the shardings at trace time, and give results the shardings of `result_types`."""
+    checking the shardings at trace time, and give results the shardings of their kind."""
     mesh = explicit_mesh(args[0])
     if mesh is None:
         return fn(*args)
-    sharding = _Sharding(p, plan, mesh, [jax.typeof(x) for x in args], backward)
-    out = tuple(sharding.sharding("stats") if kind == "stats" else jax.typeof(like).sharding
-                for kind, like in result_types)
+    sharding = _Sharding(call, p, plan, mesh, [jax.typeof(x) for x in args])
+    # An array result takes the (explicit) sharding of the first input of its kind (dq q's, dk k's), or of
+    # q or k (the forward's o).
+    typed = {o.kind: jax.typeof(x).sharding for o, x in reversed(tuple(zip(call.inputs(p), args)))}
+
+    def result(o: Operand):
+        if o.kind not in ARRAYS:
+            return sharding.sharding(o, p)
+        return typed.get(o.kind) or typed["q" if ARRAYS[o.kind][0] == "q" else "k"]
+
+    out = tuple(result(o) for o in call.outputs(p))
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.sharding.auto_axes(fn, out_sharding=out)(*args)
 
 
-def forward(p: Problem, plan: Plan, q, k, v, q_offsets, kv_offsets, slopes=None):
-    """o and the float32 log-sum-exp [Z, H, T_q] (the kernels' convention, every implementation's), by
-    the plan's forward. slopes: ALiBi's [Z, H] float32 when p.alibi, else None."""
-    args = _operands(ForwardArgs(q, k, v, q_offsets, kv_offsets, slopes), p)
-    return _with_auto_axes(p, plan, _forward_fn(p, plan), args, (("array", q), ("stats", None)),
-                           backward=False)
+def _apply(signature: Signature, backward: bool, p, plan: Plan, operands: dict) -> tuple:
+    given = frozenset(name for name, x in operands.items() if x is not None)
+    call = _Call(signature, backward, given)
+    args = tuple(operands[o.name] for o in call.inputs(p))
+    results = iter(_with_auto_axes(call, p, plan, _program(call, p, plan), args))
+    every = signature.backward_out if backward else signature.forward_out
+    return tuple(next(results) if o.present(p, given) else None for o in every)
 
 
-def backward(p: Problem, plan: Plan, q, k, v, q_offsets, kv_offsets, o, lse, do, slopes=None, dlse=None):
-    """dq, dk, dv from the residuals of `forward` (none for the slopes), the output gradient and, unless
-    None, the gradient of the log-sum-exp residual ([Z, H, T_q] float32, in its units)."""
-    with_dlse = dlse is not None
-    args = _operands(BackwardArgs(q, k, v, q_offsets, kv_offsets, o, lse, do, slopes, dlse), p, with_dlse)
-    return _with_auto_axes(p, plan, _backward_fn(p, plan, with_dlse), args,
-                           (("array", q), ("array", k), ("array", v)), backward=True)
+def forward(signature: Signature, p, plan: Plan, **operands) -> tuple:
+    """The op's kernel-level forward on the plan's implementation: its results in the signature's order
+    (None for an absent one). The softmax op's: o and the float32 log-sum-exp [Z, H, T_q] (in units of
+    the unscaled scores, +inf without keys); HSTU's: o."""
+    return _apply(signature, False, p, plan, operands)
+
+
+def backward(signature: Signature, p, plan: Plan, **operands) -> tuple:
+    """The op's kernel-level backward on the plan's implementation: the gradients of its inputs in the
+    signature's order (None for an absent one). An optional operand given as None is absent (the
+    softmax op's dlse where the caller's loss does not read the log-sum-exp)."""
+    return _apply(signature, True, p, plan, operands)

@@ -1,7 +1,9 @@
-"""Jagged (variable-length) multi-head flash attention for JAX, with Triton kernels."""
+"""Jagged (variable-length) attention for JAX, with Triton kernels: softmax attention (standard and
+FBGEMM's) and HSTU attention."""
 
 from .api import jagged_attention, merge_attention, multi_head_jagged_flash_attention
 from .configs import BlockSizes, KernelConfig
+from .hstu import hstu_attention
 from .jagged import (
     DataParallelBatch,
     check_offsets,
@@ -10,13 +12,15 @@ from .jagged import (
     pack_data_parallel,
     padded_to_jagged,
 )
-from .reference import jagged_attention_reference
+from .reference import hstu_attention_reference, jagged_attention_reference
 
 __all__ = [
     "BlockSizes",
     "DataParallelBatch",
     "KernelConfig",
     "check_offsets",
+    "hstu_attention",
+    "hstu_attention_reference",
     "jagged_attention",
     "jagged_attention_reference",
     "jagged_to_padded",

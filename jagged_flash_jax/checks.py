@@ -14,7 +14,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from .jagged import order_error
-from .problem import Problem
+from .problem import HstuProblem, Problem
 
 LAYOUTS = ("THD", "HTD")
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -243,3 +243,96 @@ def attention_problem(q, k, v, offsets, kv_offsets, *, max_seq_len, kv_max_seq_l
         kv_offsets_rows=rows, max_seq_len=max_seq_len, kv_max_seq_len=kv_max_seq_len, causal=causal,
         scale=scale, out_scale=out_scale, dtype=jnp.dtype(q.dtype).name,
         input_precision="tf32" if allow_tf32 else "ieee", window=window, softcap=softcap, alibi=alibi)
+
+
+def _static_nonnegative_int(value, name: str) -> int:
+    return static_int(value, name, minimum=0)
+
+
+def as_num_targets(num_targets, offsets):
+    """num_targets [B] (or [shards, B], as offsets [shards, B+1]) as int32, or None; concrete ones must
+    lie in [0, each sequence's length]."""
+    if num_targets is None:
+        return None
+    if not hasattr(num_targets, "dtype"):
+        if not isinstance(num_targets, (list, tuple)):
+            raise TypeError(f"num_targets must be an integer array [B] or None, got "
+                            f"{type(num_targets).__name__}")
+        num_targets = np.asarray(num_targets)
+    if not jnp.issubdtype(num_targets.dtype, jnp.integer) or num_targets.dtype == bool:
+        raise TypeError(f"num_targets must be an integer array [B], got dtype {num_targets.dtype}")
+    expected = offsets.shape[:-1] + (offsets.shape[-1] - 1,)
+    if num_targets.shape != expected:
+        raise ValueError(f"num_targets must have one entry per sequence, shape {expected} (offsets' "
+                         f"{offsets.shape} less one), got {num_targets.shape}")
+    if not isinstance(num_targets, jax.core.Tracer) and not isinstance(offsets, jax.core.Tracer):
+        targets, lengths = np.asarray(num_targets), np.diff(np.asarray(offsets), axis=-1)
+        bad = np.argwhere((targets < 0) | (targets > lengths))
+        if bad.size:
+            at = tuple(int(i) for i in bad[0])
+            raise ValueError(f"num_targets must lie in [0, the sequence's length]: num_targets{list(at)} = "
+                             f"{int(targets[at])} for a sequence of {int(lengths[at])} tokens")
+    return jnp.asarray(num_targets, jnp.int32)
+
+
+def hstu_problem(q, k, v, offsets, num_targets, *, max_seq_len, alpha, causal, max_attn_len,
+                 contextual_seq_len, min_full_attn_seq_len, scale, layout, allow_tf32, validate: bool,
+                 dtypes=DTYPES):
+    """The HstuProblem of checked arguments (offsets as `as_offsets`, num_targets as `as_num_targets`
+    give them; `scale` the constant s_i, or None for a per-token operand)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_array(x, name, layout)
+    check_dtype(q, "q", dtypes)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {q.shape}, got {k.shape}")
+    tokens, heads, dim = split(q.shape, layout)
+    v_tokens, v_heads, value_dim = split(v.shape, layout)
+    if (v_tokens, v_heads) != (tokens, heads):
+        raise ValueError(f"v must have q's tokens and heads ({tokens}, {heads}) in layout {layout!r}, got "
+                         f"shape {v.shape}")
+    alpha = _static_float(alpha, "alpha", "")
+    if not math.isfinite(alpha):
+        raise ValueError(f"alpha must be finite, got {alpha}")
+    rows = offsets.shape[0] if offsets.ndim == 2 else 1
+    if tokens % rows:
+        raise ValueError(f"offsets [{rows}, B+1] splits the token axis into {rows} equal shards, but q has "
+                         f"{tokens} tokens")
+    check_offsets_content(offsets, "offsets", tokens // rows, layout, validate)
+    if validate and num_targets is not None and isinstance(num_targets, jax.core.Tracer):
+        checkify.check(jnp.all(num_targets >= 0), "num_targets must be >= 0")
+        checkify.check(jnp.all(num_targets <= jnp.diff(offsets, axis=-1)),
+                       "num_targets must be at most each sequence's length")
+    return HstuProblem(
+        layout=layout, num_heads=heads, head_dim=dim, value_dim=value_dim, batch=offsets.shape[-1] - 1,
+        num_segments=rows, tokens=tokens // rows, offsets_rows=rows, max_seq_len=max_seq_len, alpha=alpha,
+        scale=scale, causal=static_bool(causal, "causal"),
+        max_attn_len=_static_nonnegative_int(max_attn_len, "max_attn_len"),
+        contextual_seq_len=_static_nonnegative_int(contextual_seq_len, "contextual_seq_len"),
+        min_full_attn_seq_len=_static_nonnegative_int(min_full_attn_seq_len, "min_full_attn_seq_len"),
+        has_targets=num_targets is not None, dtype=jnp.dtype(q.dtype).name,
+        input_precision="tf32" if allow_tf32 else "ieee")
+
+
+def hstu_scale(attn_scale, max_seq_len: int, tokens: int):
+    """(the constant s_i or None, the per-token operand [tokens] float32 or None) of attn_scale: None is
+    1 / max_seq_len, a Python float a constant, an array (a scalar, or one factor per token [T]) the
+    operand (a scalar broadcast: its gradient is the operand's, summed)."""
+    if attn_scale is None:
+        return 1.0 / max_seq_len, None
+    if isinstance(attn_scale, (int, float, np.floating, np.integer)) and not isinstance(attn_scale, bool):
+        scale = float(attn_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"attn_scale must be finite, got {scale}")
+        return scale, None
+    if not hasattr(attn_scale, "dtype") or not jnp.issubdtype(attn_scale.dtype, jnp.floating):
+        raise TypeError(f"attn_scale must be None, a float, or a float array (a scalar or [T]), got "
+                        f"{type(attn_scale).__name__}")
+    if attn_scale.shape not in ((), (tokens,)):
+        raise ValueError(f"attn_scale must be a scalar or one factor per token [T] = ({tokens},), got shape "
+                         f"{attn_scale.shape}")
+    return None, jnp.broadcast_to(jnp.asarray(attn_scale, jnp.float32), (tokens,))

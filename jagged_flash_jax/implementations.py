@@ -31,6 +31,7 @@ from .configs import (
 from .launch import calls
 from .launch.calls import HopperConfig, PortableConfig
 from .problem import Problem
+from .xla import hstu as xla_hstu
 from .xla import softmax as xla_softmax
 
 # The byte alignment TMA needs of every stride but the innermost.
@@ -264,3 +265,24 @@ PORTABLE = Portable()
 INTERPRET = Portable("interpret", "interpret")
 HOPPER = Hopper()
 IMPLEMENTATIONS = {impl.name: impl for impl in (HOPPER, PORTABLE, INTERPRET, XLA)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# HSTU attention's (problem.HstuProblem): forward(p, config, q, k, v, offsets, num_targets, scale) ->
+# (o,), backward(..., do) -> (dq, dk, dv, dscale)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HstuXla(Implementation):
+    name: str = "xla"
+
+    def forward(self, p, config, q, k, v, offsets, num_targets, scale):
+        return (xla_hstu.forward(p, q, k, v, offsets, num_targets, scale),)
+
+    def backward(self, p, config, q, k, v, offsets, num_targets, scale, do):
+        return xla_hstu.backward(p, q, k, v, offsets, num_targets, scale, do)
+
+
+HSTU_XLA = HstuXla()
+HSTU_IMPLEMENTATIONS = {impl.name: impl for impl in (HSTU_XLA,)}

@@ -163,6 +163,21 @@ def hstu_attention_reference(q, k, v, offsets, max_seq_len: int, *, alpha: float
     min_full_attn_seq_len, for lengths at most max_seq_len (past it, it is undefined); it leaves the
     tokens of no sequence unwritten where this gives 0.
     """
+    # Checked as hstu_attention checks its arguments (checks.py), float64 accepted.
+    max_seq_len = checks.static_int(max_seq_len, "max_seq_len")
+    offsets = checks.as_offsets(offsets, "offsets")
+    if offsets.ndim != 1:
+        raise ValueError(f"offsets must be [B+1] here (no data-parallel shards), got shape {offsets.shape}")
+    num_targets = checks.as_num_targets(num_targets, offsets)
+    checks.check_array(q, "q", layout if layout in checks.LAYOUTS else "THD")
+    checks.hstu_scale(attn_scale, max_seq_len, checks.split(q.shape, layout if layout in checks.LAYOUTS
+                                                            else "THD")[0])
+    problem = checks.hstu_problem(
+        q, k, v, offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha, causal=causal,
+        max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len,
+        min_full_attn_seq_len=min_full_attn_seq_len, scale=None, layout=layout, allow_tf32=False,
+        validate=False, dtypes=(*checks.DTYPES, jnp.float64))
+    alpha = problem.alpha
     if layout == "HTD":
         q, k, v = (jnp.swapaxes(x, 0, 1) for x in (q, k, v))
     tokens = q.shape[0]

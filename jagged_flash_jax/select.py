@@ -126,24 +126,25 @@ def _warn_fallback(reason: str) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _implementations(value, argument: str) -> tuple[Implementation, ...]:
-    """Implementations by name (IMPLEMENTATIONS) or as values, one or a sequence to fall through."""
+def _implementations(value, argument: str, registry: dict) -> tuple[Implementation, ...]:
+    """Implementations by name (in the op's `registry`) or as values, one or a sequence to fall through."""
     one = isinstance(value, (str, Implementation))
     values = (value,) if one else tuple(value) if isinstance(value, Sequence) else ()
-    found = tuple(IMPLEMENTATIONS.get(v) if isinstance(v, str) else v for v in values)
+    found = tuple(registry.get(v) if isinstance(v, str) else v for v in values)
     if not found or not all(isinstance(v, Implementation) for v in found):
-        raise ValueError(f"{argument} must be one of {tuple(IMPLEMENTATIONS)} (or an Implementation), or a "
+        raise ValueError(f"{argument} must be one of {tuple(registry)} (or an Implementation), or a "
                          f"sequence of them to fall through, got {value!r}")
     return found
 
 
 def request(backend: str = "auto", implementation=None, backward_implementation=None,
-            block_sizes: BlockSizes | None = None) -> Request:
+            block_sizes: BlockSizes | None = None, registry: dict = IMPLEMENTATIONS) -> Request:
     """The request of a call's arguments and of the environment: `implementation` (and
     `backward_implementation`) as given, else `backend`'s candidates, which $JAGGED_FLASH_JAX_FORWARD
     and $JAGGED_FLASH_JAX_BACKWARD narrow ("portable": no Hopper kernels; "hopper": the Hopper kernels
     wherever they can run). backend="auto" is "triton" on a GPU where jax-triton works, else "xla" (on a
-    GPU, with a warning that says why), falling through to "xla" for what no kernel supports."""
+    GPU, with a warning that says why), falling through to "xla" for what no kernel supports. `registry`:
+    the op's implementations by name (implementations.py: IMPLEMENTATIONS, HSTU_IMPLEMENTATIONS)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if implementation is not None and backend != "auto":
@@ -155,23 +156,25 @@ def request(backend: str = "auto", implementation=None, backward_implementation=
         raise TypeError(f"block_sizes needs a KernelConfig for each of fwd, dkdv and dq, got {block_sizes}")
     table_path = os.environ.get(TUNED_CONFIGS_ENV) or None
     if implementation is not None:
-        forward = _implementations(implementation, "implementation")
-        backward = forward if backward_implementation is None else _implementations(backward_implementation,
-                                                                                   "backward_implementation")
+        forward = _implementations(implementation, "implementation", registry)
+        backward = forward if backward_implementation is None else _implementations(
+            backward_implementation, "backward_implementation", registry)
         return Request(forward, backward, False, False, block_sizes, table_path)
     if backend == "auto" and not _kernels_run_here():
         backend = "xla"
     if backend == "triton":
         _check_triton_runs()
-    candidates = tuple(IMPLEMENTATIONS[name] for name in _BACKEND_CANDIDATES[backend])
+    candidates = tuple(registry[name] for name in _BACKEND_CANDIDATES[backend] if name in registry)
+    if not candidates:
+        raise ValueError(f"backend={backend!r} has no implementation of this op; it has {tuple(registry)}")
     passes = []
     for env in (FORWARD_ENV, BACKWARD_ENV):
-        choice = _kernel_choice(env) if IMPLEMENTATIONS["hopper"] in candidates else "auto"
+        choice = _kernel_choice(env) if any(c.name == "hopper" for c in candidates) else "auto"
         kept = tuple(c for c in candidates if c.name != "hopper") if choice == "portable" else candidates
         passes.append((kept, choice == "auto"))
     (forward, prefer_forward), (backward, prefer_backward) = passes
     if backward_implementation is not None:
-        backward = _implementations(backward_implementation, "backward_implementation")
+        backward = _implementations(backward_implementation, "backward_implementation", registry)
         prefer_backward = False
     return Request(forward, backward, prefer_forward, prefer_backward, block_sizes, table_path)
 

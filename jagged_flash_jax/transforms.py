@@ -94,7 +94,7 @@ HSTU = Signature(
                  Operand("num_targets", "targets", lambda p: p.has_targets),
                  Operand("scale", "tokens", _has_scale), Operand("do", "o")),
     backward_out=(Operand("dq", "q"), Operand("dk", "k"), Operand("dv", "v"),
-                  Operand("dscale", "tokens", _has_scale)))
+                  Operand("dscale", "stats", _has_scale)))  # per head: summed over them by the op
 
 
 def _side(p, side: str) -> tuple[int, int, int]:
@@ -220,6 +220,8 @@ def _sharding_rule(call: _Call, p):
 
     operands = [factors(i, o) for i, o in enumerate(call.inputs(p))]
     results = [factors(len(operands) + i, o) for i, o in enumerate(call.outputs(p))]
+    if z and not any(o.kind == "stats" for o in call.inputs(p) + call.outputs(p)):
+        sizes["t"] = _side(p, "q")[1]  # no statistic gives it as a whole dimension
     return f"{', '.join(operands)} -> {', '.join(results)}", sizes
 
 

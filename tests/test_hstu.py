@@ -20,8 +20,8 @@ from helpers import attended_mask, hstu_mask_np, hstu_reference, relative_error
 from hypothesis import given
 from hypothesis import strategies as st
 
+from jagged_flash_jax import hstu_attention
 from jagged_flash_jax.reference import hstu_attention_reference, hstu_mask
-from jagged_flash_jax.xla import hstu as xla_hstu
 
 # ---------------------------------------------------------------------------------------------------
 # The anchors: masks worked by hand (rows are queries, columns keys; positions within the sequence)
@@ -123,37 +123,30 @@ class HstuBatch:
         return "none" if self.attn_scale is None else "scalar" if np.ndim(self.attn_scale) == 0 else "jagged"
 
 
-def problem(b: HstuBatch, layout, max_seq_len, alpha, causal=True, **options) -> xla_hstu.HstuProblem:
-    tokens, heads, dim = b.q.shape
-    return xla_hstu.HstuProblem(layout=layout, num_heads=heads, head_dim=dim, value_dim=b.v.shape[-1],
-                                batch=len(b.offsets) - 1, tokens=tokens, max_seq_len=max_seq_len,
-                                alpha=alpha, causal=causal, has_targets=b.num_targets is not None,
-                                attn_scale=b.scale_kind, **options)
-
-
 @functools.cache
-def _program(impl, layout, max_seq_len, alpha, p, options):
+def _program(impl, layout, max_seq_len, alpha, options):
     """One jitted forward and backward, kept for the runs of the same problem (a clean and a poisoned
-    one compile once)."""
+    one compile once): JAX's vjp of the dense reference ("reference") or of hstu_attention on the
+    backend `impl`."""
     options = dict(options)
     if impl == "reference":
-        def forward_backward(q, k, v, scale, do, offsets, targets):
-            o, vjp = jax.vjp(lambda q, k, v, scale: hstu_attention_reference(
-                q, k, v, offsets, max_seq_len, alpha=alpha, num_targets=targets, attn_scale=scale,
-                layout=layout, **options), q, k, v, scale)
-            return o, *vjp(do)
+        op = functools.partial(hstu_attention_reference, **options)
     else:
-        def forward_backward(q, k, v, scale, do, offsets, targets):
-            o = xla_hstu.forward(p, q, k, v, offsets, targets, scale)
-            return o, *xla_hstu.backward(p, q, k, v, offsets, targets, scale, do)
+        op = functools.partial(hstu_attention, backend=impl, allow_tf32=False, **options)
+
+    def forward_backward(q, k, v, scale, do, offsets, targets):
+        o, vjp = jax.vjp(lambda q, k, v, scale: op(q, k, v, offsets, max_seq_len, alpha=alpha,
+                                                    num_targets=targets, attn_scale=scale, layout=layout),
+                         q, k, v, scale)
+        return o, *vjp(do)
 
     return jax.jit(forward_backward)
 
 
 def run(impl, b: HstuBatch, *, max_seq_len, alpha, dtype=jnp.float32, layout="THD", poison=False, **options):
     """(q, k, v, do as rounded to dtype, then o, dq, dk, dv, d_attn_scale), float64 token-major, of one
-    jitted forward and backward of `impl` ("reference": JAX's vjp of the dense reference; "xla": the
-    backend's forward and backward). `poison`: every token no query attends holds nan in q, k, do and a
+    jitted forward and backward of `impl` ("reference": JAX's vjp of the dense reference; a backend's
+    name: hstu_attention's). `poison`: every token no query attends holds nan in q, k, do and a
     jagged attn_scale, and inf in v."""
     arrays = [b.q, b.k, b.v, b.do]
     scale = b.attn_scale
@@ -167,8 +160,7 @@ def run(impl, b: HstuBatch, *, max_seq_len, alpha, dtype=jnp.float32, layout="TH
     scale = None if scale is None else jnp.asarray(scale, jnp.float32)
     offsets = jnp.asarray(b.offsets, jnp.int32)
     targets = None if b.num_targets is None else jnp.asarray(b.num_targets, jnp.int32)
-    p = problem(b, layout, max_seq_len, alpha, **options) if impl == "xla" else None
-    program = _program(impl, layout, max_seq_len, alpha, p, tuple(sorted(options.items())))
+    program = _program(impl, layout, max_seq_len, alpha, tuple(sorted(options.items())))
     o, dq, dk, dv, d_scale = program(q, k, v, scale, do, offsets, targets)
     assert o.dtype == q.dtype and o.shape == v.shape
 
@@ -355,18 +347,20 @@ def test_reference_forward_mode():
                                          for t, g in zip(tangents, expected[1:]))
 
 
-def test_xla_backend_under_vmap():
+@pytest.mark.parametrize("backend", ["xla"])
+def test_vmap_folds_batches(backend):
     """jax.vmap over two batches of the same shapes (their own offsets, targets and attn_scale) gives
-    each batch's own results, forward and backward."""
+    each batch's own results, forward and backward (the vmapped axis folded into segments)."""
     options = dict(CASES["all"])
     del options["targets"]
     one = HstuBatch.make([5, 130, 0, 3], targets=[1, 40, 0, 3], attn_scale="jagged", extra=2, seed=1)
     two = HstuBatch.make([70, 1, 60, 7], targets=[9, 0, 60, 2], attn_scale="jagged", extra=2, seed=2)
-    p = problem(one, "THD", MAX_SEQ_LEN, ALPHA, **options)
 
     def forward_backward(q, k, v, do, offsets, targets, scale):
-        o = xla_hstu.forward(p, q, k, v, offsets, targets, scale)
-        return o, *xla_hstu.backward(p, q, k, v, offsets, targets, scale, do)
+        o, vjp = jax.vjp(lambda q, k, v, scale: hstu_attention(
+            q, k, v, offsets, MAX_SEQ_LEN, alpha=ALPHA, num_targets=targets, attn_scale=scale,
+            backend=backend, allow_tf32=False, **options), q, k, v, scale)
+        return o, *vjp(do)
 
     def arrays(b):
         return [jnp.asarray(x, jnp.float32) for x in (b.q, b.k, b.v, b.do)] + [
@@ -423,3 +417,151 @@ def test_padded_baseline_matches_reference():
     expected = hstu_reference(q, k, v, do, np.asarray(offsets), num_targets=np.asarray(targets), **options)
     for name, g, e in zip(("o", "dq", "dk", "dv"), (o, *got), expected):
         assert relative_error(g, e) <= 1e-5, name
+
+
+# ---------------------------------------------------------------------------------------------------
+# The op: its errors, and sharding (4 CPU devices, tests/conftest.py)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _small():
+    b = HstuBatch.make([5, 12, 0, 7], heads=4, targets=[1, 3, 0, 2], attn_scale="jagged", seed=9)
+    q, k, v, do = (jnp.asarray(x, jnp.float32) for x in (b.q, b.k, b.v, b.do))
+    return b, q, k, v, do, jnp.asarray(b.offsets, jnp.int32), jnp.asarray(b.num_targets, jnp.int32)
+
+
+def bad_calls():
+    _, q, k, v, _, offsets, targets = _small()
+    op = functools.partial(hstu_attention, max_seq_len=16, alpha=ALPHA)
+    return {
+        "rank": (lambda: op(q[None], k, v, offsets), ValueError, r"q must have rank 3 \[T, H, D\]"),
+        "k shape": (lambda: op(q, k[:, :2], v, offsets), ValueError, "k must have the shape of q"),
+        "v heads": (lambda: op(q, k, v[:, :2], offsets), ValueError, r"v must have q's tokens and heads"),
+        "dtype": (lambda: op(q, k, v.astype(jnp.bfloat16), offsets), TypeError, "v must have the dtype of q"),
+        "float64": (lambda: op(*(np.asarray(x, np.float64) for x in (q, k, v)), offsets), TypeError,
+                    r"cast it, e.g. q.astype\(jnp.float32\)"),
+        "alpha": (lambda: op(q, k, v, offsets, alpha=float("nan")), ValueError, "alpha must be finite"),
+        "alpha traced": (lambda: jax.jit(lambda a: op(q, k, v, offsets, alpha=a))(0.5), TypeError,
+                         "alpha must be a static Python float"),
+        "max_attn_len": (lambda: op(q, k, v, offsets, max_attn_len=-1), ValueError,
+                         "max_attn_len must be >= 0"),
+        "targets shape": (lambda: op(q, k, v, offsets, num_targets=targets[:2]), ValueError,
+                          r"num_targets must have one entry per sequence, shape \(4,\)"),
+        "targets past length": (lambda: op(q, k, v, offsets, num_targets=jnp.asarray([1, 13, 0, 2])),
+                                ValueError, r"num_targets\[1\] = 13 for a sequence of 12 tokens"),
+        "targets float": (lambda: op(q, k, v, offsets, num_targets=jnp.ones(4)), TypeError,
+                          "num_targets must be an integer array"),
+        "attn_scale shape": (lambda: op(q, k, v, offsets, attn_scale=jnp.ones(3)), ValueError,
+                             r"attn_scale must be a scalar or one factor per token \[T\]"),
+        "offsets past T": (lambda: op(q, k, v, [0, 5, 40]), ValueError, r"offsets\[-1\] = 40 is past"),
+        "triton on the CPU": (lambda: op(q, k, v, offsets, backend="triton"), ValueError,
+                              "backend='triton' needs a GPU"),
+        "implementation": (lambda: op(q, k, v, offsets, implementation="hopper"), ValueError,
+                           r"implementation must be one of \('xla'"),
+    }
+
+
+BAD = bad_calls()
+
+
+@pytest.mark.parametrize("name", BAD, ids=str)
+def test_bad_input_raises(name):
+    call, error, match = BAD[name]
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_reference_checks_as_the_op():
+    _, q, k, v, _, offsets, targets = _small()
+    with pytest.raises(ValueError, match=r"num_targets\[1\] = 13"):
+        hstu_attention_reference(q, k, v, offsets, 16, alpha=ALPHA, num_targets=jnp.asarray([1, 13, 0, 2]))
+    with pytest.raises(ValueError, match="v must have q's tokens and heads"):
+        hstu_attention_reference(q, k, v[:, :2], offsets, 16, alpha=ALPHA)
+
+
+def test_forward_mode_says_to_use_the_reference():
+    _, q, k, v, _, offsets, _ = _small()
+    with pytest.raises(TypeError, match="hstu_attention_reference"):
+        jax.jvp(lambda q: hstu_attention(q, k, v, offsets, 16, alpha=ALPHA), (q,), (q,))
+
+
+def _mesh(shape=(2, 2)):
+    return jax.make_mesh(shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def test_heads_sharded_jit_and_shard_map():
+    """Heads split over "model": a sharded jit (no collective in the program) and shard_map with
+    check_vma give one device's loss and gradients (the per-token scale's too)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    b, q, k, v, do, offsets, targets = _small()
+    scale = jnp.asarray(b.attn_scale, jnp.float32)
+
+    def loss(q, k, v, scale):
+        o = hstu_attention(q, k, v, offsets, 16, alpha=ALPHA, num_targets=targets, attn_scale=scale,
+                           backend="xla", allow_tf32=False)
+        return jnp.sum(o * do)
+
+    step = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))
+    want = step(q, k, v, scale)
+    m = _mesh()
+    heads = NamedSharding(m, P(None, "model", None))
+    args = [jax.device_put(x, heads) for x in (q, k, v)] + [scale]
+    compiled = step.lower(*args).compile()
+    got = compiled(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert relative_error(np.asarray(g), np.asarray(w), np.linalg.norm(np.asarray(w)) or 1) < 1e-5
+    assert not any(op in compiled.as_text() for op in ("all-gather", "all-to-all", "collective-permute"))
+    local = jax.shard_map(lambda q, k, v, s: hstu_attention(q, k, v, offsets, 16, alpha=ALPHA,
+                                                            num_targets=targets, attn_scale=s, backend="xla",
+                                                            allow_tf32=False),
+                          mesh=m, in_specs=(P(None, "model", None),) * 3 + (P(),),
+                          out_specs=P(None, "model", None))
+    got = jax.jit(jax.grad(lambda q, k, v: jnp.sum(local(q, k, v, scale) * do), (0, 1, 2)))(q, k, v)
+    for g, w in zip(got, want[1][:3]):
+        assert relative_error(np.asarray(g), np.asarray(w), np.linalg.norm(np.asarray(w))) < 1e-5
+
+
+def test_data_parallel_sharded_jit():
+    """Each device's own sequences (offsets [shards, B+1], num_targets [shards, B], the per-token scale
+    split with the tokens), under a sharded jit: each shard's results equal its batch's alone."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    specs = (([5, 12, 3], [1, 3, 0]), ([9, 0, 11], [2, 0, 5]))
+    shards = [HstuBatch.make(lengths, heads=2, targets=targets, attn_scale="jagged", extra=4, seed=s)
+              for s, (lengths, targets) in enumerate(specs)]
+    assert shards[0].q.shape == shards[1].q.shape
+    stack = lambda name, dtype: jnp.concatenate([jnp.asarray(getattr(s, name), dtype) for s in shards])  # noqa: E731
+    q, k, v, do, scale = (stack(n, jnp.float32) for n in ("q", "k", "v", "do", "attn_scale"))
+    offsets = jnp.stack([jnp.asarray(s.offsets, jnp.int32) for s in shards])
+    targets = jnp.stack([jnp.asarray(s.num_targets, jnp.int32) for s in shards])
+
+    def loss(q, k, v, scale, offsets, targets):
+        o = hstu_attention(q, k, v, offsets, 16, alpha=ALPHA, num_targets=targets, attn_scale=scale,
+                           backend="xla", allow_tf32=False)
+        return jnp.sum(o * do)
+
+    m = _mesh()
+    data = NamedSharding(m, P("data"))
+    args = [jax.device_put(x, data) for x in (q, k, v, scale, offsets, targets)]
+    grads = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(*args)
+    half = q.shape[0] // 2
+    for i, s in enumerate(shards):
+        expected = hstu_reference(s.q, s.k, s.v, s.do, s.offsets, 16, alpha=ALPHA, num_targets=s.num_targets,
+                                  attn_scale=s.attn_scale)
+        for g, e in zip(grads, expected[1:]):
+            got = np.asarray(g)[i * half:(i + 1) * half]
+            assert relative_error(got, e, np.linalg.norm(e)) < 1e-5
+
+
+def test_eager_calls_trace_once():
+    """Called eagerly twice, the op and its gradient compile once per problem, with the same numbers."""
+    _, q, k, v, do, offsets, targets = _small()
+    f = jax.grad(lambda q: jnp.sum(hstu_attention(q, k, v, offsets, 16, alpha=ALPHA, num_targets=targets,
+                                                  backend="xla") * do))
+    first = f(q)
+    with jax.log_compiles(True):
+        second = f(q)
+    np.testing.assert_array_equal(first, second)

@@ -2,9 +2,10 @@
 
 The semantics are `reference.hstu_attention_reference`'s (generative-recommenders' `hstu_mha`): per
 sequence, o_i = s_i * sum_j mask_ij * silu(alpha * q_i . k_j) * v_j over its first max_seq_len tokens,
-mask = `reference.hstu_mask`, s_i = 1 / max_seq_len, a scalar or a per-token attn_scale.
+mask = `reference.hstu_mask`, s_i = the problem's constant scale or a per-token operand (problem.py's
+HstuProblem). Segments of the token axis (vmap, data-parallel packing) run side by side (jax.vmap).
 
-The structure is the softmax backend's (reference.py's `forward` and `backward`): the tokens of each
+The structure is the softmax implementation's (xla/softmax.py): the tokens of each
 sequence are cut into blocks of BLOCK rows listed in a static number of slots (ceil(T / BLOCK) + B, see
 `_Rows`); the forward and the dq pass scan over key blocks for every query block, the dk/dv pass over
 query blocks for every key block. Memory is O(T*H*D + T*H*BLOCK) whatever the lengths: nothing is padded
@@ -13,13 +14,11 @@ and masked with `where`, so inf or nan in tokens that no query attends never rea
 
 No softmax, so no running max and no log-sum-exp: each key block's silu weights are final when computed,
 the forward just adds them up (its scan carries the accumulator alone), and the backward needs no
-residual but the inputs (q, k, v, do, attn_scale): it recomputes silu where the softmax backward reads the
+residual but the inputs (q, k, v, do, the scale): it recomputes silu where the softmax backward reads the
 log-sum-exp, and needs no delta = rowsum(o * do) pass either, so the forward's output is not kept.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -28,45 +27,10 @@ from jax import lax
 from .._compat import varying_axes
 from .._util import cdiv
 from ..jagged import sequence_bounds
+from ..problem import HstuProblem
 from ..reference import hstu_mask
 
 BLOCK = 64  # rows of a query or key block
-
-
-@dataclasses.dataclass(frozen=True)
-class HstuProblem:
-    """The static description of one HSTU attention call (hashable: a static argument of jit and
-    custom_vjp). Arrays are [T, H, D] ("THD") or [H, T, D] ("HTD"); v's last axis is value_dim."""
-
-    layout: str  # "THD" or "HTD"
-    num_heads: int
-    head_dim: int  # of q and k
-    value_dim: int  # of v and the output
-    batch: int  # B: offsets has B + 1 entries
-    tokens: int  # T
-    max_seq_len: int
-    alpha: float  # multiplies q . k before silu
-    causal: bool = True
-    max_attn_len: int = 0  # 0: no window
-    contextual_seq_len: int = 0
-    min_full_attn_seq_len: int = 0
-    has_targets: bool = False  # num_targets [B] is an operand
-    attn_scale: str = "none"  # "none" (1 / max_seq_len), "scalar" or "jagged" ([T], per query token)
-    input_precision: str = "ieee"  # "ieee" or "tf32"
-
-    def shape(self, dim: int) -> tuple[int, int, int]:
-        """The shape of an operand whose last axis is `dim`, in the problem's layout."""
-        return (self.tokens, self.num_heads, dim) if self.layout == "THD" else (self.num_heads, self.tokens,
-                                                                               dim)
-
-    @property
-    def empty(self) -> bool:
-        return self.tokens * self.num_heads * self.batch == 0
-
-    def mask_options(self) -> dict:
-        return dict(causal=self.causal, max_attn_len=self.max_attn_len,
-                    contextual_seq_len=self.contextual_seq_len,
-                    min_full_attn_seq_len=self.min_full_attn_seq_len)
 
 
 def _precision(p):
@@ -74,13 +38,20 @@ def _precision(p):
 
 
 def _canonical(x, p):
-    """[T, H, .] or [H, T, .] -> [T, H, .] float32."""
-    return (jnp.swapaxes(x, 0, 1) if p.layout == "HTD" else x).astype(jnp.float32)
+    """[Z*T, H, .] or [H, Z*T, .] -> [Z, T, H, .] float32."""
+    x = jnp.swapaxes(x, 0, 1) if p.layout == "HTD" else x
+    return x.reshape(p.num_segments, p.tokens, *x.shape[1:]).astype(jnp.float32)
 
 
 def _restore(x, p, dtype):
-    x = x.astype(dtype)
+    """[Z, T, H, .] -> the problem's layout."""
+    x = x.reshape(-1, *x.shape[2:]).astype(dtype)
     return jnp.swapaxes(x, 0, 1) if p.layout == "HTD" else x
+
+
+def _rows(x, p, rows: int):
+    """A per-sequence operand [rows, n] as [Z, n] (one shared row broadcast)."""
+    return None if x is None else jnp.broadcast_to(x, (p.num_segments, x.shape[-1]))
 
 
 def _varying_like(values, reference):
@@ -135,13 +106,11 @@ def _gather(x, tokens):
     return jnp.take(x, tokens, axis=0, mode="fill", fill_value=0)
 
 
-def _row_scale(p, attn_scale, tokens):
-    """s_i of the rows `tokens` [N, R]: [N, R, 1, 1] (a scalar when it is one)."""
-    if p.attn_scale == "none":
-        return jnp.float32(1.0 / p.max_seq_len)
-    if p.attn_scale == "scalar":
-        return jnp.asarray(attn_scale, jnp.float32)
-    return _gather(jnp.asarray(attn_scale, jnp.float32), tokens)[:, :, None, None]
+def _row_scale(p, scale, tokens):
+    """s_i of the rows `tokens` [N, R]: [N, R, 1, 1], or the constant p.scale."""
+    if p.scale is not None:
+        return jnp.float32(p.scale)
+    return _gather(scale, tokens)[:, :, None, None]
 
 
 def _silu_parts(p, qb, kb):
@@ -150,13 +119,20 @@ def _silu_parts(p, qb, kb):
     return u, jax.nn.sigmoid(u)
 
 
-def forward(p: HstuProblem, q, k, v, offsets, num_targets=None, attn_scale=None):
-    """o [T, H, V] (in p.layout, q's dtype): the `xla` backend's forward. num_targets [B] when
-    p.has_targets; attn_scale a scalar or [T] unless p.attn_scale == "none"."""
+def forward(p: HstuProblem, q, k, v, offsets, num_targets=None, scale=None):
+    """o (in p.layout, q's dtype): the `xla` implementation's forward. offsets [rows, B+1], num_targets
+    [rows, B] when p.has_targets, scale [Z*T] float32 when p.scale is None."""
     dtype = q.dtype
     if p.empty:
         return jnp.zeros(p.shape(p.value_dim), dtype)
     q, k, v = (_canonical(x, p) for x in (q, k, v))
+    scale = None if scale is None else scale.reshape(p.num_segments, p.tokens)
+    o = jax.vmap(lambda *a: _segment_forward(p, *a))(q, k, v, _rows(offsets, p, p.offsets_rows),
+                                                       _rows(num_targets, p, p.offsets_rows), scale)
+    return _restore(o, p, dtype)
+
+
+def _segment_forward(p, q, k, v, offsets, num_targets, scale):
     side = _Rows(p, offsets, num_targets)
     qb = _gather(q, side.tokens)  # [N, Q, H, D]
 
@@ -167,39 +143,40 @@ def forward(p: HstuProblem, q, k, v, offsets, num_targets=None, attn_scale=None)
         weights = jnp.where(side.mask(side.rows, key_rows, side.tokens, key_tokens), u * sig, 0.0)
         return acc + jnp.einsum("nqhk,nkhv->nqhv", weights, vb, precision=_precision(p)), None
 
-    init = jnp.zeros((*side.tokens.shape, p.num_heads, p.value_dim))
+    init = jnp.zeros((*side.tokens.shape, p.num_heads, p.value_dim), jnp.float32)
     acc, _ = lax.scan(step, _varying_like(init, qb), side.other_blocks)
-    o = acc * _row_scale(p, attn_scale, side.tokens)  # s_i is one factor per row: applied once, here
-    return _restore(side.scatter(o), p, dtype)
+    o = acc * _row_scale(p, scale, side.tokens)  # s_i is one factor per row: applied once, here
+    return side.scatter(o)
 
 
-def backward(p: HstuProblem, q, k, v, offsets, num_targets, attn_scale, do):
-    """(dq, dk, dv, d_attn_scale) from the inputs and the output's cotangent do: the `xla` backend's
+def backward(p: HstuProblem, q, k, v, offsets, num_targets, scale, do):
+    """(dq, dk, dv, dscale) from the inputs and the output's cotangent do: the `xla` implementation's
     backward. With u = alpha q.k, silu'(u) = sigmoid(u) (1 + u (1 - sigmoid(u))) and dp_ij = do_i . v_j:
     dv_j = sum_i m s_i silu(u_ij) do_i, dq_i = alpha s_i sum_j m dp_ij silu'(u_ij) k_j, dk_j likewise
-    over i, and the attn_scale's gradient sum_h sum_j m silu(u_ij) dp_ij per query token (summed over
-    the tokens for a scalar; None without attn_scale)."""
+    over i, and the per-token scale's gradient of each head, sum_j m silu(u_ij) dp_ij ([Z, H, T]
+    float32, which the op sums over the heads; None when the scale is the constant p.scale)."""
     dtypes = (q.dtype, k.dtype, v.dtype)
     if p.empty:
         grads = (jnp.zeros(p.shape(p.head_dim), dtypes[0]), jnp.zeros(p.shape(p.head_dim), dtypes[1]),
                  jnp.zeros(p.shape(p.value_dim), dtypes[2]))
-        return (*grads, None if p.attn_scale == "none" else jnp.zeros_like(attn_scale))
+        return (*grads, None if scale is None else jnp.zeros(
+            (p.num_segments, p.num_heads, p.tokens), jnp.float32))
     q, k, v, do = (_canonical(x, p) for x in (q, k, v, do))
-    side = _Rows(p, offsets, num_targets)
-    dq, d_scale = _dq(p, side, q, k, v, do, attn_scale)
-    dk, dv = _dkdv(p, side, q, k, v, do, attn_scale)
+    rows = (_rows(offsets, p, p.offsets_rows), _rows(num_targets, p, p.offsets_rows))
+    scale_rows = None if scale is None else scale.reshape(p.num_segments, p.tokens)
+    dq, dscale = jax.vmap(lambda *a: _segment_dq(p, *a))(q, k, v, do, *rows, scale_rows)
+    dk, dv = jax.vmap(lambda *a: _segment_dkdv(p, *a))(q, k, v, do, *rows, scale_rows)
     grads = (_restore(g, p, dtype) for g, dtype in zip((dq, dk, dv), dtypes))
-    if p.attn_scale == "none":
-        return (*grads, None)
-    d_scale = d_scale.sum() if p.attn_scale == "scalar" else d_scale
-    return (*grads, d_scale.astype(jnp.asarray(attn_scale).dtype))
+    return (*grads, None if scale is None else jnp.swapaxes(dscale, 1, 2))  # [Z, H, T]
 
 
-def _dq(p, side, q, k, v, do, attn_scale):
-    """dq [T, H, D] and the attn_scale's gradient per query token [T] (None without attn_scale): the
-    query blocks scan the key blocks, as the forward."""
+def _segment_dq(p, q, k, v, do, offsets, num_targets, scale):
+    """dq [T, H, D] and the per-token scale's gradient of each head [T, H] (None with a constant scale) of
+    one segment:
+    the query blocks scan the key blocks, as the forward."""
+    side = _Rows(p, offsets, num_targets)
     qb, dob = _gather(q, side.tokens), _gather(do, side.tokens)
-    with_scale = p.attn_scale != "none"
+    with_scale = p.scale is None
 
     def step(carry, key_block):
         dq, d_scale = carry
@@ -211,33 +188,36 @@ def _dq(p, side, q, k, v, do, attn_scale):
         du = jnp.where(keep, dp * sig * (1 + u * (1 - sig)), 0.0)
         dq = dq + jnp.einsum("nqhk,nkhd->nqhd", du, kb, precision=_precision(p))
         if with_scale:
-            d_scale = d_scale + jnp.where(keep, u * sig * dp, 0.0).sum((-2, -1))
+            d_scale = d_scale + jnp.where(keep, u * sig * dp, 0.0).sum(-1)
         return (dq, d_scale), None
 
-    init = (jnp.zeros(qb.shape), jnp.zeros(side.tokens.shape) if with_scale else None)
+    init = (jnp.zeros(qb.shape, jnp.float32),
+            jnp.zeros((*side.tokens.shape, p.num_heads), jnp.float32) if with_scale else None)
     (dq, d_scale), _ = lax.scan(step, _varying_like(init, qb), side.other_blocks)
-    dq = dq * (p.alpha * _row_scale(p, attn_scale, side.tokens))
+    dq = dq * (p.alpha * _row_scale(p, scale, side.tokens))
     return side.scatter(dq), side.scatter(d_scale) if with_scale else None
 
 
-def _dkdv(p, side, q, k, v, do, attn_scale):
-    """dk [T, H, D], dv [T, H, V]: the key blocks (the same slots) scan the query blocks."""
+def _segment_dkdv(p, q, k, v, do, offsets, num_targets, scale):
+    """dk [T, H, D], dv [T, H, V] of one segment: the key blocks (the same slots) scan the query
+    blocks."""
+    side = _Rows(p, offsets, num_targets)
     kb, vb = _gather(k, side.tokens), _gather(v, side.tokens)
 
     def step(carry, query_block):
         dk, dv = carry
         query_rows, query_tokens = side.other(query_block)
         qb, dob = _gather(q, query_tokens), _gather(do, query_tokens)
-        scale = _row_scale(p, attn_scale, query_tokens)
+        row_scale = _row_scale(p, scale, query_tokens)
         u, sig = _silu_parts(p, qb, kb)
         keep = side.mask(query_rows, side.rows, query_tokens, side.tokens)
-        weights = jnp.where(keep, u * sig * scale, 0.0)
+        weights = jnp.where(keep, u * sig * row_scale, 0.0)
         dv = dv + jnp.einsum("nqhk,nqhv->nkhv", weights, dob, precision=_precision(p))
         dp = jnp.einsum("nqhv,nkhv->nqhk", dob, vb, precision=_precision(p))
-        du = jnp.where(keep, dp * sig * (1 + u * (1 - sig)) * scale, 0.0)
+        du = jnp.where(keep, dp * sig * (1 + u * (1 - sig)) * row_scale, 0.0)
         dk = dk + jnp.einsum("nqhk,nqhd->nkhd", du, qb, precision=_precision(p))
         return (dk, dv), None
 
-    init = _varying_like((jnp.zeros(kb.shape), jnp.zeros(vb.shape)), kb)
+    init = _varying_like((jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32)), kb)
     (dk, dv), _ = lax.scan(step, init, side.other_blocks)
     return side.scatter(p.alpha * dk), side.scatter(dv)

@@ -1,6 +1,7 @@
 """Flax layers for jagged attention: `JaggedMultiHeadAttention` (nnx) and
 `JaggedMultiHeadDotProductAttention` (linen), with equal parameters and numerics, and the two helpers that
-copy weights between them. Optional: needs pip install 'jagged-flash-jax[flax]'.
+copy weights between them; and `HSTUBlock` (nnx), a generative-recommender layer around
+`hstu_attention`. Optional: needs pip install 'jagged-flash-jax[flax]'.
 
 Each layer projects jagged token features x [T, F] to q [T, H, D] and k, v [T, H_kv, D], runs one of the
 two ops on them (token-major, layout "THD": no transposes) and projects the result back to [T, F_out]:
@@ -48,11 +49,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .api import jagged_attention, multi_head_jagged_flash_attention
+from .hstu import hstu_attention
 from .jagged import explicit_mesh
 from .select import BACKENDS
 
 __all__ = [
     "SEMANTICS",
+    "HSTUBlock",
     "JaggedMultiHeadAttention",
     "JaggedMultiHeadDotProductAttention",
     "linen_variables_from_nnx",
@@ -465,3 +468,49 @@ def load_linen_variables(module: nnx.Module, variables) -> None:
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(
         {path: place(value, old[path]) for path, value in new.items()}))
     nnx.update(module, state)
+
+
+class HSTUBlock(nnx.Module):
+    """One HSTU layer (generative recommenders' "Actions Speak Louder than Words"), on jagged token
+    features x [T, F] and offsets [B+1]:
+
+        u, v, q, k = silu(LayerNorm(x) W_uvqk + b)           # one fused projection, split by columns
+        a = hstu_attention(q, k, v, offsets, max_seq_len, alpha=1/sqrt(D), num_targets=..., ...)
+        y = x + (u * LayerNorm(a)) W_o + b_o                 # the output norm, the gate u, a residual
+
+    with u, v [T, H, V] (V = `linear_dim`), q, k [T, H, D] (D = `attention_dim`). The attention's options
+    (`causal`, `max_attn_len`, `contextual_seq_len`, `min_full_attn_seq_len`) are fixed at construction;
+    num_targets is a call argument. Dropout is left out (add it around the block).
+    """
+
+    def __init__(self, in_features: int, num_heads: int, *, attention_dim: int, linear_dim: int,
+                 causal: bool = True, max_attn_len: int = 0, contextual_seq_len: int = 0,
+                 min_full_attn_seq_len: int = 0, backend: str = "auto", allow_tf32: bool = True,
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        for name, value in (("in_features", in_features), ("num_heads", num_heads),
+                            ("attention_dim", attention_dim), ("linear_dim", linear_dim)):
+            _check_int(value, name)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.num_heads, self.attention_dim, self.linear_dim = num_heads, attention_dim, linear_dim
+        self.options = dict(causal=causal, max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len,
+                            min_full_attn_seq_len=min_full_attn_seq_len, backend=backend,
+                            allow_tf32=allow_tf32)
+        self.input_norm = nnx.LayerNorm(in_features, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.uvqk = nnx.Linear(in_features, num_heads * (2 * linear_dim + 2 * attention_dim), dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)
+        self.output_norm = nnx.LayerNorm(num_heads * linear_dim, dtype=dtype, param_dtype=param_dtype,
+                                         rngs=rngs)
+        self.output = nnx.Linear(num_heads * linear_dim, in_features, dtype=dtype, param_dtype=param_dtype,
+                                 rngs=rngs)
+
+    def __call__(self, x: jax.Array, offsets: jax.Array, max_seq_len: int, *, num_targets=None) -> jax.Array:
+        _check_input(x, self.input_norm.num_features)
+        h, d, v_dim = self.num_heads, self.attention_dim, self.linear_dim
+        uvqk = jax.nn.silu(self.uvqk(self.input_norm(x)))
+        u, v, q, k = jnp.split(uvqk, np.cumsum([h * v_dim, h * v_dim, h * d]), axis=-1)
+        tokens = x.shape[0]
+        attended = hstu_attention(q.reshape(tokens, h, d), k.reshape(tokens, h, d),
+                                  v.reshape(tokens, h, v_dim), offsets, max_seq_len, alpha=1.0 / math.sqrt(d),
+                                  num_targets=num_targets, **self.options)
+        return x + self.output(u * self.output_norm(attended.reshape(tokens, h * v_dim)))

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import (
-    _compat,
     jagged_attention,
     jagged_attention_reference,
     multi_head_jagged_flash_attention,
@@ -98,19 +97,23 @@ def demo(args) -> int:
           f"  (softmax(q kᵀ / √D) v, each query over the keys up to its own position in its sequence; "
           f"GQA: {heads // kv_heads} query heads per kv head)")
     # The interpreter comes with the `interpret` extra (triton), which the package itself does not need.
+    from .launch import interpret as interpreter
+
     try:
-        _compat.triton_internals()
-        interpret = True
+        interpreter.triton_internals()
+        skipped = None
     except ImportError:
-        interpret = False
+        skipped = ("triton is not installed (pip install 'jagged-flash-jax[interpret]' runs the Triton "
+                   "kernels in Triton's interpreter here)")
+    except interpreter.UnsupportedTritonError as err:
+        skipped = str(err)
     for b in (["triton"] if gpu else []) + ["xla"]:
         ok &= check("jagged_attention", b, lengths, heads, kv_heads, dim, max_seq_len, dtype, tolerance)
-    if interpret:
+    if skipped is None:
         print("  interpret: the same Triton kernels in Triton's interpreter, on a small batch:")
         ok &= check("jagged_attention", "interpret", small, 2, 1, 24, 40, jnp.float32, 1e-5)
     else:
-        print("  interpret: skipped, triton is not installed (pip install 'jagged-flash-jax[interpret]' "
-              "runs the Triton kernels in Triton's interpreter here)")
+        print(f"  interpret: skipped, {skipped}")
     print(f"\nFBGEMM's semantics, the same batch with H_kv = H:\n"
           f"  o = multi_head_jagged_flash_attention(q, k, v, offsets, max_seq_len={max_seq_len}, "
           f"layout='THD')\n"
@@ -118,7 +121,7 @@ def demo(args) -> int:
     for b in (["triton"] if gpu else []) + ["xla"]:
         ok &= check("multi_head_jagged_flash_attention", b, lengths, heads, heads, dim, max_seq_len, dtype,
                     tolerance)
-    if interpret:
+    if skipped is None:
         ok &= check("multi_head_jagged_flash_attention", "interpret", small, 2, 2, 24, 40, jnp.float32, 1e-5)
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1

@@ -108,10 +108,9 @@ def _runner(launcher: str):
 
         gpu.jax_triton_module()
         return gpu.run
-    from . import _compat
     from .launch import interpret
 
-    _compat.triton_internals()
+    interpret.triton_internals()
     return interpret.run
 
 

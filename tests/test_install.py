@@ -18,6 +18,7 @@ import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,3 +153,21 @@ def test_pytest_runs_without_xdist_and_nbmake():
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "xdist and nbmake not loaded" in result.stdout, result.stdout[-2000:]
     assert re.search(r"\d+ passed", result.stdout), result.stdout[-2000:]
+
+
+def test_the_requirements_name_the_versions_the_code_checks():
+    """pyproject's requirement specifiers and the ranges the code refuses outside of (_compat.SUPPORTED,
+    whose messages name them) are the same ranges; the GPU extra's jax[cuda13] alone starts higher (the
+    jaxlib that allocates the tensor descriptors' scratch memory)."""
+    from jagged_flash_jax import _compat
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(r) for r in project["dependencies"]]
+    requirements += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    checked = {name: SpecifierSet(_compat.requirement(name)[len(name):]) for name in _compat.SUPPORTED}
+    seen = set()
+    for requirement in requirements:
+        if requirement.name in checked and not requirement.extras:
+            assert requirement.specifier == checked[requirement.name], (requirement, checked)
+            seen.add(requirement.name)
+    assert seen == set(checked), seen

@@ -33,6 +33,7 @@ from jagged_flash_jax.configs import BlockSizes, KernelConfig
 from jagged_flash_jax.implementations import Device
 from jagged_flash_jax.kernels import spec
 from jagged_flash_jax.launch import calls, gpu
+from jagged_flash_jax.launch import interpret as interpret_launch
 from jagged_flash_jax.launch.calls import HopperConfig
 from jagged_flash_jax.problem import Problem
 
@@ -174,14 +175,15 @@ def test_interpret_leaves_triton_language_as_it_was_and_the_gpu_compiler_working
 @pytest.mark.parametrize("version", ["3.5.1", "3.10.0", "4.0.0", "2.3.1", "nightly"])
 def test_triton_outside_the_supported_range_is_refused(monkeypatch, version):
     monkeypatch.setattr(triton, "__version__", version)
-    with pytest.raises(_compat.UnsupportedTritonError, match=r"triton>=3\.6,<3\.10.*found triton " + version):
-        _compat.triton_internals()
+    with pytest.raises(interpret_launch.UnsupportedTritonError,
+                       match=r"triton>=3\.6,<3\.10.*found triton " + version):
+        interpret_launch.triton_internals()
 
 
 @pytest.mark.parametrize("version", ["3.6.0", "3.7.1", "3.9.0+git1234abc"])
 def test_triton_inside_the_supported_range_is_accepted(monkeypatch, version):
     monkeypatch.setattr(triton, "__version__", version)
-    _compat.triton_internals()
+    interpret_launch.triton_internals()
 
 
 @pytest.mark.parametrize("internal", ["_patch_lang_tensor", "_patch_lang", "_get_np_dtype",
@@ -190,14 +192,14 @@ def test_a_missing_triton_internal_is_refused(monkeypatch, internal):
     from triton.runtime import interpreter
 
     monkeypatch.delattr(interpreter, internal)
-    with pytest.raises(_compat.UnsupportedTritonError, match=rf"{internal}.*triton>=3\.6,<3\.10"):
-        _compat.triton_internals()
+    with pytest.raises(interpret_launch.UnsupportedTritonError, match=rf"{internal}.*triton>=3\.6,<3\.10"):
+        interpret_launch.triton_internals()
 
 
 def test_the_interpret_backend_refuses_an_unsupported_triton_at_trace_time(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.10.0")
     q = jnp.ones((7, 2, 8), jnp.float32)  # a shape of its own: no trace cached by another test
-    with pytest.raises(_compat.UnsupportedTritonError, match=r"triton>=3\.6,<3\.10"):
+    with pytest.raises(interpret_launch.UnsupportedTritonError, match=r"triton>=3\.6,<3\.10"):
         jfa.jagged_attention(q, q, q, [0, 3, 7], 5, backend="interpret")
 
 

@@ -19,9 +19,8 @@ from .calls import KernelCall
 
 # What the GPU extra installs and what was tested together (jaxlib >= 0.11.1 allocates the global scratch
 # memory of Triton's tensor descriptors, which jax-triton 0.4 passes it; jax-triton 0.4 needs Python 3.12).
-JAX_TRITON_SUPPORTED = "jax-triton>=0.4.1,<0.5"
-TRITON_SUPPORTED = _compat.TRITON_SUPPORTED
-_JAX_TRITON_RANGE = ((0, 4, 1), (0, 5))
+JAX_TRITON_SUPPORTED = _compat.requirement("jax-triton")
+TRITON_SUPPORTED = _compat.requirement("triton")
 INSTALL_HINT = (
     "install the GPU extra (Python >= 3.12): pip install 'jagged-flash-jax[cuda13]' "
     f"(JAX's CUDA 13 build >= 0.11.1, {JAX_TRITON_SUPPORTED} and {TRITON_SUPPORTED})"
@@ -44,9 +43,8 @@ def jax_triton_module():
                           f" ({err})") from err
     found = {"jax-triton": getattr(jax_triton, "__version__", "unknown"),
              "triton": getattr(triton, "__version__", "unknown")}
-    ranges = {"jax-triton": _JAX_TRITON_RANGE, "triton": _compat.TRITON_RANGE}
     outside = [f"{name} {version}" for name, version in found.items()
-               if not _compat.version_in(version, ranges[name])]
+               if not _compat.version_in(version, name)]
     if outside:
         raise ImportError(f"backend='triton' is tested with {JAX_TRITON_SUPPORTED} and {TRITON_SUPPORTED}; "
                           f"found {' and '.join(outside)}: {INSTALL_HINT}")

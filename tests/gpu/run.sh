@@ -44,9 +44,9 @@ suite=("$python" -m pytest tests -m gpu -v -p xdist -n "${WORKERS:-4}" --dist wo
        -o addopts=-ra --durations=5
        --deselect tests/test_memory_safety.py::test_adversarial_offsets_on_the_gpu_under_compute_sanitizer)
 # What that test runs, directly, so that the log names each case as it starts and ends.
-memcheck="import test_memory_safety as t
-from jagged_flash_jax.launch import hopper as h
-for hopper in [False, True] if (h.device_capability() or (0,))[0] == 9 else [False]:
+memcheck="import jax, test_memory_safety as t
+from jagged_flash_jax import _compat
+for hopper in [False, True] if (_compat.cuda_capability(jax.devices()[0]) or (0,))[0] == 9 else [False]:
     t.check_offsets_cases(t.CASES, backend='triton', hopper=hopper)"
 limit=(timeout "${LIMIT:-540}")
 
@@ -57,17 +57,17 @@ limit=(timeout "${LIMIT:-540}")
   "$python" - <<'PY'
 import jax, triton
 from jagged_flash_jax import _compat
-from jagged_flash_jax.launch import gpu, hopper
-capability = hopper.device_capability()
+from jagged_flash_jax.launch import gpu
+capability = _compat.cuda_capability(jax.devices()[0])
 print(f"jax {jax.__version__}, triton {triton.__version__} ({triton.__path__[0]}), "
       f"{jax.devices()[0].device_kind}, capability {capability}")
 print("the triton backend:", gpu.unavailable_reason() or "available")
-if hasattr(_compat, "xla_ptxas"):  # the ptxas jaxlib assembles with, and the option asked of Triton
-    ptxas = _compat.xla_ptxas()
-    arch = 10 * capability[0] + capability[1] if capability else 90
-    default = _compat.triton_ptx_version(arch)
-    print(f"jaxlib's ptxas: {ptxas} (PTX up to {ptxas and _compat.ptxas_ptx_version(ptxas)}); Triton "
-          f"writes {default} for sm_{arch}, option {_compat.ptx_version_option(default)}")
+# The ptxas jaxlib assembles with, and the option asked of Triton.
+ptxas = _compat.xla_ptxas()
+arch = 10 * capability[0] + capability[1] if capability else 90
+default = _compat.triton_ptx_version(arch)
+print(f"jaxlib's ptxas: {ptxas} (PTX up to {ptxas and _compat.ptxas_ptx_version(ptxas)}); Triton "
+      f"writes {default} for sm_{arch}, option {_compat.ptx_version_option(default)}")
 PY
   case $stage in
     suite) "${limit[@]}" "${suite[@]}" ;;

@@ -1,0 +1,142 @@
+"""The contract between the launch code and each kernel, declared once: a `KernelSpec` per kernel names its
+array inputs and outputs, the slots of its int32 array of runtime parameters, its compile-time constants,
+which inputs are TMA descriptors and which outputs the launcher zeroes. launch/plan.py packs and checks
+by it; the kernels read their parameter slots by it; tests/test_spec.py holds each spec against its
+kernel's own argument names. Plain Python, so that the launch code imports it without Triton.
+
+A kernel's arguments, in order (jax-triton's): its inputs (`<name>_ptr`, `<name>_desc` for a
+descriptor; the last input is `params`, the runtime parameters), its outputs, then its constants, which
+the launcher passes by keyword. Runtime sizes travel in `params` rather than as scalar arguments:
+jax-triton turns a scalar equal to 1 into a compile-time constant, so each pattern of ones would
+compile a kernel of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    name: str  # the kernel's name in jagged_flash_jax.kernels
+    inputs: tuple[str, ...]  # array inputs in order, "params" last
+    outputs: tuple[str, ...]
+    params: tuple[str, ...]  # slots of the runtime-parameter array, in order
+    constants: tuple[str, ...]
+    descriptors: tuple[str, ...] = ()  # inputs passed as TMA descriptors (2-D, over a view)
+    zeroed: tuple[str, ...] = ()  # outputs the launcher zeroes before the kernel runs
+
+    def __post_init__(self):
+        if self.inputs[-1:] != ("params",):
+            raise ValueError(f"{self.name}: the runtime parameters must be the last input")
+        for group in ("descriptors", "zeroed"):
+            names = self.inputs if group == "descriptors" else self.outputs
+            if not set(getattr(self, group)) <= set(names):
+                raise ValueError(f"{self.name}: {group} {getattr(self, group)} not among {names}")
+
+    def slot(self, name: str) -> int:
+        """The slot of runtime parameter `name` (what the kernel reads it at)."""
+        return self.params.index(name)
+
+    def pack(self, values: Mapping[str, int]) -> tuple[int, ...]:
+        """The runtime parameters in slot order: exactly this spec's, each once."""
+        if set(values) != set(self.params):
+            missing, extra = set(self.params) - set(values), set(values) - set(self.params)
+            raise ValueError(f"{self.name}: runtime parameters missing {sorted(missing)}, unknown "
+                             f"{sorted(extra)}")
+        return tuple(int(values[name]) for name in self.params)
+
+    def check_constants(self, constants: Mapping[str, object]) -> dict:
+        """`constants` as a dict, if they are exactly this spec's."""
+        if set(constants) != set(self.constants):
+            missing, extra = set(self.constants) - set(constants), set(constants) - set(self.constants)
+            raise ValueError(f"{self.name}: constants missing {sorted(missing)}, unknown {sorted(extra)}")
+        return dict(constants)
+
+    def arrays(self, values: Mapping[str, object]) -> tuple:
+        """The array inputs in order, from {name: array} (all of them, "params" included)."""
+        if set(values) != set(self.inputs):
+            raise ValueError(f"{self.name}: inputs {sorted(values)}, expected {sorted(self.inputs)}")
+        return tuple(values[name] for name in self.inputs)
+
+    def index(self, name: str) -> int:
+        """The position of an input or output among the kernel's arrays (inputs, then outputs)."""
+        return (self.inputs + self.outputs).index(name)
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        """The kernel's argument names, as its signature must read."""
+        arrays = tuple(f"{name}_desc" if name in self.descriptors else f"{name}_ptr"
+                       for name in self.inputs + self.outputs)
+        return arrays + self.constants
+
+
+# The runtime parameters every attention kernel starts with: per segment of the token axis, its
+# sequences and tokens; the token and head strides of q, o, do, dq and of k, v, dk, dv (in units of
+# the kernel's STRIDE_ALIGN elements, see kernels.common._aligned); the distance between the segments'
+# rows of offsets (0: one row shared by every segment).
+ATTENTION_PARAMS = ("batch", "q_tokens", "kv_tokens", "q_token_stride", "q_head_stride", "kv_token_stride",
+                    "kv_head_stride", "q_offsets_stride", "kv_offsets_stride")
+# The problem as the kernels take it: heads, head dimension, lengths, the band (CAUSAL, WINDOW_LEFT,
+# WINDOW_RIGHT: -1 for no bound), the score options (SOFTCAP, ALIBI) and QK_SCALE.
+_SHAPE = ("KV_GROUP", "D")
+_LENGTHS = ("Q_MAX_LEN", "KV_MAX_LEN")
+_BAND = ("CAUSAL", "WINDOW_LEFT", "WINDOW_RIGHT")
+_SCORES = ("SOFTCAP", "ALIBI", "QK_SCALE")
+# Kernels over the tokens of one array (the backward preprocess, the key-major transpose).
+_ARRAY_PARAMS = ("tokens", "token_stride", "head_stride")
+
+KEY_MAJOR = KernelSpec(
+    "key_major_kernel", inputs=("x", "params"), outputs=("out",), params=_ARRAY_PARAMS + ("padded",),
+    constants=("D", "BLOCK_D", "BLOCK_T", "STRIDE_ALIGN", "KEY_MAJOR_ALIGN"))
+
+ATTENTION_FWD = KernelSpec(
+    "attention_fwd_kernel", inputs=("q", "k", "v", "q_offsets", "kv_offsets", "slopes", "params"),
+    outputs=("o", "lse"), params=ATTENTION_PARAMS + ("fill_chunk", "slots", "v_d_stride"),
+    constants=("NUM_HEADS", *_SHAPE, "BLOCK_D", *_LENGTHS, *_BAND, *_SCORES, "OUT_SCALE", "INPUT_PRECISION",
+               "BLOCK_M", "BLOCK_N", "STRIDE_ALIGN", "FILL_BLOCK", "V_KEY_MAJOR", "KEY_MAJOR_ALIGN"))
+
+ATTENTION_BWD_PREPROCESS = KernelSpec(
+    "attention_bwd_preprocess_kernel", inputs=("o", "do", "params"), outputs=("delta",), params=_ARRAY_PARAMS,
+    constants=("NUM_HEADS", "D", "BLOCK_D", "OUT_SCALE", "BLOCK_M", "STRIDE_ALIGN"))
+
+ATTENTION_BWD = KernelSpec(
+    "attention_bwd_kernel",
+    inputs=("q", "k", "v", "do", "lse", "delta", "q_offsets", "kv_offsets", "q_km", "do_km", "slopes",
+            "params"),
+    outputs=("dq", "dk", "dv"),
+    params=ATTENTION_PARAMS + ("q_fill_chunk", "kv_fill_chunk", "slots", "km_d_stride"),
+    constants=("NUM_HEADS", *_SHAPE, "BLOCK_D", *_LENGTHS, *_BAND, *_SCORES, "DS_SCALE", "OUT_SCALE",
+               "INPUT_PRECISION", "DKDV_BLOCK_M", "DKDV_BLOCK_N", "DQ_BLOCK_M", "DQ_BLOCK_N", "STRIDE_ALIGN",
+               "FILL_BLOCK", "QDO_KEY_MAJOR", "KEY_MAJOR_ALIGN", "DQ_PROGRAMS", "DKDV_PROGRAMS"))
+
+# The persistent Hopper kernels: per (sequence, head) `blocks` blocks of work, taken from a counter (an
+# output the launcher zeroes) after each program's share of the zero fills, in chunks of `fill_chunk`.
+_HOPPER_PARAMS = ATTENTION_PARAMS + ("blocks", "fill_chunk")
+_HOPPER_CONSTANTS = ("BLOCK_M", "BLOCK_N", "STAGES", "STRIDE_ALIGN", "FILL_BLOCK", "CONSUMER_REGS",
+                     "PRODUCER_REGS")
+
+HOPPER_FWD = KernelSpec(
+    "hopper_attention_fwd_kernel", inputs=("q", "k", "v", "q_offsets", "kv_offsets", "slopes", "params"),
+    outputs=("o", "lse", "counter"), params=_HOPPER_PARAMS,
+    constants=("NUM_HEADS", *_SHAPE, *_LENGTHS, *_BAND, *_SCORES, "OUT_SCALE", *_HOPPER_CONSTANTS),
+    descriptors=("q", "k", "v"), zeroed=("counter",))
+
+_HOPPER_BWD_INPUTS = ("q", "do", "k", "v", "lse", "delta", "q_offsets", "kv_offsets", "slopes", "params")
+
+HOPPER_BWD_DKDV = KernelSpec(
+    "hopper_attention_bwd_dkdv_kernel", inputs=_HOPPER_BWD_INPUTS, outputs=("dk", "dv", "counter"),
+    params=_HOPPER_PARAMS,
+    constants=("NUM_KV_HEADS", *_SHAPE, *_LENGTHS, *_BAND, *_SCORES, "DS_SCALE", "OUT_SCALE",
+               *_HOPPER_CONSTANTS),
+    descriptors=("q", "do", "k", "v"), zeroed=("counter",))
+
+HOPPER_BWD_DQ = KernelSpec(
+    "hopper_attention_bwd_dq_kernel", inputs=_HOPPER_BWD_INPUTS, outputs=("dq", "counter"),
+    params=_HOPPER_PARAMS,
+    constants=("NUM_HEADS", *_SHAPE, *_LENGTHS, *_BAND, *_SCORES, "DS_SCALE", *_HOPPER_CONSTANTS),
+    descriptors=("q", "do", "k", "v"), zeroed=("counter",))
+
+SPECS = (KEY_MAJOR, ATTENTION_FWD, ATTENTION_BWD_PREPROCESS, ATTENTION_BWD, HOPPER_FWD, HOPPER_BWD_DKDV,
+         HOPPER_BWD_DQ)

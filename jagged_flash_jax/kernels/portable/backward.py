@@ -1,12 +1,13 @@
-"""The portable kernels (any GPU Triton supports, and Triton's interpreter): the forward, the backward
-preprocess, the backward, and the key-major transpose of an operand. Built on common.py.
+"""The portable backward: delta (the preprocess), then dq programs and dk/dv programs, in one launch or
+two, each with its share of the zero fills.
 """
 
 import triton
 import triton.language as tl
 
-from .common import (
-    INF,
+from ..shared import INF, band, bounds, key_ranges, query_ranges, query_shift, span, transform_scores
+from .fills import zero_tail, zero_uncovered
+from .memory import (
     PARAM_ARRAY_HEAD_STRIDE,
     PARAM_ARRAY_TOKEN_STRIDE,
     PARAM_ARRAY_TOKENS,
@@ -14,194 +15,16 @@ from .common import (
     PARAM_BWD_KV_FILL_CHUNK,
     PARAM_BWD_Q_FILL_CHUNK,
     PARAM_BWD_SLOTS,
-    PARAM_FWD_FILL_CHUNK,
-    PARAM_FWD_SLOTS,
-    PARAM_FWD_V_D_STRIDE,
-    PARAM_KEY_MAJOR_PADDED,
-    _aligned,
-    _band,
-    _bounds,
-    _key_major_window,
-    _key_ranges,
-    _load,
-    _load_key_major,
-    _online_softmax,
-    _params,
-    _program,
-    _query_ranges,
-    _query_shift,
-    _rows,
-    _scores,
-    _span,
-    _stats,
-    _store,
-    _zero_tail,
-    _zero_uncovered,
+    aligned,
+    attention_params,
+    key_major_window,
+    load_tile,
+    load_tile_key_major,
+    program,
+    stat_ptr,
+    store_tile,
+    token_ptr,
 )
-
-# ---------------------------------------------------------------------------------------------------
-# Forward
-# ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def key_major_kernel(
-    x_ptr, params_ptr,
-    out_ptr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, STRIDE_ALIGN: tl.constexpr,
-    KEY_MAJOR_ALIGN: tl.constexpr,
-):
-    """out[h, d, t] = x[t, h, d] for BLOCK_T tokens (axis 0) of one head (axis 1), out's token axis
-    padded with 0 to PARAM_KEY_MAJOR_PADDED tokens: a key-major operand, in one pass."""
-    tokens = tl.load(params_ptr + PARAM_ARRAY_TOKENS)
-    token_stride = _aligned(tl.load(params_ptr + PARAM_ARRAY_TOKEN_STRIDE), STRIDE_ALIGN)
-    head_stride = _aligned(tl.load(params_ptr + PARAM_ARRAY_HEAD_STRIDE), STRIDE_ALIGN)
-    padded = _aligned(tl.load(params_ptr + PARAM_KEY_MAJOR_PADDED), KEY_MAJOR_ALIGN)
-    head = tl.program_id(1)
-    first = tl.program_id(0).to(tl.int64) * BLOCK_T
-    rows = tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_D)
-    x_base = x_ptr + first * token_stride + head.to(tl.int64) * head_stride
-    x = _load(x_base, rows, cols, tokens - first, token_stride, D, BLOCK_D, True)
-    out = out_ptr + head.to(tl.int64) * D * padded + first
-    tl.store(out + cols[:, None].to(tl.int64) * padded + rows[None, :], tl.trans(x),
-             mask=(cols[:, None] < D) & (rows[None, :] < padded - first))
-
-
-@triton.jit
-def _fwd_block(acc, row_sum, row_max, q, k_base, v_base, key_start, query_rows, cols, lead, n_k, shift,
-               slope, kv_token_stride, v_d_stride, QK_SCALE: tl.constexpr, D: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
-               WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-               V_KEY_MAJOR: tl.constexpr):
-    """One step of the online softmax over keys [key_start, key_start + BLOCK_N), in base 2. row_max is
-    the running maximum of the unscaled scores. Keys are counted from the start of the key window:
-    the first `lead` ones (before the sequence, V_KEY_MAJOR only) and those from n_k on are masked."""
-    key_rows = key_start + tl.arange(0, BLOCK_N)
-    k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
-    scores, _ = _scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), query_rows[:, None],
-                        key_rows[None, :], shift, slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
-    if MASKED:
-        # Masked keys must not take part in the row max: a real score far below 0 would underflow.
-        keep = key_rows[None, :] < n_k
-        if V_KEY_MAJOR:
-            keep = keep & (key_rows[None, :] >= lead)
-        keep = _band(keep, query_rows[:, None], key_rows[None, :], shift, CAUSAL=CAUSAL,
-                     WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT)
-        scores = tl.where(keep, scores, -INF)
-    p, correction, row_sum, new_max = _online_softmax(
-        scores, row_max, row_sum, QK_SCALE,
-        EMPTY_ROWS=MASKED and (CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0))
-    if V_KEY_MAJOR:
-        v = tl.trans(_load_key_major(v_base, key_rows, cols, lead, n_k, v_d_stride, D, BLOCK_D, MASKED))
-    else:
-        v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
-    acc = acc * correction[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
-    return acc, row_sum, new_max
-
-
-@triton.jit
-def attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr,
-    o_ptr, lse_ptr,
-    NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
-    WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, QK_SCALE: tl.constexpr,
-    OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
-    V_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr,
-):
-    """o and the base-2 log-sum-exp for one block of BLOCK_M queries, or the zero fill of o.
-
-    Query i sees the keys of its band (`common._band`: causal, a window) and nothing else: key blocks
-    outside every band of the query block are not visited. With ALIBI, slopes_ptr holds the slopes
-    [segments, NUM_HEADS] in units of the unscaled scores; otherwise it is never read.
-
-    With V_KEY_MAJOR, v comes as [H_kv, D, tokens] (tokens contiguous, D rows PARAM_FWD_V_D_STRIDE
-    apart), so that the B operand of p @ v is K-major: TF32 matrix products need that of both operands,
-    and Triton otherwise copies v into shared memory one element at a time. The key window then starts
-    at the KEY_MAJOR_ALIGN-aligned token at or before the sequence's first (see `_key_major_window`);
-    its first `lead` keys are masked.
-    """
-    (batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
-     q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
-    fill_chunk = tl.load(params_ptr + PARAM_FWD_FILL_CHUNK)
-    segment, sequence, head, slot = _program(batch, tl.load(params_ptr + PARAM_FWD_SLOTS), NUM_HEADS)
-    q_offsets_ptr += segment * q_offsets_stride
-    kv_offsets_ptr += segment * kv_offsets_stride
-    if sequence == batch:
-        _zero_uncovered(o_ptr, o_ptr, q_offsets_ptr, batch, segment, head, chunk=slot, fill_chunk=fill_chunk,
-                        num_tokens=q_tokens, token_stride=q_token_stride, head_stride=q_head_stride,
-                        MAX_LEN=Q_MAX_LEN, D=D, BLOCK_D=BLOCK_D, BLOCK=FILL_BLOCK, TWO=False)
-        return
-    if slot == 0:
-        _zero_tail(o_ptr, o_ptr, q_offsets_ptr, sequence, segment, head, num_tokens=q_tokens,
-                   token_stride=q_token_stride, head_stride=q_head_stride, MAX_LEN=Q_MAX_LEN, D=D,
-                   BLOCK_D=BLOCK_D, BLOCK=FILL_BLOCK, TWO=False)
-        return
-    q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
-    query_start = (slot - 1) * BLOCK_M
-    if query_start >= n_q:
-        return
-    kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
-    kv_head = head // KV_GROUP
-    if V_KEY_MAJOR:
-        v_d_stride = _aligned(tl.load(params_ptr + PARAM_FWD_V_D_STRIDE), KEY_MAJOR_ALIGN)
-        window, lead = _key_major_window(segment, kv_start, n_k, kv_tokens, KEY_MAJOR_ALIGN)
-        v_base = v_ptr + kv_head.to(tl.int64) * D * v_d_stride + window
-    else:
-        v_d_stride = 0
-        lead = 0
-        v_base = _rows(v_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
-    n_window = n_k + lead
-    q_base = _rows(q_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
-    k_base = _rows(k_ptr, segment, kv_head, kv_start - lead, kv_tokens, kv_token_stride, kv_head_stride)
-    cols = tl.arange(0, BLOCK_D)
-    query_rows = query_start + tl.arange(0, BLOCK_M)
-
-    q = _load(q_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, True)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    row_max = tl.full([BLOCK_M], -INF, dtype=tl.float32)
-    shift = _query_shift(n_q, n_window,
-                         ALIGNED=CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0 or ALIBI)
-    if ALIBI:
-        slope = tl.load(slopes_ptr + segment * NUM_HEADS + head)
-    else:
-        slope = 0.0
-    start, clean_start, clean_end, end = _key_ranges(
-        query_start, n_q, n_window, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
-        WINDOW_RIGHT=WINDOW_RIGHT)
-    if V_KEY_MAJOR:  # a first block with keys before the sequence is masked
-        clean_start = tl.maximum(clean_start, (lead > 0).to(tl.int32) * BLOCK_N)
-        clean_end = tl.maximum(clean_end, clean_start)
-    for SPAN in tl.static_range(3):  # without a window or key-major v, no masked blocks come first
-        if SPAN != 0 or V_KEY_MAJOR or WINDOW_LEFT >= 0:
-            lo, hi = _span(SPAN, start, clean_start, clean_end, end, CLIP_FIRST=True)
-            for key_start in range(lo, hi, BLOCK_N):
-                acc, row_sum, row_max = _fwd_block(
-                    acc, row_sum, row_max, q, k_base, v_base, key_start=key_start,
-                    query_rows=query_rows, cols=cols, lead=lead, n_k=n_window, shift=shift, slope=slope,
-                    kv_token_stride=kv_token_stride, v_d_stride=v_d_stride, QK_SCALE=QK_SCALE, D=D,
-                    BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=SPAN != 1,
-                    CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
-                    ALIBI=ALIBI, V_KEY_MAJOR=V_KEY_MAJOR)
-
-    attended = row_sum > 0  # false only for queries with no key (empty key sequence, or band)
-    acc = acc * (OUT_SCALE / tl.where(attended, row_sum, 1.0))[:, None]
-    o_base = _rows(o_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
-    _store(o_base, query_rows, cols, n_q, acc, q_token_stride, D, BLOCK_D)
-    # In units of the unscaled scores: sum_j exp2((s_j - lse) * QK_SCALE) = 1.
-    lse = tl.where(attended, row_max + tl.math.log2(row_sum) * (1.0 / QK_SCALE), INF)
-    lse_base = _stats(lse_ptr, segment, head, q_start, q_tokens, NUM_HEADS)
-    tl.store(lse_base + query_rows, lse, mask=query_rows < n_q)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Backward
-# ---------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -216,16 +39,16 @@ def attention_bwd_preprocess_kernel(
     segment = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     tokens = tl.load(params_ptr + PARAM_ARRAY_TOKENS)
-    token_stride = _aligned(tl.load(params_ptr + PARAM_ARRAY_TOKEN_STRIDE), STRIDE_ALIGN)
-    head_stride = _aligned(tl.load(params_ptr + PARAM_ARRAY_HEAD_STRIDE), STRIDE_ALIGN)
+    token_stride = aligned(tl.load(params_ptr + PARAM_ARRAY_TOKEN_STRIDE), STRIDE_ALIGN)
+    head_stride = aligned(tl.load(params_ptr + PARAM_ARRAY_HEAD_STRIDE), STRIDE_ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
-    o = _load(_rows(o_ptr, segment, head, 0, tokens, token_stride, head_stride), rows, cols, tokens,
+    o = load_tile(token_ptr(o_ptr, segment, head, 0, tokens, token_stride, head_stride), rows, cols, tokens,
               token_stride, D, BLOCK_D, True)
-    do = _load(_rows(do_ptr, segment, head, 0, tokens, token_stride, head_stride), rows, cols, tokens,
+    do = load_tile(token_ptr(do_ptr, segment, head, 0, tokens, token_stride, head_stride), rows, cols, tokens,
                token_stride, D, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1) * (1.0 / OUT_SCALE)
-    tl.store(_stats(delta_ptr, segment, head, 0, tokens, NUM_HEADS) + rows, delta, mask=rows < tokens)
+    tl.store(stat_ptr(delta_ptr, segment, head, 0, tokens, NUM_HEADS) + rows, delta, mask=rows < tokens)
 
 
 @triton.jit
@@ -244,8 +67,8 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_km_base, do_km_base, lse_base, 
     queries) come from the key-major copies, so that both operands of those TF32 products are K-major.
     """
     query_rows = query_start + tl.arange(0, BLOCK_M)
-    q = _load(q_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, MASKED)
-    do = _load(do_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, MASKED)
+    q = load_tile(q_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, MASKED)
+    do = load_tile(do_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, MASKED)
     if MASKED:
         valid = (query_rows >= lead) & (query_rows < n_q)
         lse = tl.load(lse_base + query_rows, mask=valid, other=INF)
@@ -254,20 +77,21 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, q_km_base, do_km_base, lse_base, 
         lse = tl.load(lse_base + query_rows)
         delta = tl.load(delta_base + query_rows)
     if QDO_KEY_MAJOR:
-        q_b = tl.trans(_load_key_major(q_km_base, query_rows, cols, lead, n_q, km_d_stride, D, BLOCK_D,
+        q_b = tl.trans(load_tile_key_major(q_km_base, query_rows, cols, lead, n_q, km_d_stride, D, BLOCK_D,
                                        MASKED))
-        do_b = tl.trans(_load_key_major(do_km_base, query_rows, cols, lead, n_q, km_d_stride, D, BLOCK_D,
+        do_b = tl.trans(load_tile_key_major(do_km_base, query_rows, cols, lead, n_q, km_d_stride, D, BLOCK_D,
                                         MASKED))
     else:
         q_b = q
         do_b = do
-    scores_t, t_t = _scores(tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION), query_rows[None, :],
-                            key_rows[:, None], shift, slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+    scores_t, t_t = transform_scores(tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION),
+                                     query_rows[None, :], key_rows[:, None], shift, slope, SOFTCAP=SOFTCAP,
+                                     ALIBI=ALIBI)
     p_t = tl.math.exp2((scores_t - lse[None, :]) * QK_SCALE)
     if MASKED and (CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0 or QDO_KEY_MAJOR):
         # The tokens before the sequence (QDO_KEY_MAJOR) may hold anything, inf and nan included.
         keep = (query_rows[None, :] >= lead) if QDO_KEY_MAJOR else True
-        keep = _band(keep, query_rows[None, :], key_rows[:, None], shift, CAUSAL=CAUSAL,
+        keep = band(keep, query_rows[None, :], key_rows[:, None], shift, CAUSAL=CAUSAL,
                      WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT)
         p_t = tl.where(keep, p_t, 0.0)
     dv = tl.dot(p_t.to(do_b.dtype), do_b, dv, input_precision=INPUT_PRECISION)
@@ -293,28 +117,28 @@ def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_
                   BLOCK_N: tl.constexpr, QDO_KEY_MAJOR: tl.constexpr, KEY_MAJOR_ALIGN: tl.constexpr):
     """dk and dv of keys [key_start, +BLOCK_N) of one kv head: every query block of every query head
     of its group, in order (deterministic). With QDO_KEY_MAJOR the query window starts at the
-    KEY_MAJOR_ALIGN-aligned token at or before the sequence's first (see `_key_major_window`)."""
-    kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
+    KEY_MAJOR_ALIGN-aligned token at or before the sequence's first (see `key_major_window`)."""
+    kv_start, n_k = bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
     if key_start >= n_k:
         return
-    q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+    q_start, n_q = bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
     if QDO_KEY_MAJOR:
-        window, lead = _key_major_window(segment, q_start, n_q, q_tokens, KEY_MAJOR_ALIGN)
+        window, lead = key_major_window(segment, q_start, n_q, q_tokens, KEY_MAJOR_ALIGN)
     else:
         window = 0
         lead = 0
     n_window = n_q + lead
     cols = tl.arange(0, BLOCK_D)
     key_rows = key_start + tl.arange(0, BLOCK_N)
-    k_base = _rows(k_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
-    v_base = _rows(v_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    k_base = token_ptr(k_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    v_base = token_ptr(v_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
     # Keys past n_k load as 0; their rows of dk, dv are computed but never stored.
-    k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, True)
-    v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, True)
+    k = load_tile(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, True)
+    v = load_tile(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    shift = _query_shift(n_window, n_k, ALIGNED=CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0 or ALIBI)
-    start, clean_start, clean_end, end = _query_ranges(
+    shift = query_shift(n_window, n_k, ALIGNED=CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0 or ALIBI)
+    start, clean_start, clean_end, end = query_ranges(
         key_start, n_window, n_k, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
         WINDOW_RIGHT=WINDOW_RIGHT)
     if QDO_KEY_MAJOR:
@@ -324,19 +148,19 @@ def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_
         clean_end = tl.maximum(clean_end, clean_start) // BLOCK_M * BLOCK_M
     for member in range(0, KV_GROUP):
         head = kv_head * KV_GROUP + member
-        q_base = _rows(q_ptr, segment, head, q_start - lead, q_tokens, q_token_stride, q_head_stride)
-        do_base = _rows(do_ptr, segment, head, q_start - lead, q_tokens, q_token_stride, q_head_stride)
-        lse_base = _stats(lse_ptr, segment, head, q_start - lead, q_tokens, NUM_HEADS)
-        delta_base = _stats(delta_ptr, segment, head, q_start - lead, q_tokens, NUM_HEADS)
+        q_base = token_ptr(q_ptr, segment, head, q_start - lead, q_tokens, q_token_stride, q_head_stride)
+        do_base = token_ptr(do_ptr, segment, head, q_start - lead, q_tokens, q_token_stride, q_head_stride)
+        lse_base = stat_ptr(lse_ptr, segment, head, q_start - lead, q_tokens, NUM_HEADS)
+        delta_base = stat_ptr(delta_ptr, segment, head, q_start - lead, q_tokens, NUM_HEADS)
         q_km_base = q_km_ptr + head.to(tl.int64) * D * km_d_stride + window
         do_km_base = do_km_ptr + head.to(tl.int64) * D * km_d_stride + window
         if ALIBI:
             slope = tl.load(slopes_ptr + segment * NUM_HEADS + head)
         else:
             slope = 0.0
-        # Without a window, clean_start <= end already (the first form of _query_ranges).
+        # Without a window, clean_start <= end already (the first form of query_ranges).
         for SPAN in tl.static_range(3):
-            lo, hi = _span(SPAN, start, clean_start, clean_end, end,
+            lo, hi = span(SPAN, start, clean_start, clean_end, end,
                            CLIP_FIRST=WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0)
             for query_start in range(lo, hi, BLOCK_M):
                 dk, dv = _dkdv_block(
@@ -347,10 +171,10 @@ def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_
                     BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=SPAN != 1,
                     CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
                     ALIBI=ALIBI, QDO_KEY_MAJOR=QDO_KEY_MAJOR)
-    dk_base = _rows(dk_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
-    dv_base = _rows(dv_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
-    _store(dk_base, key_rows, cols, n_k, dk * DS_SCALE, kv_token_stride, D, BLOCK_D)
-    _store(dv_base, key_rows, cols, n_k, dv * OUT_SCALE, kv_token_stride, D, BLOCK_D)
+    dk_base = token_ptr(dk_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    dv_base = token_ptr(dv_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    store_tile(dk_base, key_rows, cols, n_k, dk * DS_SCALE, kv_token_stride, D, BLOCK_D)
+    store_tile(dv_base, key_rows, cols, n_k, dv * OUT_SCALE, kv_token_stride, D, BLOCK_D)
 
 
 @triton.jit
@@ -361,13 +185,13 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start, query_rows, cols
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Accumulate into dq (unscaled) the keys [key_start, key_start + BLOCK_N)."""
     key_rows = key_start + tl.arange(0, BLOCK_N)
-    k = _load(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
-    v = _load(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
-    scores, t = _scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), query_rows[:, None],
+    k = load_tile(k_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
+    v = load_tile(v_base, key_rows, cols, n_k, kv_token_stride, D, BLOCK_D, MASKED)
+    scores, t = transform_scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), query_rows[:, None],
                         key_rows[None, :], shift, slope, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     p = tl.math.exp2((scores - lse[:, None]) * QK_SCALE)
     if MASKED:
-        keep = _band(key_rows[None, :] < n_k, query_rows[:, None], key_rows[None, :], shift, CAUSAL=CAUSAL,
+        keep = band(key_rows[None, :] < n_k, query_rows[:, None], key_rows[None, :], shift, CAUSAL=CAUSAL,
                      WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT)
         p = tl.where(keep, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
@@ -387,36 +211,36 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offse
                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, QK_SCALE: tl.constexpr, DS_SCALE: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq of the queries [query_start, query_start + BLOCK_M), walking their key blocks."""
-    q_start, n_q = _bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+    q_start, n_q = bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
     if query_start >= n_q:
         return
-    kv_start, n_k = _bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
+    kv_start, n_k = bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
     kv_head = head // KV_GROUP
     cols = tl.arange(0, BLOCK_D)
     query_rows = query_start + tl.arange(0, BLOCK_M)
-    q_base = _rows(q_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
-    do_base = _rows(do_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
-    q = _load(q_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, True)
-    do = _load(do_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, True)
+    q_base = token_ptr(q_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
+    do_base = token_ptr(do_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
+    q = load_tile(q_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, True)
+    do = load_tile(do_base, query_rows, cols, n_q, q_token_stride, D, BLOCK_D, True)
     query_valid = query_rows < n_q
-    lse = tl.load(_stats(lse_ptr, segment, head, q_start, q_tokens, NUM_HEADS) + query_rows,
+    lse = tl.load(stat_ptr(lse_ptr, segment, head, q_start, q_tokens, NUM_HEADS) + query_rows,
                   mask=query_valid, other=INF)
-    delta = tl.load(_stats(delta_ptr, segment, head, q_start, q_tokens, NUM_HEADS) + query_rows,
+    delta = tl.load(stat_ptr(delta_ptr, segment, head, q_start, q_tokens, NUM_HEADS) + query_rows,
                     mask=query_valid, other=0.0)
-    k_base = _rows(k_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
-    v_base = _rows(v_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    k_base = token_ptr(k_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
+    v_base = token_ptr(v_ptr, segment, kv_head, kv_start, kv_tokens, kv_token_stride, kv_head_stride)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    shift = _query_shift(n_q, n_k, ALIGNED=CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0 or ALIBI)
+    shift = query_shift(n_q, n_k, ALIGNED=CAUSAL or WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0 or ALIBI)
     if ALIBI:
         slope = tl.load(slopes_ptr + segment * NUM_HEADS + head)
     else:
         slope = 0.0
-    start, clean_start, clean_end, end = _key_ranges(
+    start, clean_start, clean_end, end = key_ranges(
         query_start, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
         WINDOW_RIGHT=WINDOW_RIGHT)
     for SPAN in tl.static_range(3):  # without a left window, no masked blocks come first
         if SPAN != 0 or WINDOW_LEFT >= 0:
-            lo, hi = _span(SPAN, start, clean_start, clean_end, end, CLIP_FIRST=True)
+            lo, hi = span(SPAN, start, clean_start, clean_end, end, CLIP_FIRST=True)
             for key_start in range(lo, hi, BLOCK_N):
                 dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, key_start=key_start,
                                query_rows=query_rows, cols=cols, n_k=n_k, shift=shift, slope=slope,
@@ -424,8 +248,8 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offse
                                BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION, MASKED=SPAN != 1,
                                CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT,
                                SOFTCAP=SOFTCAP, ALIBI=ALIBI)
-    dq_base = _rows(dq_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
-    _store(dq_base, query_rows, cols, n_q, dq * DS_SCALE, q_token_stride, D, BLOCK_D)
+    dq_base = token_ptr(dq_ptr, segment, head, q_start, q_tokens, q_token_stride, q_head_stride)
+    store_tile(dq_base, query_rows, cols, n_q, dq * DS_SCALE, q_token_stride, D, BLOCK_D)
 
 
 @triton.jit
@@ -456,10 +280,10 @@ def attention_bwd_kernel(
     Every output element has one writer and there are no atomics: the result is deterministic.
     """
     (batch, q_tokens, kv_tokens, q_token_stride, q_head_stride, kv_token_stride, kv_head_stride,
-     q_offsets_stride, kv_offsets_stride) = _params(params_ptr, STRIDE_ALIGN)
+     q_offsets_stride, kv_offsets_stride) = attention_params(params_ptr, STRIDE_ALIGN)
     q_fill_chunk = tl.load(params_ptr + PARAM_BWD_Q_FILL_CHUNK)
     kv_fill_chunk = tl.load(params_ptr + PARAM_BWD_KV_FILL_CHUNK)
-    segment, sequence, head, slot = _program(batch, tl.load(params_ptr + PARAM_BWD_SLOTS), NUM_HEADS)
+    segment, sequence, head, slot = program(batch, tl.load(params_ptr + PARAM_BWD_SLOTS), NUM_HEADS)
     q_offsets_ptr += segment * q_offsets_stride
     kv_offsets_ptr += segment * kv_offsets_stride
     if DQ_PROGRAMS and DKDV_PROGRAMS:
@@ -470,23 +294,23 @@ def attention_bwd_kernel(
         block = slot
     if sequence == batch:
         if is_dq:
-            _zero_uncovered(dq_ptr, dq_ptr, q_offsets_ptr, batch, segment, head, chunk=block,
+            zero_uncovered(dq_ptr, dq_ptr, q_offsets_ptr, batch, segment, head, chunk=block,
                             fill_chunk=q_fill_chunk, num_tokens=q_tokens, token_stride=q_token_stride,
                             head_stride=q_head_stride, MAX_LEN=Q_MAX_LEN, D=D, BLOCK_D=BLOCK_D,
                             BLOCK=FILL_BLOCK, TWO=False)
         elif head % KV_GROUP == 0:
-            _zero_uncovered(dk_ptr, dv_ptr, kv_offsets_ptr, batch, segment, head // KV_GROUP, chunk=block,
+            zero_uncovered(dk_ptr, dv_ptr, kv_offsets_ptr, batch, segment, head // KV_GROUP, chunk=block,
                             fill_chunk=kv_fill_chunk, num_tokens=kv_tokens, token_stride=kv_token_stride,
                             head_stride=kv_head_stride, MAX_LEN=KV_MAX_LEN, D=D, BLOCK_D=BLOCK_D,
                             BLOCK=FILL_BLOCK, TWO=True)
         return
     if block == 0:
         if is_dq:
-            _zero_tail(dq_ptr, dq_ptr, q_offsets_ptr, sequence, segment, head, num_tokens=q_tokens,
+            zero_tail(dq_ptr, dq_ptr, q_offsets_ptr, sequence, segment, head, num_tokens=q_tokens,
                        token_stride=q_token_stride, head_stride=q_head_stride, MAX_LEN=Q_MAX_LEN, D=D,
                        BLOCK_D=BLOCK_D, BLOCK=FILL_BLOCK, TWO=False)
         elif head % KV_GROUP == 0:
-            _zero_tail(dk_ptr, dv_ptr, kv_offsets_ptr, sequence, segment, head // KV_GROUP,
+            zero_tail(dk_ptr, dv_ptr, kv_offsets_ptr, sequence, segment, head // KV_GROUP,
                        num_tokens=kv_tokens, token_stride=kv_token_stride, head_stride=kv_head_stride,
                        MAX_LEN=KV_MAX_LEN, D=D, BLOCK_D=BLOCK_D, BLOCK=FILL_BLOCK, TWO=True)
         return
@@ -504,7 +328,7 @@ def attention_bwd_kernel(
                     BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N)
     elif head % KV_GROUP == 0:
         if QDO_KEY_MAJOR:
-            km_d_stride = _aligned(tl.load(params_ptr + PARAM_BWD_KM_D_STRIDE), KEY_MAJOR_ALIGN)
+            km_d_stride = aligned(tl.load(params_ptr + PARAM_BWD_KM_D_STRIDE), KEY_MAJOR_ALIGN)
         else:
             km_d_stride = 0
         _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_km_ptr, do_km_ptr, dk_ptr, dv_ptr,
@@ -519,3 +343,4 @@ def attention_bwd_kernel(
                       QK_SCALE=QK_SCALE, DS_SCALE=DS_SCALE, OUT_SCALE=OUT_SCALE,
                       INPUT_PRECISION=INPUT_PRECISION, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N,
                       QDO_KEY_MAJOR=QDO_KEY_MAJOR, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN)
+

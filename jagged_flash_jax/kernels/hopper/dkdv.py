@@ -40,8 +40,8 @@ def _query_tiles(key0, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, C
     first: those holding the queries that see some of its keys (under causal from the first tile with a
     query i + n_k - n_q >= key0; a window bounds them on both sides, common._query_ranges)."""
     if WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0:
-        start, _, _, end = query_ranges(key0, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT,
-                                         WINDOW_RIGHT)
+        start, _, _, end = query_ranges(key0, n_q, n_k, BLOCK_M, BLOCK_N, (CAUSAL, WINDOW_LEFT,
+                                         WINDOW_RIGHT))
         first = start // BLOCK_M
         return first, gl.maximum(gl.cdiv(end, BLOCK_M), first)
     end = gl.cdiv(n_q, BLOCK_M)
@@ -90,8 +90,8 @@ def _dkdv_consume(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty
     last_rows = n_q - last_tile * BLOCK_M
     if WINDOWED:
         # This warpgroup's clean query tiles, [clean_start, clean_end) (below n_q's last partial tile).
-        _, clean_start, clean_end, _ = query_ranges(krow0, n_q, n_k, BLOCK_M, CONSUMER_ROWS, CAUSAL,
-                                                     WINDOW_LEFT, WINDOW_RIGHT)
+        _, clean_start, clean_end, _ = query_ranges(krow0, n_q, n_k, BLOCK_M, CONSUMER_ROWS, (CAUSAL,
+                                                     WINDOW_LEFT, WINDOW_RIGHT))
     mbarrier.wait(kv_bar, kvp)  # always, tiles or none: kv_bar's phase runs on from block to block
     for g in range(KV_GROUP):
         head = kv_head * KV_GROUP + g
@@ -134,7 +134,7 @@ def _dkdv_consume(k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty
                 keep = gl.expand_dims(cols < n_q, 0)
                 if BANDED:  # common._band of queries cols (at key positions cols + shift), keys key_rows
                     keep = band(keep, gl.expand_dims(cols + shift, 0), gl.expand_dims(key_rows, 1), 0,
-                                 CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
+                                 (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT))
                 pt = gl.where(keep, pt, 0.0)
             p_op = gl.convert_layout(pt.to(dtype), op_layout)
             if SOFTCAP > 0:  # dS^T takes the cap's derivative, 1 - tanh^2: folded into P^T here

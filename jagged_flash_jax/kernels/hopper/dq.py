@@ -65,8 +65,8 @@ def _dq_consume(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, ta
     s_zero = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
     # This warpgroup's clean key blocks (every key of them seen by every one of its queries, < n_k).
-    _, clean_start, clean_end, _ = key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, WINDOW_LEFT,
-                                               WINDOW_RIGHT)
+    _, clean_start, clean_end, _ = key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, (CAUSAL, WINDOW_LEFT,
+                                               WINDOW_RIGHT))
     # The block's last K tile runs past n_k: warpgroup 0 zeroes its rows there and hands it over.
     has_tail = (num_key_blocks > 0) & (key_first + num_key_blocks * BLOCK_N > n_k)
     mbarrier.wait(q_bar.index(WG), qp)  # always: the load must land before the program may end
@@ -101,8 +101,8 @@ def _dq_consume(q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, ta
             keys = key_start + gl.arange(0, BLOCK_N, layout=col_layout)
             keep = gl.expand_dims(keys < n_k, 0)
             if BANDED:  # common._band of queries rows (at key positions rows + shift), keys `keys`
-                keep = band(keep, gl.expand_dims(rows + shift, 1), gl.expand_dims(keys, 0), 0, CAUSAL,
-                             WINDOW_LEFT, WINDOW_RIGHT)
+                keep = band(keep, gl.expand_dims(rows + shift, 1), gl.expand_dims(keys, 0), 0, (CAUSAL,
+                             WINDOW_LEFT, WINDOW_RIGHT))
             ds = gl.where(keep, ds, 0.0)
         ds_op = gl.convert_layout(ds.to(dtype), op_layout)
         dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)

@@ -37,7 +37,7 @@ def _own_tiles(row0, n_q, n_k, key_first, num_key_blocks, BLOCK_N: gl.constexpr,
     """[lo, hi) of the program's key tiles (from key_first) that some query of one consumer warpgroup's,
     [row0, +64), sees: its own band within the block's (common._key_ranges over its rows), empty when
     its rows are all past n_q."""
-    first, _, _, end = key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
+    first, _, _, end = key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT))
     lo = gl.minimum((first - key_first) // BLOCK_N, num_key_blocks)
     hi = gl.minimum(gl.maximum(gl.cdiv(end - key_first, BLOCK_N), lo), num_key_blocks)
     hi = gl.where(row0 < n_q, hi, lo)
@@ -97,8 +97,8 @@ def _consume(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, 
     q = q_smem.index(WG)
     num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
     # This warpgroup's clean key blocks (common._key_ranges over its 64 rows).
-    _, clean_start, clean_end, _ = key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, CAUSAL, WINDOW_LEFT,
-                                               WINDOW_RIGHT)
+    _, clean_start, clean_end, _ = key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, (CAUSAL, WINDOW_LEFT,
+                                               WINDOW_RIGHT))
 
     # The tiles each warpgroup computes, [lo, hi): under a window a warpgroup's band may start or end a
     # tile from the block's (more often with narrow bands' 64-key tiles); it passes the tiles outside,

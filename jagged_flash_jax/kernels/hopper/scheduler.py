@@ -102,8 +102,8 @@ def query_block(q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens
     sequence, head, start_m = item_position(item, blocks, NUM_HEADS, BLOCK_M, LAST_FIRST=True)
     q_start, n_q = bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
     kv_start, n_k = bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
-    key_first, _, _, key_end = key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_LEFT,
-                                           WINDOW_RIGHT)
+    key_first, _, _, key_end = key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, (CAUSAL, WINDOW_LEFT,
+                                           WINDOW_RIGHT))
     num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
     return sequence, head, q_start, n_q, kv_start, n_k, start_m, key_first, key_end, num_key_blocks
 

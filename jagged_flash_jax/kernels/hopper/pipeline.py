@@ -1,6 +1,6 @@
 """The warp-specialized pipeline of the Hopper kernels: the TMA-load and partition-barrier aliases, a
-consumer warpgroup's rows, and the shared-memory ring's helpers (zeroing a tile's rows, publishing it,
-passing a slot).
+consumer warpgroup's rows, the mbarrier arrays and their set-up, and the shared-memory ring's helpers
+(zeroing a tile's rows, publishing it, passing a slot).
 """
 
 from triton.experimental import gluon
@@ -13,8 +13,24 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
-# Query rows of one consumer warpgroup (a wgmma's M is 64 per warpgroup).
+# Rows of one consumer warpgroup's tiles (a wgmma's M is 64 per warpgroup): each kernel's blocks are
+# two warpgroups' 64 rows.
 CONSUMER_ROWS: gl.constexpr = gl.constexpr(64)
+
+
+@gluon.jit
+def mbarriers(SLOTS: gl.constexpr):
+    """An array of SLOTS mbarriers in shared memory (`init_barriers` sets them up)."""
+    return gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+
+
+@gluon.jit
+def init_barriers(bars, COUNTS: gl.constexpr, SLOTS: gl.constexpr):
+    """Initialize the mbarrier arrays `bars` slot by slot, bars[j] counting COUNTS[j] arrivals. The order
+    of the inits places the barriers in shared memory: a kernel's PTX changes with it."""
+    for slot in gl.static_range(SLOTS):
+        for j in gl.static_range(len(COUNTS)):
+            mbarrier.init(bars[j].index(slot), count=COUNTS[j])
 
 
 @gluon.jit
@@ -42,12 +58,3 @@ def pass_slot(ready, empty, j, STAGES: gl.constexpr):
     never counts toward the slot's next use, which needs the other consumer's too."""
     mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
     mbarrier.arrive(empty.index(j % STAGES), count=1)
-
-
-@gluon.jit
-def pass_tiles(k_ready, v_ready, k_empty, v_empty, first, end, STAGES: gl.constexpr):
-    """`pass_slot` of the key and value tiles [first, end) of the ring, in the producer's order."""
-    for j in range(first, end):
-        pass_slot(k_ready, k_empty, j, STAGES)
-        pass_slot(v_ready, v_empty, j, STAGES)
-

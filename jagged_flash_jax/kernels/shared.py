@@ -54,6 +54,51 @@ def bounds(offsets_ptr, sequence, num_tokens, MAX_LEN: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------------
+# The zero fills' decisions: which tokens no sequence attends. Each family keeps its own store loops:
+# Gluon tensors need explicit layouts, which a `tl` routine cannot give them.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def chunk_tokens(chunk, fill_chunk, num_tokens):
+    """Tokens [first, last) (int64) of fill chunk `chunk`, of fill_chunk tokens each."""
+    first = chunk.to(tl.int64) * fill_chunk
+    return first, tl.minimum(first + fill_chunk, num_tokens)
+
+
+@triton.jit
+def decreasing(offsets_ptr, index, batch, num_tokens):
+    """Whether sequence `index` (elementwise; < batch, else false) ends before it starts, its offsets
+    clamped as `extent` clamps them: then the offsets are malformed."""
+    valid = index < batch
+    lo = tl.load(offsets_ptr + index, mask=valid, other=0).to(tl.int64)
+    hi = tl.load(offsets_ptr + index + 1, mask=valid, other=0).to(tl.int64)
+    lo = tl.minimum(tl.maximum(lo, 0), num_tokens)
+    hi = tl.minimum(tl.maximum(hi, 0), num_tokens)
+    return valid & (hi < lo)
+
+
+@triton.jit
+def covered_range(offsets_ptr, batch, num_tokens):
+    """[start, end) (int64) of the tokens the sequences cover when the offsets are sorted: the tokens
+    outside are no sequence's."""
+    covered_start = tl.minimum(tl.maximum(tl.load(offsets_ptr).to(tl.int64), 0), num_tokens)
+    covered_end = tl.minimum(tl.maximum(tl.load(offsets_ptr + batch).to(tl.int64), covered_start), num_tokens)
+    return covered_start, covered_end
+
+
+@triton.jit
+def attended(tokens, offsets_ptr, batch, num_tokens, MAX_LEN: tl.constexpr):
+    """Whether each token is among some sequence's first MAX_LEN, checked against every sequence: for
+    malformed offsets (slow, but right)."""
+    covered = tokens < 0
+    for sequence in range(0, batch):
+        start, length = bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
+        covered = covered | ((tokens >= start) & (tokens < start + length))
+    return covered
+
+
+# ---------------------------------------------------------------------------------------------------
 # The band: which keys each query sees
 # ---------------------------------------------------------------------------------------------------
 

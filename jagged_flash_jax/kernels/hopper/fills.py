@@ -7,7 +7,7 @@ head dimension, the rows a store writes, and what the second target is (FILL_NON
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..shared import INF, bounds, extent
+from ..shared import INF, attended, chunk_tokens, covered_range, decreasing, extent
 
 # What the zero fills write besides their first array (see `_fill_rows`).
 FILL_NONE: gl.constexpr = gl.constexpr(0)
@@ -66,12 +66,7 @@ def _offsets_sorted(offsets_ptr, batch, num_tokens, BLOCK: gl.constexpr):
     unsorted = gl.zeros([BLOCK], gl.int32, layout=layout)
     for first in range(0, batch, BLOCK):
         index = first + gl.arange(0, BLOCK, layout=layout)
-        valid = index < batch
-        lo = gl.load(offsets_ptr + index, mask=valid, other=0).to(gl.int64)
-        hi = gl.load(offsets_ptr + index + 1, mask=valid, other=0).to(gl.int64)
-        lo = gl.minimum(gl.maximum(lo, 0), num_tokens)
-        hi = gl.minimum(gl.maximum(hi, 0), num_tokens)
-        unsorted += (valid & (hi < lo)).to(gl.int32)
+        unsorted += decreasing(offsets_ptr, index, batch, num_tokens).to(gl.int32)
     return gl.sum(unsorted, axis=0) == 0
 
 
@@ -92,24 +87,19 @@ def _zero_uncovered(targets, offsets_ptr, batch, head, chunk, fill_chunk, layout
     before the first sequence and after the last; with malformed ones every token checked against every
     sequence's first MAX_LEN (slow, but right)."""
     num_tokens, token_stride, _ = layout
-    first = chunk.to(gl.int64) * fill_chunk
-    last = gl.minimum(first + fill_chunk, num_tokens)
+    first, last = chunk_tokens(chunk, fill_chunk, num_tokens)
     bases = _bases(targets, head, layout, FILL[2])
     if _offsets_sorted(offsets_ptr, batch, num_tokens, 128):
-        covered_start = gl.minimum(gl.maximum(gl.load(offsets_ptr).to(gl.int64), 0), num_tokens)
-        covered_end = gl.minimum(gl.maximum(gl.load(offsets_ptr + batch).to(gl.int64), covered_start),
-                                 num_tokens)
+        covered_start, covered_end = covered_range(offsets_ptr, batch, num_tokens)
         _fill_range(bases, first, gl.minimum(last, covered_start), token_stride, FILL)
         _fill_range(bases, gl.maximum(first, covered_end), last, token_stride, FILL)
     else:
         layout_2d: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         for block_start in range(first, last, FILL[1]):
             tokens = block_start + gl.arange(0, FILL[1], layout=gl.SliceLayout(1, layout_2d)).to(gl.int64)
-            attended = tokens < 0
-            for sequence in range(0, batch):
-                start, length = bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
-                attended = attended | ((tokens >= start) & (tokens < start + length))
-            _fill_rows(bases, tokens, (tokens < last) & ~attended, token_stride, FILL, layout_2d)
+            covered = attended(tokens, offsets_ptr, batch, num_tokens, MAX_LEN)
+            keep = (tokens < last) & ~covered
+            _fill_rows(bases, tokens, keep, token_stride, FILL, layout_2d)
 
 
 @gluon.jit

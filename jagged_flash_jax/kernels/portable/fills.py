@@ -7,7 +7,7 @@ head dimension and its block, the rows a store writes, and whether the second ar
 import triton
 import triton.language as tl
 
-from ..shared import bounds, extent
+from ..shared import attended, chunk_tokens, covered_range, decreasing, extent
 from .memory import token_ptr
 
 
@@ -17,12 +17,7 @@ def _offsets_sorted(offsets_ptr, batch, num_tokens, BLOCK: tl.constexpr):
     unsorted = tl.zeros([1], dtype=tl.int32)
     for first in range(0, batch, BLOCK):
         index = first + tl.arange(0, BLOCK)
-        valid = index < batch
-        lo = tl.load(offsets_ptr + index, mask=valid, other=0).to(tl.int64)
-        hi = tl.load(offsets_ptr + index + 1, mask=valid, other=0).to(tl.int64)
-        lo = tl.minimum(tl.maximum(lo, 0), num_tokens)
-        hi = tl.minimum(tl.maximum(hi, 0), num_tokens)
-        unsorted += tl.sum((valid & (hi < lo)).to(tl.int32), axis=0)
+        unsorted += tl.sum(decreasing(offsets_ptr, index, batch, num_tokens).to(tl.int32), axis=0)
     return tl.sum(unsorted, axis=0) == 0
 
 
@@ -72,20 +67,15 @@ def zero_uncovered(targets, offsets_ptr, batch, segment, head, chunk, fill_chunk
     first_ptr, second_ptr = targets
     num_tokens, token_stride, _ = layout
     cols = tl.arange(0, FILL[1])
-    first = chunk.to(tl.int64) * fill_chunk
-    last = tl.minimum(first + fill_chunk, num_tokens)
+    first, last = chunk_tokens(chunk, fill_chunk, num_tokens)
     bases = (token_ptr(first_ptr, segment, head, 0, layout), token_ptr(second_ptr, segment, head, 0, layout))
     if _offsets_sorted(offsets_ptr, batch, num_tokens, 256):
-        covered_start = tl.minimum(tl.maximum(tl.load(offsets_ptr).to(tl.int64), 0), num_tokens)
-        covered_end = tl.minimum(tl.maximum(tl.load(offsets_ptr + batch).to(tl.int64), covered_start),
-                                 num_tokens)
+        covered_start, covered_end = covered_range(offsets_ptr, batch, num_tokens)
         _zero_rows(bases, first, tl.minimum(last, covered_start), cols, token_stride, FILL)
         _zero_rows(bases, tl.maximum(first, covered_end), last, cols, token_stride, FILL)
     else:
         for block_start in range(first, last, FILL[2]):
             tokens = block_start + tl.arange(0, FILL[2])
-            attended = tokens < 0
-            for sequence in range(0, batch):
-                start, length = bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
-                attended = attended | ((tokens >= start) & (tokens < start + length))
-            _store_zeros(bases, tokens, (tokens < last) & ~attended, cols, token_stride, FILL)
+            covered = attended(tokens, offsets_ptr, batch, num_tokens, MAX_LEN)
+            keep = (tokens < last) & ~covered
+            _store_zeros(bases, tokens, keep, cols, token_stride, FILL)

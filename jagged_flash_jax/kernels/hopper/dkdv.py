@@ -84,16 +84,18 @@ def attention_bwd_dkdv_kernel(
     SHAPE: gl.constexpr = (NUM_KV_HEADS, KV_GROUP, D)
     LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)
     BAND: gl.constexpr = (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
+    SCORES: gl.constexpr = (SOFTCAP, ALIBI, QK_SCALE)
+    SCALES: gl.constexpr = (DS_SCALE, OUT_SCALE)
     TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
-    # As the forward's partitions (the worker partitions take their computed scalars in this order).
+    arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout)
+    # The forward's partitions, their computed scalars in the same order (see forward.py).
     gl.warp_specialize([
-        (_dkdv_consumer_loop, (pipe, schedule, sequences, (slopes_ptr, dk_ptr, dv_ptr, kv_layout), SHAPE,
-                               LENGTHS, BAND, (SOFTCAP, ALIBI, QK_SCALE), (DS_SCALE, OUT_SCALE), TILES, 0)),
-        (_dkdv_consumer_loop, (pipe, schedule, sequences, (slopes_ptr, dk_ptr, dv_ptr, kv_layout), SHAPE,
-                               LENGTHS, BAND, (SOFTCAP, ALIBI, QK_SCALE), (DS_SCALE, OUT_SCALE), TILES, 1)),
+        (_dkdv_consumer_loop, (pipe, schedule, sequences, arrays, SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
+                               0)),
+        (_dkdv_consumer_loop, (pipe, schedule, sequences, arrays, SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
+                               1)),
         (_dkdv_producer_loop, ((q_desc, do_desc, k_desc, v_desc, pipe), (lse_ptr, delta_ptr), schedule,
-                               sequences, (q_layout, kv_layout), SHAPE,
-                               LENGTHS, BAND, TILES)),
+                               sequences, (q_layout, kv_layout), SHAPE, LENGTHS, BAND, TILES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

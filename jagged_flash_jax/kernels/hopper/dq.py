@@ -83,7 +83,7 @@ def attention_bwd_dq_kernel(
     SCORES: gl.constexpr = (SOFTCAP, ALIBI, QK_SCALE)
     TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
     arrays = (slopes_ptr, lse_ptr, delta_ptr, dq_ptr, q_layout)
-    # As the forward's partitions (the worker partitions take their computed scalars in this order).
+    # The forward's partitions, their computed scalars in the same order (see forward.py).
     gl.warp_specialize([
         (consumer_loop, (gl.constexpr(_dq_consume), pipe, schedule, sequences, arrays, SHAPE, LENGTHS, BAND,
                          SCORES, DS_SCALE, TILES, 0)),

@@ -94,8 +94,10 @@ def attention_fwd_kernel(
     SCORES: gl.constexpr = (SOFTCAP, ALIBI, QK_SCALE)
     TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
     arrays = (slopes_ptr, o_ptr, lse_ptr, q_layout)
-    # Two consumer warpgroups (the default partition and a 4-warp worker) and a 1-warp producer. (A
-    # function among a partition's arguments goes as a constexpr: triton 3.6 flattens them to IR.)
+    # Two consumer warpgroups (the default partition and a 4-warp worker) and a 1-warp producer. A
+    # function among a partition's arguments goes as a constexpr (triton 3.6 flattens them to IR). The
+    # workers receive the scalars computed here through shared memory in the order of their arguments,
+    # which the PTX follows: end, blocks, q_tokens, kv_tokens, then the strides.
     gl.warp_specialize([
         (consumer_loop, (gl.constexpr(_consume), pipe, schedule, sequences, arrays, SHAPE, LENGTHS, BAND,
                          SCORES, OUT_SCALE, TILES, 0)),
@@ -188,7 +190,7 @@ def _consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constexpr,
     shift = n_k - n_q
     row0 = start_m + WG * CONSUMER_ROWS
     q = q_smem.index(WG)
-    # This warpgroup's clean key blocks (common._key_ranges over its 64 rows).
+    # This warpgroup's clean key blocks (`shared.key_ranges` over its 64 rows).
     _, clean_start, clean_end, _ = key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, BAND)
 
     # The tiles each warpgroup computes, [lo, hi): under a window a warpgroup's band may start or end a

@@ -23,7 +23,7 @@ def test_every_kernel_has_a_spec():
 
 
 def test_the_attention_kernels_share_their_first_slots():
-    """kernels/common.py reads these slots once for every attention kernel."""
+    """kernels/shared.py names these slots once for every attention kernel."""
     for kernel_spec in spec.SPECS:
         if "batch" in kernel_spec.params:
             assert kernel_spec.params[:len(spec.ATTENTION_PARAMS)] == spec.ATTENTION_PARAMS

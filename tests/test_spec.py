@@ -28,6 +28,8 @@ def test_the_attention_kernels_share_their_first_slots():
         if "batch" in kernel_spec.params:
             assert kernel_spec.params[:len(spec.ATTENTION_PARAMS)] == spec.ATTENTION_PARAMS
     assert spec.KEY_MAJOR.params[:3] == spec.ATTENTION_BWD_PREPROCESS.params
+    # kernels/hopper/addressing.py names the Hopper kernels' own slots once for the three.
+    assert spec.HOPPER_BWD_DKDV.params == spec.HOPPER_BWD_DQ.params == spec.HOPPER_FWD.params
 
 
 def test_packing_takes_exactly_the_specs_parameters():

@@ -19,7 +19,13 @@ from ..shared import (
     PARAM_Q_TOKEN_STRIDE,
     PARAM_Q_TOKENS,
 )
+from ..spec import HOPPER_FWD
 from .pipeline import CONSUMER_ROWS
+
+# The slots the Hopper kernels' runtime parameters add to the attention kernels' (the same in the three
+# specs): the blocks of each (sequence, head) and the tokens of a fill chunk.
+PARAM_BLOCKS: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("blocks"))
+PARAM_FILL_CHUNK: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("fill_chunk"))
 
 
 @gluon.jit

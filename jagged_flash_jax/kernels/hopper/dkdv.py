@@ -19,15 +19,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..shared import PARAM_BATCH, band, query_ranges
-from ..spec import HOPPER_BWD_DKDV
-from .addressing import read_layout, stat_origin, store_rows, tile_origin
+from .addressing import PARAM_BLOCKS, PARAM_FILL_CHUNK, read_layout, stat_origin, store_rows, tile_origin
 from .fills import FILL_ROWS, zero_fills
-from .pipeline import CONSUMER_ROWS, init_barriers, mbarriers, partition_barrier, publish, tma_load, zero_rows
+from .pipeline import (
+    CONSUMER_ROWS,
+    init_barriers,
+    mbarriers,
+    partition_barrier,
+    publish,
+    tma_load,
+    wgmma_layout,
+    zero_rows,
+)
 from .scheduler import fetch, hand_out, item_ring, key_block, receive
 from .scores import alibi_slope, capped_biased
-
-PARAM_BLOCKS: gl.constexpr = gl.constexpr(HOPPER_BWD_DKDV.slot("blocks"))
-PARAM_FILL_CHUNK: gl.constexpr = gl.constexpr(HOPPER_BWD_DKDV.slot("fill_chunk"))
 
 
 @gluon.jit
@@ -230,10 +235,8 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
     BLOCK_N: gl.constexpr = TILES[1]
     STAGES: gl.constexpr = TILES[2]
 
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
+    st_layout: gl.constexpr = wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)

@@ -20,15 +20,11 @@ from ..shared import (
     band,
     key_ranges,
 )
-from ..spec import HOPPER_BWD_DQ
-from .addressing import read_layout, stat_origin, store_rows
+from .addressing import PARAM_BLOCKS, PARAM_FILL_CHUNK, read_layout, stat_origin, store_rows
 from .fills import FILL_NONE, zero_fills
-from .pipeline import CONSUMER_ROWS, init_barriers, mbarriers, publish, tma_load, zero_rows
+from .pipeline import CONSUMER_ROWS, init_barriers, mbarriers, publish, tma_load, wgmma_layout, zero_rows
 from .scheduler import consumer_loop, item_ring, producer_loop
 from .scores import alibi_slope, capped_biased
-
-PARAM_BLOCKS: gl.constexpr = gl.constexpr(HOPPER_BWD_DQ.slot("blocks"))
-PARAM_FILL_CHUNK: gl.constexpr = gl.constexpr(HOPPER_BWD_DQ.slot("fill_chunk"))
 
 
 @gluon.jit
@@ -139,10 +135,8 @@ def _dq_consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constex
     BLOCK_N: gl.constexpr = TILES[1]
     STAGES: gl.constexpr = TILES[2]
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)

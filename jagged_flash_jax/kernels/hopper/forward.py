@@ -23,15 +23,20 @@ from ..shared import (
     PARAM_Q_TOKENS,
     key_ranges,
 )
-from ..spec import HOPPER_FWD
-from .addressing import stat_origin
+from .addressing import PARAM_BLOCKS, PARAM_FILL_CHUNK, stat_origin
 from .fills import FILL_LSE, zero_fills
-from .pipeline import CONSUMER_ROWS, init_barriers, mbarriers, pass_slot, publish, tma_load, zero_rows
+from .pipeline import (
+    CONSUMER_ROWS,
+    init_barriers,
+    mbarriers,
+    pass_slot,
+    publish,
+    tma_load,
+    wgmma_layout,
+    zero_rows,
+)
 from .scheduler import consumer_loop, item_ring, producer_loop
 from .scores import alibi_slope, softmax_step
-
-PARAM_BLOCKS: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("blocks"))
-PARAM_FILL_CHUNK: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("fill_chunk"))
 
 
 @gluon.jit
@@ -180,10 +185,8 @@ def _consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constexpr,
     BLOCK_N: gl.constexpr = TILES[1]
     STAGES: gl.constexpr = TILES[2]
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = k_smem.dtype

@@ -18,6 +18,12 @@ partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 CONSUMER_ROWS: gl.constexpr = gl.constexpr(64)
 
 
+@gluon.constexpr_function
+def wgmma_layout(columns):
+    """The register layout of a consumer warpgroup's [64, columns] wgmma result (4 warps)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 16])
+
+
 @gluon.jit
 def mbarriers(SLOTS: gl.constexpr):
     """An array of SLOTS mbarriers in shared memory (`init_barriers` sets them up)."""

@@ -1,11 +1,12 @@
 """The semantics both kernel families share, in pure Triton: a sequence's extent and attended length, the
-band of keys each query sees (one mask), the key blocks a query block visits and the query blocks a key
-block visits, the score transform (soft cap, ALiBi), and the runtime-parameter slots every attention
-kernel starts with. Scalars and elementwise code only, so that Gluon code calls it on its own layouts.
+tokens the zero fills write, the band of keys each query sees (one mask), the key blocks a query block
+visits and the query blocks a key block visits, the score transform (soft cap, ALiBi), and the
+runtime-parameter slots every attention kernel starts with. Scalars and elementwise code only, so that
+Gluon code calls it on its own layouts.
 
 Compile-time options travel as tuples of constexprs, named in capitals: BAND = (CAUSAL, WINDOW_LEFT,
-WINDOW_RIGHT), SCORES = (SOFTCAP, ALIBI, QK_SCALE). Read their elements by index (or bind them with
-`NAME: tl.constexpr = BAND[0]`): Triton turns the names of a tuple unpacked by assignment into tensors.
+WINDOW_RIGHT), SCORES = (SOFTCAP, ALIBI, QK_SCALE). Bind one to a name as `BAND: tl.constexpr = (...)`
+and read it by index or as `CAUSAL: tl.constexpr = BAND[0]`: names assigned otherwise become tensors.
 """
 
 import triton

@@ -69,7 +69,7 @@ def head_block(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-# The Hopper kernels (kernels/hopper.py, kernels/hopper_backward.py) take their tiles from the table's
+# The Hopper kernels (kernels/hopper/: forward.py, dkdv.py, dq.py) take their tiles from the table's
 # "hopper" entries (BUILTIN_TABLE). Their fixed shapes: the forward's and dq's 128 query rows are two
 # consumer warpgroups of 64, as dk/dv's 128 keys; 4 warps requested (the compiled kernel has 12: the
 # consumers and a producer warpgroup, whose count the launch takes from the PTX, see

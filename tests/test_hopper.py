@@ -1,10 +1,10 @@
-"""The Hopper forward (kernels/hopper.py): compiled here for sm_90a with the launcher's constants (no
+"""The Hopper forward (kernels/hopper/forward.py): compiled here for sm_90a with the launcher's constants (no
 GPU needed; at D = 128 and 256, with every option's constexpr on), and on a Hopper GPU against the float64
 reference, both layouts, causal, windows (left, right, both), a soft cap, ALiBi, GQA, cross, empty and
 truncated sequences, FBGEMM's op, 16-bit inputs, D = 128 and 256, with the gradients that the portable
 backward takes from its log-sum-exp; inf and nan in unattended tokens, large logits (soft-capped too),
 the log-sum-exp returned, a jitted training step run twice, and the kernel's own zero fill (o = 0,
-log-sum-exp +inf) under adversarial offsets. The Hopper backward (kernels/hopper_backward.py) likewise:
+log-sum-exp +inf) under adversarial offsets. The Hopper backward (kernels/hopper/dkdv.py, dq.py) likewise:
 its dk/dv and dq kernels compiled for sm_90a (D = 64 causal, D = 128 with every option on, both
 layouts, both 16-bit types), and on a Hopper GPU against float64 (both layouts, causal, windows (left,
 right, both), a soft cap, ALiBi, all with causal, GQA/MQA, cross-attention both ways, empty and
@@ -273,7 +273,7 @@ CASES = {
     "self-D256-scale": dict(lengths=[17, 200, 90], heads=2, dim=256, max_seq_len=256, scale=0.07),
     "cross-D256-causal-gqa": dict(lengths=[150, 3, 64], kv_lengths=[100, 70, 200], heads=4, kv_heads=2,
                                   dim=256, max_seq_len=128, kv_max_seq_len=150, causal=True),
-    # The options (kernels/hopper.py visits only the key blocks of each 128-query block's band, masks
+    # The options (kernels/hopper/forward.py visits only the key blocks of each 128-query block's band, masks
     # its edge blocks): a left window under causal (diagonal and left-edge blocks, the first key block
     # past 0), GQA, a sequence past max_seq_len and an empty one.
     "window-left-causal-gqa": dict(lengths=[300, 0, 7, 200], heads=4, kv_heads=2, dim=128, max_seq_len=256,
@@ -569,7 +569,7 @@ def test_rows_no_block_computes_are_zero_and_inf(layout, causal, forward_kernels
 
 
 # ---------------------------------------------------------------------------------------------------
-# The Hopper backward (kernels/hopper_backward.py), on a Hopper GPU
+# The Hopper backward (kernels/hopper/dkdv.py, dq.py), on a Hopper GPU
 # ---------------------------------------------------------------------------------------------------
 
 

@@ -23,11 +23,13 @@ def test_every_kernel_has_a_spec():
 
 
 def test_the_attention_kernels_share_their_first_slots():
-    """kernels/common.py reads these slots once for every attention kernel."""
+    """kernels/shared.py names these slots once for every attention kernel."""
     for kernel_spec in spec.SPECS:
         if "batch" in kernel_spec.params:
             assert kernel_spec.params[:len(spec.ATTENTION_PARAMS)] == spec.ATTENTION_PARAMS
     assert spec.KEY_MAJOR.params[:3] == spec.ATTENTION_BWD_PREPROCESS.params
+    # kernels/hopper/addressing.py names the Hopper kernels' own slots once for the three.
+    assert spec.HOPPER_BWD_DKDV.params == spec.HOPPER_BWD_DQ.params == spec.HOPPER_FWD.params
 
 
 def test_packing_takes_exactly_the_specs_parameters():

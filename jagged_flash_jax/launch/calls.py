@@ -170,7 +170,7 @@ def _slopes(p: Problem, slopes) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The portable kernels (kernels/portable.py): a program per (segment, sequence or fill, head, slot)
+# The portable kernels (kernels/portable/): a program per (segment, sequence or fill, head, slot)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -362,7 +362,7 @@ def backward(run: Runner, p: Problem, config: PortableConfig, q, k, v, q_offsets
 
 
 # ---------------------------------------------------------------------------------------------------
-# The Hopper kernels (kernels/hopper.py, kernels/hopper_backward.py): persistent, TMA descriptors
+# The Hopper kernels (kernels/hopper/: forward.py, dkdv.py, dq.py): persistent, TMA descriptors
 # ---------------------------------------------------------------------------------------------------
 
 

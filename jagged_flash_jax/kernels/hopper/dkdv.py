@@ -1,0 +1,322 @@
+"""The Hopper dk/dv kernel: persistent as the forward, on blocks of 128 keys of one (sequence, kv head)
+handed out by the scheduler, the first of each first (the costliest under causal). Per block a 1-warp
+producer loads K and V (two halves of 64 rows, once both consumers are done with the last block's), then
+streams the Q and dO tiles of BLOCK_M queries that see a key of the block (of each query head of the group
+in turn; `shared.query_ranges` bounds them, so the cost grows with a window, not with n_q), each with its
+log-sum-exp and delta, into a STAGES-deep ring that runs on from block to block. Two consumer warpgroups
+own 64 key rows each, dK and dV in float32 registers: per tile S^T = K Q^T and dP^T = V dO^T, P^T (masked
+at the band's edges and the sequence's last tile), dV += P^T dO, dS^T = P^T S'^T (dP^T - delta),
+dK += dS^T Q. A block that no query sees is a block too: its rows < n_k are stored as zeros.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..shared import PARAM_BATCH, band, query_ranges
+from .addressing import PARAM_BLOCKS, PARAM_FILL_CHUNK, read_layout, stat_origin, store_rows, tile_origin
+from .fills import FILL_ROWS, zero_fills
+from .pipeline import (
+    CONSUMER_ROWS,
+    init_barriers,
+    mbarriers,
+    partition_barrier,
+    publish,
+    tma_load,
+    wgmma_layout,
+    zero_rows,
+)
+from .scheduler import fetch, hand_out, item_ring, key_block, receive
+from .scores import alibi_slope, capped_biased
+
+
+@gluon.jit
+def attention_bwd_dkdv_kernel(
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+    params_ptr, dk_ptr, dv_ptr, counter_ptr,
+    NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+    OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    STRIDE_ALIGN: gl.constexpr, FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    """dv = OUT_SCALE * P^T do and dk = DS_SCALE * dS^T q, with the portable backward's semantics (see
+    portable/backward.attention_bwd_kernel), on a persistent grid of one program per SM as dq's: each
+    program first does its share of the zero fills of dk and dv, then takes blocks of BLOCK_N = 128 keys
+    (two warpgroups') from the counter at counter_ptr until none is left. Every row of dk, dv (k's
+    strides) is written, by one program: deterministic."""
+    batch = gl.load(params_ptr + PARAM_BATCH)
+    kv_layout = read_layout(params_ptr, KEYS=True, ALIGN=STRIDE_ALIGN)
+    kv_tokens, _, _ = kv_layout
+    blocks = gl.load(params_ptr + PARAM_BLOCKS)
+    fill_chunk = gl.load(params_ptr + PARAM_FILL_CHUNK)
+    zero_fills((dk_ptr, dv_ptr), kv_offsets_ptr, batch, blocks, fill_chunk, kv_layout, NUM_KV_HEADS,
+               KV_MAX_LEN, (D, FILL_BLOCK, FILL_ROWS))
+    end = batch * NUM_KV_HEADS * blocks
+    q_layout = read_layout(params_ptr, KEYS=False, ALIGN=STRIDE_ALIGN)
+    q_tokens, _, _ = q_layout
+
+    # The shared memory and barriers of the warp-specialized region, set up once.
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
+    stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    tail_bar = mbarriers(STAGES)
+    ready = mbarriers(STAGES)
+    empty = mbarriers(STAGES)
+    ring = item_ring()
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_free, count=2)  # one arrival per consumer
+    # ready: the TMA loads' expect and the statistics' arrival; empty: one arrival per consumer.
+    init_barriers((tail_bar, ready, empty), (1, 2, 2), STAGES)
+    fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
+
+    pipe = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_free, ready, empty, tail_bar)
+    schedule = (counter_ptr, end, blocks, ring)
+    sequences = (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens)
+    SHAPE: gl.constexpr = (NUM_KV_HEADS, KV_GROUP, D)
+    LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)
+    BAND: gl.constexpr = (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
+    SCORES: gl.constexpr = (SOFTCAP, ALIBI, QK_SCALE)
+    SCALES: gl.constexpr = (DS_SCALE, OUT_SCALE)
+    TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
+    arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout)
+    # The forward's partitions, their computed scalars in the same order (see forward.py).
+    gl.warp_specialize([
+        (_dkdv_consumer_loop, (pipe, schedule, sequences, arrays, SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
+                               0)),
+        (_dkdv_consumer_loop, (pipe, schedule, sequences, arrays, SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
+                               1)),
+        (_dkdv_producer_loop, ((q_desc, do_desc, k_desc, v_desc, pipe), (lse_ptr, delta_ptr), schedule,
+                               sequences, (q_layout, kv_layout), SHAPE, LENGTHS, BAND, TILES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def _query_tiles(key0, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BAND: gl.constexpr):
+    """(first, end) query tiles of BLOCK_M that a block of keys [key0, +BLOCK_N) visits, end >= first:
+    those holding the queries that see some of its keys (under causal from the first tile with a query
+    i + n_k - n_q >= key0; a window bounds them on both sides, `shared.query_ranges`)."""
+    if BAND[1] >= 0 or BAND[2] >= 0:
+        start, _, _, end = query_ranges(key0, n_q, n_k, BLOCK_M, BLOCK_N, BAND)
+        first = start // BLOCK_M
+        return first, gl.maximum(gl.cdiv(end, BLOCK_M), first)
+    end = gl.cdiv(n_q, BLOCK_M)
+    if BAND[0]:
+        first = gl.minimum(gl.maximum(key0 - (n_k - n_q), 0) // BLOCK_M, end)
+    else:
+        first = end * 0
+    return first, end
+
+
+@gluon.jit
+def _dkdv_producer_loop(buffers, stats, schedule, sequences, layouts, SHAPE: gl.constexpr,
+                        LENGTHS: gl.constexpr, BAND: gl.constexpr, TILES: gl.constexpr):
+    """The load partition: the key blocks with keys that `fetch` takes from the counter (those with no
+    query are blocks too: their dk, dv are zeros), each handed out to the consumers and then
+    `_dkdv_produce`d, the ring's position and K and V's phase running on; then `end`, which ends the
+    consumers."""
+    counter_ptr, end, blocks, ring = schedule  # (names, not `_`: a name reassigned in the loop is carried)
+    q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens = sequences
+    q_layout, kv_layout = layouts
+    t = 0
+    i = 0
+    item = fetch(schedule, kv_offsets_ptr, kv_tokens, SHAPE[0], LENGTHS[1], TILES[1], LAST_FIRST=False)
+    while item < end:
+        hand_out(ring, i, item)
+        block = key_block(sequences, item, blocks, SHAPE[0], LENGTHS, TILES[1])
+        kv_head, q_start, n_q, kv_start, n_k, key0 = block
+        kv_origin = tile_origin(kv_start + key0, kv_head, kv_layout)
+        t = _dkdv_produce(buffers, stats, block, kv_origin, q_layout, t, i & 1, SHAPE[1], TILES, BAND)
+        i += 1
+        item = fetch(schedule, kv_offsets_ptr, kv_tokens, SHAPE[0], LENGTHS[1], TILES[1], LAST_FIRST=False)
+    hand_out(ring, i, end)
+
+
+@gluon.jit
+def _dkdv_produce(buffers, stats, block, kv_origin, q_layout, t, kvp, KV_GROUP: gl.constexpr,
+                  TILES: gl.constexpr, BAND: gl.constexpr):
+    """The producer's work for one key block (`key_block`'s tuple): its K and V (two halves of 64 rows
+    each, from kv_origin, once both consumers have freed the last block's: kv_free's phase kvp ^ 1), then
+    the Q and dO tiles of each query head of the group into the ring from its position t as slots free,
+    each with its log-sum-exp and delta (stats = (lse_ptr, delta_ptr); plain loads, zero past n_q) in the
+    slot's lse_smem and delta_smem. Returns the ring's position after the block."""
+    q_desc, do_desc, k_desc, v_desc, pipe = buffers
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_free, ready, empty, _ = pipe
+    lse_ptr, delta_ptr = stats
+    kv_head, q_start, n_q, _, n_k, key0 = block
+    kv_row, kv_col = kv_origin
+    q_tokens, _, _ = q_layout
+    BLOCK_M: gl.constexpr = TILES[0]
+    BLOCK_N: gl.constexpr = TILES[1]
+    STAGES: gl.constexpr = TILES[2]
+
+    mbarrier.wait(kv_free, kvp ^ 1)  # fresh barriers: phase 1 counts as complete
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma_load(k_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, k_smem.index(w))
+        tma_load(v_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, v_smem.index(w))
+    t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, BLOCK_N, BAND)
+    per_head = ntiles - t0
+    # The tile's statistics over the warp's 32 lanes (a tile of fewer queries repeats them on the rest).
+    stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32 if BLOCK_M >= 32 else 1], [32], [1], [0])
+    offs = gl.arange(0, BLOCK_M, layout=stat_layout)
+    for g in range(KV_GROUP):
+        head = kv_head * KV_GROUP + g
+        q_row, q_col = tile_origin(q_start, head, q_layout)
+        stat_base = stat_origin(q_start, head, q_tokens)
+        for tile in range(t0, ntiles):
+            i = t + g * per_head + (tile - t0)
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # fresh barriers pass at parity 1
+            bar = ready.index(slot)
+            m0 = tile * BLOCK_M
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma_load(q_desc, [q_row + m0, q_col], bar, q_smem.index(slot))
+            tma_load(do_desc, [q_row + m0, q_col], bar, do_smem.index(slot))
+            # The tile's log-sum-exp and delta (zero past n_q) beside it, under the TMA loads; the
+            # barrier's second arrival publishes them (read by plain loads: no proxy fence, as `publish`
+            # has for wgmma).
+            keep = offs < n_q - m0
+            lse_smem.index(slot).store(gl.load(lse_ptr + stat_base + m0 + offs, mask=keep, other=0.0))
+            delta_smem.index(slot).store(gl.load(delta_ptr + stat_base + m0 + offs, mask=keep, other=0.0))
+            partition_barrier()
+            mbarrier.arrive(bar, count=1)
+    return t + KV_GROUP * per_head
+
+
+@gluon.jit
+def _dkdv_consumer_loop(pipe, schedule, sequences, arrays, SHAPE: gl.constexpr, LENGTHS: gl.constexpr,
+                        BAND: gl.constexpr, SCORES: gl.constexpr, SCALES: gl.constexpr, TILES: gl.constexpr,
+                        WG: gl.constexpr):
+    """Consumer warpgroup WG: `_dkdv_consume` for each key block the producer hands out, until `end`."""
+    counter_ptr, end, blocks, ring = schedule  # (names, not `_`: a name reassigned in the loop is carried)
+    t = 0
+    tail_phases = gl.to_tensor(0)
+    i = 0
+    item = receive(ring, i)
+    while item < end:
+        block = key_block(sequences, item, blocks, SHAPE[0], LENGTHS, TILES[1])
+        t, tail_phases = _dkdv_consume(pipe, arrays, block, (t, i & 1, tail_phases), SHAPE, TILES, BAND,
+                                       SCORES, SCALES, WG)
+        i += 1
+        item = receive(ring, i)
+
+
+@gluon.jit
+def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.constexpr, BAND: gl.constexpr,
+                  SCORES: gl.constexpr, SCALES: gl.constexpr, WG: gl.constexpr):
+    """One consumer warpgroup's work for one key block (`key_block`'s tuple): dK, dV of keys
+    key0 + 64 WG + [0, 64) over the query tiles the producer streams into the ring from its position t
+    (the block's K and V behind kv_bar at phase kvp), stored (rows < n_k; zero where no query sees them)
+    at the end; arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout), SCALES = (DS_SCALE, OUT_SCALE). A tile
+    is masked unless every query of it sees every key of this warpgroup's and it has no row past n_q.
+    position = (t, kvp, tail_phases), tail_phases the per-slot tail barriers' parities (a bit per slot);
+    returns the ring's position and tail_phases after the block."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_free, ready, empty, tail_bar = pipe
+    slopes_ptr, dk_ptr, dv_ptr, kv_layout = arrays
+    kv_head, _, n_q, kv_start, n_k, key0 = block
+    t, kvp, tail_phases = position
+    KV_GROUP: gl.constexpr = SHAPE[1]
+    D: gl.constexpr = SHAPE[2]
+    BLOCK_M: gl.constexpr = TILES[0]
+    BLOCK_N: gl.constexpr = TILES[1]
+    STAGES: gl.constexpr = TILES[2]
+
+    st_layout: gl.constexpr = wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(D)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    BANDED: gl.constexpr = BAND[0] or BAND[1] >= 0 or BAND[2] >= 0
+    WINDOWED: gl.constexpr = BAND[1] >= 0 or BAND[2] >= 0
+    shift = n_k - n_q
+    krow0 = key0 + WG * CONSUMER_ROWS
+    k = k_smem.index(WG)
+    v = v_smem.index(WG)
+    dk = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=acc_layout)
+    st_zero = gl.zeros([CONSUMER_ROWS, BLOCK_M], gl.float32, layout=st_layout)
+    key_rows = krow0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
+    t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, BLOCK_N, BAND)
+    per_head = ntiles - t0
+    last_tile = gl.cdiv(n_q, BLOCK_M) - 1  # the sequence's last query tile, and its rows
+    last_rows = n_q - last_tile * BLOCK_M
+    if WINDOWED:
+        # This warpgroup's clean query tiles, [clean_start, clean_end) (below n_q's last partial tile).
+        _, clean_start, clean_end, _ = query_ranges(krow0, n_q, n_k, BLOCK_M, CONSUMER_ROWS, BAND)
+    mbarrier.wait(kv_bar, kvp)  # always, tiles or none: kv_bar's phase runs on from block to block
+    for g in range(KV_GROUP):
+        head = kv_head * KV_GROUP + g
+        slope = alibi_slope(slopes_ptr, head, SCORES[1])
+        for tile in range(t0, ntiles):
+            i = t + g * per_head + (tile - t0)
+            slot = i % STAGES
+            m0 = tile * BLOCK_M
+            cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            q = q_smem.index(slot)
+            do = do_smem.index(slot)
+            tail = (tile == last_tile) & (last_rows < BLOCK_M)
+            if tail:
+                # The tile's rows past n_q are other tokens: zeroed before any product. (A slot's tail
+                # barrier is re-armed only after both warpgroups released the slot, the ring running on
+                # from block to block, so warpgroup 0 cannot arrive twice before warpgroup 1 waited.)
+                if WG == 0:
+                    zero_rows(q, last_rows, BLOCK_M)
+                    zero_rows(do, last_rows, BLOCK_M)
+                    publish()
+                    mbarrier.arrive(tail_bar.index(slot), count=1)
+                else:
+                    mbarrier.wait(tail_bar.index(slot), (tail_phases >> slot) & 1)
+                tail_phases = tail_phases ^ (1 << slot)
+            st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            lse = lse_smem.index(slot).load(col_layout)  # the producer's, zero past n_q
+            st = warpgroup_mma_wait(1, deps=(st_tok, ))
+            st, tanh_st = capped_biased(st, krow0 - (m0 + shift), slope, SCORES, CONSUMER_ROWS, BLOCK_M,
+                                        st_layout)
+            pt = gl.exp2((st - gl.expand_dims(lse, 0)) * SCORES[2])
+            if WINDOWED:
+                masked = (m0 < clean_start) | (m0 >= clean_end)
+            else:
+                masked = tail
+                if BAND[0]:  # (causal) some query of the tile before some key of this warpgroup's
+                    masked = masked | (m0 + shift < krow0 + CONSUMER_ROWS)
+            if masked:
+                keep = gl.expand_dims(cols < n_q, 0)
+                if BANDED:  # the band of queries cols (at key positions cols + shift), keys key_rows
+                    keep = band(keep, gl.expand_dims(cols + shift, 0), gl.expand_dims(key_rows, 1), 0, BAND)
+                pt = gl.where(keep, pt, 0.0)
+            p_op = gl.convert_layout(pt.to(dtype), op_layout)
+            if SCORES[0] > 0:  # dS^T takes the cap's derivative, 1 - tanh^2: folded into P^T here
+                pt = pt * (1.0 - tanh_st * tanh_st)
+            dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+            delta = delta_smem.index(slot).load(col_layout)
+            dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            if tail:  # past n_q dP^T reads zeroed rows, but keep 0 exactly
+                dst = gl.where(gl.expand_dims(cols < n_q, 0), dst, 0.0)
+            ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+            dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+            dv, dk, ds_op, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, ds_op, p_op))
+            mbarrier.arrive(empty.index(slot), count=1)
+    # K and V are free for the next block's (kv_free counts both warpgroups' arrivals): dK and dV are in
+    # registers, and the products that read K and V are done.
+    mbarrier.arrive(kv_free, count=1)
+    store_rows(dk_ptr, dk, SCALES[0], kv_start, kv_head, krow0, n_k, kv_layout, D, acc_layout)
+    store_rows(dv_ptr, dv, SCALES[1], kv_start, kv_head, krow0, n_k, kv_layout, D, acc_layout)
+    return t + KV_GROUP * per_head, tail_phases

@@ -1,0 +1,203 @@
+"""The Hopper dq kernel: the forward's structure (blocks of 128 queries handed out by the scheduler, a
+1-warp producer loading each block's Q and dO tiles, then its band's K and V tiles into a STAGES-deep
+ring), each consumer warpgroup computing per key tile S = Q K^T and dP = dO V^T, P, dS = P S' (dP - delta)
+and dQ += dS K over its 64 queries. The last K tile's rows past n_k are zeroed in shared memory first (dS
+is 0 there, K maybe NaN).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..shared import (
+    PARAM_BATCH,
+    PARAM_KV_TOKENS,
+    band,
+    key_ranges,
+)
+from .addressing import PARAM_BLOCKS, PARAM_FILL_CHUNK, read_layout, stat_origin, store_rows
+from .fills import FILL_NONE, zero_fills
+from .pipeline import CONSUMER_ROWS, init_barriers, mbarriers, publish, tma_load, wgmma_layout, zero_rows
+from .scheduler import consumer_loop, item_ring, producer_loop
+from .scores import alibi_slope, capped_biased
+
+
+@gluon.jit
+def attention_bwd_dq_kernel(
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+    params_ptr, dq_ptr, counter_ptr,
+    NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
+    FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """dq = DS_SCALE * dS k, with the portable backward's semantics (see
+    portable/backward.attention_bwd_kernel), on a persistent grid of one program per SM as the Hopper
+    forward's: each program first does its share of the zero fills of dq, then takes blocks of BLOCK_M
+    = 128 queries (two warpgroups') from the counter at counter_ptr until none is left. lse (base 2, in
+    units of the unscaled scores) and delta are [1, H, q_tokens]. Every row of dq (q's strides) is
+    written, by one program: deterministic."""
+    batch = gl.load(params_ptr + PARAM_BATCH)
+    q_layout = read_layout(params_ptr, KEYS=False, ALIGN=STRIDE_ALIGN)
+    q_tokens, _, _ = q_layout
+    blocks = gl.load(params_ptr + PARAM_BLOCKS)
+    fill_chunk = gl.load(params_ptr + PARAM_FILL_CHUNK)
+    zero_fills((dq_ptr, dq_ptr), q_offsets_ptr, batch, blocks, fill_chunk, q_layout, NUM_HEADS, Q_MAX_LEN,
+               (D, FILL_BLOCK, FILL_NONE))
+    end = batch * NUM_HEADS * blocks
+    kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
+
+    # The shared memory and barriers of the warp-specialized region, set up once.
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    q_bar = mbarriers(2)
+    q_free = mbarriers(2)
+    tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = mbarriers(STAGES)
+    empty = mbarriers(STAGES)
+    ring = item_ring()
+    init_barriers((q_bar, q_free), (1, 1), 2)
+    mbarrier.init(tail_bar, count=1)
+    init_barriers((ready, empty), (1, 2), STAGES)  # empty: one arrival per consumer
+    fence_async_shared()
+
+    pipe = (q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar)
+    schedule = (counter_ptr, end, blocks, ring)
+    sequences = (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens)
+    SHAPE: gl.constexpr = (NUM_HEADS, KV_GROUP, D)
+    LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)
+    BAND: gl.constexpr = (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
+    SCORES: gl.constexpr = (SOFTCAP, ALIBI, QK_SCALE)
+    TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
+    arrays = (slopes_ptr, lse_ptr, delta_ptr, dq_ptr, q_layout)
+    # The forward's partitions, their computed scalars in the same order (see forward.py).
+    gl.warp_specialize([
+        (consumer_loop, (gl.constexpr(_dq_consume), pipe, schedule, sequences, arrays, SHAPE, LENGTHS, BAND,
+                         SCORES, DS_SCALE, TILES, 0)),
+        (consumer_loop, (gl.constexpr(_dq_consume), pipe, schedule, sequences, arrays, SHAPE, LENGTHS, BAND,
+                         SCORES, DS_SCALE, TILES, 1)),
+        (producer_loop, (gl.constexpr(_dq_produce), (q_desc, do_desc, k_desc, v_desc, pipe), schedule,
+                         sequences, q_layout, params_ptr, SHAPE, LENGTHS, BAND, TILES, STRIDE_ALIGN)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def _dq_produce(buffers, q_origin, kv_origin, num_key_blocks, t, qp, TILES: gl.constexpr):
+    """The producer's work for one query block (`producer_loop`'s `produce`): both warpgroups' Q and dO
+    tiles (once the consumers have freed the last block's, q_free's phase qp ^ 1), then K_j, V_j (from
+    kv_origin: the band's first key block) into the ring from its position t as slots free."""
+    q_desc, do_desc, k_desc, v_desc, pipe = buffers
+    q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, _ = pipe
+    q_row, q_col = q_origin
+    kv_row, kv_col = kv_origin
+    BLOCK_N: gl.constexpr = TILES[1]
+    STAGES: gl.constexpr = TILES[2]
+    for w in gl.static_range(2):
+        mbarrier.wait(q_free.index(w), qp ^ 1)  # fresh barriers: phase 1 counts as complete
+        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma_load(q_desc, [q_row + w * CONSUMER_ROWS, q_col], q_bar.index(w), q_smem.index(w))
+        tma_load(do_desc, [q_row + w * CONSUMER_ROWS, q_col], q_bar.index(w), do_smem.index(w))
+    for j in range(num_key_blocks):
+        slot = (t + j) % STAGES
+        mbarrier.wait(empty.index(slot), (((t + j) // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma_load(k_desc, [kv_row + j * BLOCK_N, kv_col], bar, k_smem.index(slot))
+        tma_load(v_desc, [kv_row + j * BLOCK_N, kv_col], bar, v_smem.index(slot))
+
+
+@gluon.jit
+def _dq_consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constexpr,
+                SCORES: gl.constexpr, DS_SCALE: gl.constexpr, TILES: gl.constexpr, WG: gl.constexpr):
+    """One consumer warpgroup's work for one query block (`query_block`'s tuple): dQ of queries
+    start_m + 64 WG + [0, 64) over the key tiles from key_first to key_end (the block's band, as the
+    producer loads them from ring position t; the Q and dO tiles' barrier at phase qp), stored (rows < n_q)
+    at the end. arrays = (slopes_ptr, lse_ptr, delta_ptr, dq_ptr, q_layout). A tile is masked unless every
+    query of this warpgroup sees every key of it (the band's edges, the sequence's last tile). position =
+    (t, i, tails), tails the count of tail hand-overs (tail_bar's uses) so far; returns t and tails after
+    the block."""
+    q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar = pipe
+    slopes_ptr, lse_ptr, delta_ptr, dq_ptr, q_layout = arrays
+    q_tokens, _, _ = q_layout
+    _, head, q_start, n_q, _, n_k, start_m, key_first, key_end, num_key_blocks = block
+    t, i, tails = position
+    slope = alibi_slope(slopes_ptr, head, SCORES[1])
+    qp = i & 1  # the phase of the query tiles' barriers
+    BLOCK_N: gl.constexpr = TILES[1]
+    STAGES: gl.constexpr = TILES[2]
+
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    acc_layout: gl.constexpr = wgmma_layout(D)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    BANDED: gl.constexpr = BAND[0] or BAND[1] >= 0 or BAND[2] >= 0
+    shift = n_k - n_q
+    row0 = start_m + WG * CONSUMER_ROWS
+    rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
+    stat = stat_origin(q_start, head, q_tokens) + rows
+    lse = gl.load(lse_ptr + stat, mask=rows < n_q, other=0.0)
+    delta = gl.load(delta_ptr + stat, mask=rows < n_q, other=0.0)
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+    dq = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    # This warpgroup's clean key blocks (every key of them seen by every one of its queries, < n_k).
+    _, clean_start, clean_end, _ = key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, BAND)
+    # The block's last K tile runs past n_k: warpgroup 0 zeroes its rows there and hands it over.
+    has_tail = (num_key_blocks > 0) & (key_first + num_key_blocks * BLOCK_N > n_k)
+    mbarrier.wait(q_bar.index(WG), qp)  # always: the load must land before the program may end
+    for j in range(num_key_blocks):
+        slot = (t + j) % STAGES
+        key_start = key_first + j * BLOCK_N
+        mbarrier.wait(ready.index(slot), ((t + j) // STAGES) & 1)
+        k = k_smem.index(slot)
+        v = v_smem.index(slot)
+        if (j == num_key_blocks - 1) & has_tail:
+            # K rows past n_k (other tokens, maybe NaN): zeroed before dS K reads them.
+            if WG == 0:
+                zero_rows(k, n_k - key_start, BLOCK_N)
+                publish()
+                mbarrier.arrive(tail_bar, count=1)
+            else:
+                mbarrier.wait(tail_bar, tails & 1)
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        s, tanh_s = capped_biased(s, row0 + (shift - key_start), slope, SCORES, CONSUMER_ROWS, BLOCK_N,
+                                  s_layout)
+        p = gl.exp2((s - gl.expand_dims(lse, 1)) * SCORES[2])
+        if SCORES[0] > 0:  # dS takes the cap's derivative, 1 - tanh^2: folded into P here
+            p = p * (1.0 - tanh_s * tanh_s)
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        masked = key_start >= clean_end  # the band's right edge and the sequence's last tile
+        if BAND[1] >= 0:  # and its left edge
+            masked = masked | (key_start < clean_start)
+        if masked:  # select, not multiply: outside the band P may be inf, and dP NaN past n_k
+            keys = key_start + gl.arange(0, BLOCK_N, layout=col_layout)
+            keep = gl.expand_dims(keys < n_k, 0)
+            if BANDED:  # the band of queries rows (at key positions rows + shift), keys `keys`
+                keep = band(keep, gl.expand_dims(rows + shift, 1), gl.expand_dims(keys, 0), 0, BAND)
+            ds = gl.where(keep, ds, 0.0)
+        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+        dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+        mbarrier.arrive(empty.index(slot), count=1)
+    # This warpgroup's Q and dO tiles are free for the next block's (warpgroup 1 only now, past its wait
+    # for the hand-over: the producer loads the next block's keys after both tiles, so warpgroup 0
+    # cannot hand a next tail over, a second phase of tail_bar, before this one has seen the first).
+    mbarrier.arrive(q_free.index(WG), count=1)
+    store_rows(dq_ptr, dq, DS_SCALE, q_start, head, row0, n_q, q_layout, D, acc_layout)
+    tails = tails + has_tail.to(gl.int32)
+    return t + num_key_blocks, tails

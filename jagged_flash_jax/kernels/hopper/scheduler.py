@@ -1,0 +1,188 @@
+"""The persistent, varlen-aware tile scheduler of the Hopper kernels: the (sequence, head, block) items,
+taken from a global counter past the empty blocks and handed from the producer to the consumers through
+a 2-slot ring in shared memory; the block each item is; and the loops of the forward's and dq's
+producer and consumers.
+
+Bundles: schedule = (counter_ptr, end, blocks, ring), the counter the launcher zeroes, the item count,
+the blocks of each (sequence, head) and the item ring (items, item_full, item_empty); sequences =
+(q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens); SHAPE = (NUM_HEADS, KV_GROUP, D); LENGTHS =
+(Q_MAX_LEN, KV_MAX_LEN); TILES = (BLOCK_M, BLOCK_N, STAGES).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from ..shared import PARAM_KV_HEAD_STRIDE, PARAM_KV_TOKEN_STRIDE, bounds, key_ranges
+from .addressing import tile_origin
+from .pipeline import init_barriers, mbarriers, partition_barrier
+
+
+@gluon.jit
+def item_position(item, blocks, NUM_HEADS: gl.constexpr, BLOCK: gl.constexpr, LAST_FIRST: gl.constexpr):
+    """(sequence, head, start) of block `item` of the (sequence, head, block) items, each (sequence,
+    head)'s `blocks` blocks of BLOCK rows adjacent, the last first (LAST_FIRST: query blocks, the
+    costliest under causal) or the first first (key blocks, likewise): start the block's first row in
+    its sequence."""
+    index = item % blocks
+    if LAST_FIRST:
+        index = blocks - 1 - index
+    return item // (NUM_HEADS * blocks), (item // blocks) % NUM_HEADS, index * BLOCK
+
+
+@gluon.jit
+def _empty_block(offsets_ptr, num_tokens, item, blocks, NUM_HEADS: gl.constexpr, MAX_LEN: gl.constexpr,
+                 BLOCK: gl.constexpr, LAST_FIRST: gl.constexpr):
+    """Whether block `item` (see `item_position`) starts at or past its sequence's length (n_q of a query
+    block, n_k of a key block: offsets, tokens and MAX_LEN theirs)."""
+    sequence, _, start = item_position(item, blocks, NUM_HEADS, BLOCK, LAST_FIRST)
+    _, length = bounds(offsets_ptr, sequence, num_tokens, MAX_LEN)
+    return start >= length
+
+
+@gluon.jit
+def fetch(schedule, offsets_ptr, num_tokens, NUM_HEADS: gl.constexpr, MAX_LEN: gl.constexpr,
+          BLOCK: gl.constexpr, LAST_FIRST: gl.constexpr):
+    """The next block with rows (see `_empty_block`) from the launch's counter, or a number >= end when
+    none is left. A block's offsets are read only when it is one (< end): with no sequence, offsets has
+    one entry."""
+    counter_ptr, end, blocks, ring = schedule
+    item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+    skip = item < end
+    if skip:
+        skip = _empty_block(offsets_ptr, num_tokens, item, blocks, NUM_HEADS, MAX_LEN, BLOCK, LAST_FIRST)
+    while skip:
+        item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+        skip = item < end
+        if skip:
+            skip = _empty_block(offsets_ptr, num_tokens, item, blocks, NUM_HEADS, MAX_LEN, BLOCK, LAST_FIRST)
+    return item
+
+
+@gluon.jit
+def item_ring():
+    """The 2-slot ring in shared memory through which a persistent kernel's producer hands its items to
+    the two consumer warpgroups (`hand_out`, `receive`): (items, item_full, item_empty), the barriers
+    initialized (item_empty counting one arrival per consumer). The caller fences the inits."""
+    items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    item_full = mbarriers(2)
+    item_empty = mbarriers(2)
+    init_barriers((item_full, item_empty), (1, 2), 2)
+    return items, item_full, item_empty
+
+
+@gluon.jit
+def hand_out(ring, i, item):
+    """The producer's i-th item into the ring the consumers read it from."""
+    items, item_full, item_empty = ring
+    slot = i % 2
+    mbarrier.wait(item_empty.index(slot), ((i // 2) & 1) ^ 1)  # fresh barriers: phase 1 counts as complete
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    items.index(slot).store(gl.full([1], item, gl.int32, layout))
+    partition_barrier()
+    mbarrier.arrive(item_full.index(slot), count=1)
+
+
+@gluon.jit
+def receive(ring, i):
+    """A consumer's i-th item, from the ring `hand_out` fills."""
+    items, item_full, item_empty = ring
+    slot = i % 2
+    mbarrier.wait(item_full.index(slot), (i // 2) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    item = gl.max(items.index(slot).load(layout), axis=0)
+    partition_barrier()
+    mbarrier.arrive(item_empty.index(slot), count=1)
+    return item
+
+
+@gluon.jit
+def query_block(sequences, item, blocks, NUM_HEADS: gl.constexpr, LENGTHS: gl.constexpr, BAND: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Query block `item` (the last of each (sequence, head) first): (sequence, head, q_start, n_q,
+    kv_start, n_k, start_m, key_first, key_end, num_key_blocks), with the keys [key_first, key_end) that
+    some query of the block sees (`shared.key_ranges`): the producer loads and both consumers visit
+    exactly those, in blocks of BLOCK_N. A block past the sequence's n_q has no work: `fetch` never hands
+    one out."""
+    q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens = sequences
+    sequence, head, start_m = item_position(item, blocks, NUM_HEADS, BLOCK_M, LAST_FIRST=True)
+    q_start, n_q = bounds(q_offsets_ptr, sequence, q_tokens, LENGTHS[0])
+    kv_start, n_k = bounds(kv_offsets_ptr, sequence, kv_tokens, LENGTHS[1])
+    key_first, _, _, key_end = key_ranges(start_m, n_q, n_k, BLOCK_M, BLOCK_N, BAND)
+    num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
+    return sequence, head, q_start, n_q, kv_start, n_k, start_m, key_first, key_end, num_key_blocks
+
+
+@gluon.jit
+def key_block(sequences, item, blocks, NUM_KV_HEADS: gl.constexpr, LENGTHS: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+    """Key block `item` (the first of each (sequence, kv head) first): (kv_head, q_start, n_q, kv_start,
+    n_k, key0)."""
+    q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens = sequences
+    sequence, kv_head, key0 = item_position(item, blocks, NUM_KV_HEADS, BLOCK_N, LAST_FIRST=False)
+    q_start, n_q = bounds(q_offsets_ptr, sequence, q_tokens, LENGTHS[0])
+    kv_start, n_k = bounds(kv_offsets_ptr, sequence, kv_tokens, LENGTHS[1])
+    return kv_head, q_start, n_q, kv_start, n_k, key0
+
+
+@gluon.jit
+def _block_origins(sequences, item, blocks, layouts, SHAPE: gl.constexpr, LENGTHS: gl.constexpr,
+                   BAND: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Where query block `item` loads from in the descriptors' 2-D views: (q_origin, kv_origin,
+    num_key_blocks), the (row, column) of the block's first query and of the first key of its band, and
+    the band's key blocks."""
+    q_layout, kv_layout = layouts
+    _, head, q_start, _, kv_start, _, start_m, key_first, _, num_key_blocks = query_block(
+        sequences, item, blocks, SHAPE[0], LENGTHS, BAND, BLOCK_M, BLOCK_N)
+    q_origin = tile_origin(q_start + start_m, head, q_layout)
+    kv_row, kv_col = tile_origin(kv_start, head // SHAPE[1], kv_layout)
+    return q_origin, (kv_row + key_first, kv_col), num_key_blocks
+
+
+@gluon.jit
+def producer_loop(produce: gl.constexpr, buffers, schedule, sequences, q_layout, params_ptr,
+                  SHAPE: gl.constexpr, LENGTHS: gl.constexpr, BAND: gl.constexpr, TILES: gl.constexpr,
+                  STRIDE_ALIGN: gl.constexpr):
+    """The load partition of the forward and of dq: the query blocks `fetch` takes from the counter, each
+    handed out to the consumers, then loaded by `produce(buffers, q_origin, kv_origin, num_key_blocks,
+    t, phase, TILES)` (the block's query tiles, then its band's key tiles from the ring's position t),
+    the ring's position and the query tiles' phase running on; then `end`, which ends the consumers."""
+    q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens = sequences
+    counter_ptr, end, blocks, ring = schedule
+    BLOCK_M: gl.constexpr = TILES[0]
+    BLOCK_N: gl.constexpr = TILES[1]
+    kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
+    kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
+    t = 0
+    i = 0
+    item = fetch(schedule, q_offsets_ptr, q_tokens, SHAPE[0], LENGTHS[0], BLOCK_M, LAST_FIRST=True)
+    while item < end:
+        hand_out(ring, i, item)
+        q_origin, kv_origin, num_key_blocks = _block_origins(
+            sequences, item, blocks, (q_layout, (kv_tokens, kv_token_stride, kv_head_stride)), SHAPE,
+            LENGTHS, BAND, BLOCK_M, BLOCK_N)
+        produce(buffers, q_origin, kv_origin, num_key_blocks, t, i & 1, TILES)
+        t += num_key_blocks
+        i += 1
+        item = fetch(schedule, q_offsets_ptr, q_tokens, SHAPE[0], LENGTHS[0], BLOCK_M, LAST_FIRST=True)
+    hand_out(ring, i, end)
+
+
+@gluon.jit
+def consumer_loop(consume: gl.constexpr, pipe, schedule, sequences, arrays, SHAPE: gl.constexpr,
+                  LENGTHS: gl.constexpr, BAND: gl.constexpr, SCORES: gl.constexpr, SCALE: gl.constexpr,
+                  TILES: gl.constexpr, WG: gl.constexpr):
+    """Consumer warpgroup WG of the forward or dq: for each query block the producer hands out, until
+    `end`, `consume(pipe, arrays, block, position, D, BAND, SCORES, SCALE, TILES, WG)` (block:
+    `query_block`'s tuple; position: (t, i, tails), the ring's position, the block's index among this
+    consumer's and the count of tail hand-overs), which returns t and tails after the block."""
+    counter_ptr, end, blocks, ring = schedule  # (names, not `_`: a name reassigned in the loop is carried)
+    t = 0
+    tails = 0
+    i = 0
+    item = receive(ring, i)
+    while item < end:
+        block = query_block(sequences, item, blocks, SHAPE[0], LENGTHS, BAND, TILES[0], TILES[1])
+        t, tails = consume(pipe, arrays, block, (t, i, tails), SHAPE[2], BAND, SCORES, SCALE, TILES, WG)
+        i += 1
+        item = receive(ring, i)

@@ -152,6 +152,35 @@ def test_large_logits_with_any_scale(case, backend):
         assert err < 1e-5, f"{label}: {err:.1e} of the rounding bound"
 
 
+@pytest.mark.parametrize("backend", backend_params(["xla", "interpret", "triton"]))
+def test_the_backward_bounds_its_probabilities_by_one(backend):
+    """The backward recomputes each probability as exp(s - lse) from scores it forms again; where its
+    rounding of s differs from the forward's, large logits could push that past 1, and to inf. Given an
+    lse far too small (the worst such rounding), every allowed probability is bounded to exactly 1: dv
+    of key j is then the sum of do over the queries that see it, and no gradient is inf or nan."""
+    from helpers import Spy, implementation_of
+
+    class SmallLse(Spy):
+        def forward(self, p, config, *args):
+            o, lse = super().forward(p, config, *args)
+            return o, lse - 1e4  # in the unscaled scores' units: exp2 of about +5e3 unbounded
+
+    batch = Batch.make([7, 0, 20, 3], 2, 8, extra=2, seed=4)
+    q, k, v, do = batch.arrays(jnp.float32)
+    op = lambda q, k, v: jfa.jagged_attention(q, k, v, batch.offsets, 16, causal=True, allow_tf32=False,
+                                              implementation=SmallLse(implementation_of(backend)))
+    _, vjp = jax.vjp(op, q, k, v)
+    dq, dk, dv = (np.asarray(g, np.float64) for g in vjp(do))
+    assert all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
+    want = np.zeros_like(dv)
+    for b in range(len(batch.offsets) - 1):
+        start = batch.offsets[b]
+        n = min(batch.offsets[b + 1] - start, 16)
+        for j in range(n):  # causal: key j is seen by queries j..n-1
+            want[start + j] = np.asarray(do, np.float64)[start + j:start + n].sum(axis=0)
+    assert relative_error(dv, want) < 1e-5
+
+
 # ---------------------------------------------------------------------------------------------------
 # The log-sum-exp residual
 # ---------------------------------------------------------------------------------------------------

@@ -146,6 +146,20 @@ def test_softcap_at_large_logits(logits, backend):
 
 
 @pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("softcap", [1e4, 1e8, 1e30])
+def test_a_softcap_far_above_the_scores(softcap, backend):
+    """A soft cap far above the scores (tanh's argument s / softcap tiny): the cap barely acts, and the
+    output and gradients match float64 as closely as without a cap (a tanh written as (1 - e) / (1 + e)
+    cancels there: 1e8 gave 0.33 relative, 1e30 uniform attention)."""
+    batch = Batch.make([9, 4, 13], 2, 16, seed=int(np.log10(softcap)))
+    results = run_vjp(jfa.jagged_attention, batch, jnp.float32, max_seq_len=16, backend=backend,
+                      allow_tf32=False, softcap=softcap, scale=0.25)
+    expected = reference(*results[:4], batch.offsets, 16, scale=0.25, softcap=softcap)
+    for name, got, want in zip(("o", "dq", "dk", "dv"), results[4:], expected):
+        assert relative_error(got, want) <= 1e-5, name
+
+
+@pytest.mark.parametrize("backend", backend_params())
 def test_slopes_get_no_gradient(backend):
     """ALiBi's slopes are an operand, traced under jit, and their cotangent is zero (not differentiated,
     as in FlashAttention); q's gradient is the reference's."""

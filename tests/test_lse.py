@@ -332,6 +332,36 @@ def test_unwritten_rows_are_never_exposed(backend):
     assert all(np.all(np.isfinite(g)) for g in grads)
 
 
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_nan_input_gives_a_nan_lse(backend):
+    """A NaN key makes its sequence's outputs NaN and their lse NaN, not -inf (the value that means "no
+    key"), so that merge_attention's lse is NaN there too; the other sequence is untouched."""
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.normal(size=(10, 2, 8)), jnp.float32) for _ in range(3))
+    k = k.at[3, 0, 5].set(jnp.nan)  # sequence 0 (tokens 0-4), head 0
+    offsets = [0, 5, 10]
+    o, lse = jfa.jagged_attention(q, k, v, offsets, 8, return_lse=True, backend=backend, allow_tf32=False)
+    o, lse = np.asarray(o), np.asarray(lse)
+    assert np.all(np.isnan(o[:5, 0])) and np.all(np.isnan(lse[:5, 0])), lse[:5, 0]
+    assert np.all(np.isfinite(o[5:])) and np.all(np.isfinite(lse[5:])) and np.all(np.isfinite(lse[:, 1]))
+    merged_o, merged_lse = jfa.merge_attention([o, o], [lse, lse])
+    assert np.all(np.isnan(np.asarray(merged_lse)[:5, 0])) and np.all(np.isnan(np.asarray(merged_o)[:5, 0]))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_the_lse_is_float32_under_x64(backend):
+    """With jax_enable_x64 the lse is float32 as documented on every backend, and a float32 cotangent of
+    it is accepted."""
+    rng = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(rng.normal(size=(9, 2, 8)), jnp.float32) for _ in range(3))
+    with jax.enable_x64(True):
+        op = lambda q: jfa.jagged_attention(q, k, v, [0, 4, 9], 8, return_lse=True, backend=backend)
+        (o, lse), vjp = jax.vjp(op, q)
+        assert o.dtype == jnp.float32 and lse.dtype == jnp.float32
+        (dq,) = vjp((jnp.zeros_like(o), jnp.ones_like(lse)))
+        assert dq.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(dq)))
+
+
 def test_return_lse_must_be_a_bool():
     q = jnp.zeros((4, 1, 8))
     with pytest.raises(TypeError, match="return_lse"):

@@ -232,11 +232,24 @@ def span(SPAN: tl.constexpr, ranges, CLIP_FIRST: tl.constexpr):
 
 @triton.jit
 def tanh(y):
-    """tanh on exp2 (tl.math has no tanh on every Triton this package supports): +-1 exactly once |y|
-    passes 9, never NaN for a finite or infinite y."""
+    """tanh on exp2 (tl.math has no tanh on every Triton this package supports), to a few float32 ulps:
+    below |y| = 0.3, where (1 - e) / (1 + e) cancels (a cap far above the scores), its odd series to
+    y^11 (the next term is under 2e-9 of y); +-1 exactly once |y| passes 9; never NaN for a finite or
+    infinite y."""
     e = tl.math.exp2(tl.abs(y) * -2.8853900817779268)  # exp(-2|y|), in [0, 1]
     t = (1.0 - e) / (1.0 + e)
-    return tl.where(y < 0, -t, t)
+    y2 = y * y
+    series = y * (1.0 + y2 * (-0.3333333333333333 + y2 * (0.13333333333333333 + y2 * (
+        -0.05396825396825397 + y2 * (0.021869488536155203 + y2 * -0.008863235529902197)))))
+    return tl.where(tl.abs(y) < 0.3, series, tl.where(y < 0, -t, t))
+
+
+@triton.jit
+def probability(x):
+    """exp2(x) bounded by 1, for the backward's probabilities exp2((s - lse) * QK_SCALE): it forms the
+    scores s again, and where its rounding differs from the forward's (large logits, other tiles or
+    operand order) s - lse may exceed 0, and exp2 reach inf. A NaN stays NaN."""
+    return tl.math.exp2(tl.minimum(x, 0.0, propagate_nan=tl.PropagateNan.ALL))
 
 
 @triton.jit

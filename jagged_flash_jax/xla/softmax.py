@@ -194,6 +194,13 @@ def _segment_forward(p, q, k, v, q_offsets, kv_offsets, slopes):
     return side.scatter(o), side.scatter(lse, jnp.inf).T
 
 
+def _probabilities(p, scores, lse):
+    """The backward's probabilities from the forward's log-sum-exp, bounded by 1: its scores are formed
+    again, and at large logits a rounding other than the forward's would put exp(s - lse) past 1 (a NaN
+    stays NaN)."""
+    return jnp.exp(jnp.minimum((scores - lse[..., None]) * p.scale, 0.0))
+
+
 def _segment_dq(p, q, k, v, do, lse, delta, q_offsets, kv_offsets, slopes):
     side = _QueryBlocks(p, q, k, v, q_offsets, kv_offsets, slopes)
     dob = side.gather(do)
@@ -202,7 +209,7 @@ def _segment_dq(p, q, k, v, do, lse, delta, q_offsets, kv_offsets, slopes):
 
     def step(dq, key_block):
         kb, vb, scores, t, keep = side.scores(key_block)
-        probs = jnp.where(keep, jnp.exp((scores - lseb[..., None]) * p.scale), 0.0)
+        probs = jnp.where(keep, _probabilities(p, scores, lseb), 0.0)
         dp = p.out_scale * jnp.einsum("nqgrd,nkgd->nqgrk", dob, vb, precision=_precision(p))
         ds = probs * (dp - deltab[..., None])
         if p.softcap is not None:
@@ -233,7 +240,7 @@ def _segment_dkdv(p, q, k, v, do, lse, delta, q_offsets, kv_offsets, slopes):
         query_rows = jnp.broadcast_to(query_rows, (n_q.shape[0], BLOCK))
         scores, t = _transform(p, scores, distance(query_rows, blocks.rows, n_q, n_k), slopes)
         keep = allowed(query_rows, blocks.rows, n_q, n_k, p.causal, p.window)[:, :, None, None, :]
-        probs = jnp.where(keep, jnp.exp((scores - lseb[..., None]) * p.scale), 0.0)
+        probs = jnp.where(keep, _probabilities(p, scores, lseb), 0.0)
         dv = dv + p.out_scale * jnp.einsum("nqgrk,nqgrd->nkgd", probs, dob, precision=_precision(p))
         dp = p.out_scale * jnp.einsum("nqgrd,nkgd->nqgrk", dob, vb, precision=_precision(p))
         ds = probs * (dp - deltab[..., None])

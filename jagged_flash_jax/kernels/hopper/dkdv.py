@@ -18,7 +18,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..shared import PARAM_BATCH, band, query_ranges
+from ..shared import PARAM_BATCH, band, probability, query_ranges
 from .addressing import PARAM_BLOCKS, PARAM_FILL_CHUNK, read_layout, stat_origin, store_rows, tile_origin
 from .fills import FILL_ROWS, zero_fills
 from .pipeline import (
@@ -289,7 +289,7 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
             st = warpgroup_mma_wait(1, deps=(st_tok, ))
             st, tanh_st = capped_biased(st, krow0 - (m0 + shift), slope, SCORES, CONSUMER_ROWS, BLOCK_M,
                                         st_layout)
-            pt = gl.exp2((st - gl.expand_dims(lse, 0)) * SCORES[2])
+            pt = probability((st - gl.expand_dims(lse, 0)) * SCORES[2])
             if WINDOWED:
                 masked = (m0 < clean_start) | (m0 >= clean_end)
             else:

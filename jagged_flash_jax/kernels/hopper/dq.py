@@ -19,6 +19,7 @@ from ..shared import (
     PARAM_KV_TOKENS,
     band,
     key_ranges,
+    probability,
 )
 from .addressing import PARAM_BLOCKS, PARAM_FILL_CHUNK, read_layout, stat_origin, store_rows
 from .fills import FILL_NONE, zero_fills
@@ -176,7 +177,7 @@ def _dq_consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constex
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         s, tanh_s = capped_biased(s, row0 + (shift - key_start), slope, SCORES, CONSUMER_ROWS, BLOCK_N,
                                   s_layout)
-        p = gl.exp2((s - gl.expand_dims(lse, 1)) * SCORES[2])
+        p = probability((s - gl.expand_dims(lse, 1)) * SCORES[2])
         if SCORES[0] > 0:  # dS takes the cap's derivative, 1 - tanh^2: folded into P here
             p = p * (1.0 - tanh_s * tanh_s)
         dp = warpgroup_mma_wait(0, deps=(dp_tok, ))

@@ -291,7 +291,7 @@ def _consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constexpr,
             mbarrier.arrive(q_free.index(1), count=1)
 
     # Epilogue: rows < n_q only (the fill programs write the others).
-    attended = l_i > 0  # false only for queries with no key
+    attended = l_i != 0  # false only for queries with no key; a NaN sum (a NaN input) is true
     o_factor = gl.where(attended, OUT_SCALE / gl.where(attended, l_i, 1.0), 0.0)
     o = acc * gl.expand_dims(gl.convert_layout(o_factor, gl.SliceLayout(1, o_layout)), 1)
     rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, o_layout))

@@ -6,7 +6,17 @@ the result is deterministic.
 import triton
 import triton.language as tl
 
-from ..shared import INF, band, bounds, key_ranges, query_ranges, query_shift, span, transform_scores
+from ..shared import (
+    INF,
+    band,
+    bounds,
+    key_ranges,
+    probability,
+    query_ranges,
+    query_shift,
+    span,
+    transform_scores,
+)
 from .fills import zero_tail, zero_uncovered
 from .memory import (
     PARAM_BWD_KM_D_STRIDE,
@@ -90,7 +100,7 @@ def _dkdv_block(grads, keys, queries, query_start, cols, BAND: tl.constexpr, SCO
         do_b = do
     scores_t, t_t = transform_scores(tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION),
                                      query_rows[None, :], key_rows[:, None], shift, slope, SCORES)
-    p_t = tl.math.exp2((scores_t - lse[None, :]) * QK_SCALE)
+    p_t = probability((scores_t - lse[None, :]) * QK_SCALE)
     if MASKED and (BAND[0] or BAND[1] >= 0 or BAND[2] >= 0 or QDO_KEY_MAJOR):
         # The tokens before the sequence (QDO_KEY_MAJOR) may hold anything, inf and nan included.
         keep = (query_rows[None, :] >= lead) if QDO_KEY_MAJOR else True
@@ -203,7 +213,7 @@ def _dq_block(dq, queries, keys, key_start, cols, BAND: tl.constexpr, SCORES: tl
     v = load_tile(v_base, key_rows, cols, n_k, kv_token_stride, DIMS, MASKED)
     scores, t = transform_scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), query_rows[:, None],
                                  key_rows[None, :], shift, slope, SCORES)
-    p = tl.math.exp2((scores - lse[:, None]) * QK_SCALE)
+    p = probability((scores - lse[:, None]) * QK_SCALE)
     if MASKED:
         keep = band(key_rows[None, :] < n_k, query_rows[:, None], key_rows[None, :], shift, BAND)
         p = tl.where(keep, p, 0.0)

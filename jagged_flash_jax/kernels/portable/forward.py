@@ -170,7 +170,7 @@ def attention_fwd_kernel(
                     SCORES=(SOFTCAP, ALIBI, QK_SCALE), DIMS=DIMS, BLOCK_N=BLOCK_N,
                     INPUT_PRECISION=INPUT_PRECISION, MASKED=SPAN != 1, V_KEY_MAJOR=V_KEY_MAJOR)
 
-    attended = row_sum > 0  # false only for queries with no key (empty key sequence, or band)
+    attended = row_sum != 0  # false only for queries with no key (empty key sequence, or band); NaN: true
     acc = acc * (OUT_SCALE / tl.where(attended, row_sum, 1.0))[:, None]
     o_base = token_ptr(o_ptr, segment, head, q_start, q_layout)
     store_tile(o_base, query_rows, cols, n_q, acc, q_token_stride, DIMS)

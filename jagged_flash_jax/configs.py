@@ -83,13 +83,12 @@ HOPPER_PRODUCER_REGS = 24
 # puts a wgmma.wait_group 0 right after each asynchronous warpgroup_mma (PTX for sm_90a, triton 3.6 and
 # 3.9), so that no product overlaps the work beside it. 0 skips it, leaving the kernel's own waits (the
 # PTX is then the same as without the pass). Measured on the H200: the forward is faster with its own
-# waits (its next S beside the softmax and P V); dq is no faster without the pipeliner; dk/dv without
-# it was 3% faster on `long`, level on causal problems and 4% slower under a window; a patch that
-# drops it for dk/dv where neither causal nor a window bands the problem waits for the GPU suite and
-# memcheck (benchmarks/results/profile/2026-12-02_dkdv_own_waits_unbanded.patch): docs/performance.md,
-# the sections "Measured on 2026-12-02" of the sessions of fc78953 and 35d85a5.
+# waits (its next S beside the softmax and P V); dq is no faster without the pipeliner; dk/dv with its
+# own waits is faster where no band masks its query tiles (neither causal nor a window: 2.5-3.3% on
+# `long`) and slower under a window (4% at a window of 1024): docs/performance.md, "Hopper kernels".
 HOPPER_FWD_TRITON_STAGES = 0
-HOPPER_BWD_TRITON_STAGES = 1
+HOPPER_BWD_TRITON_STAGES = 1  # dq, and dk/dv under causal or a window
+HOPPER_DKDV_UNBANDED_TRITON_STAGES = 0
 # The Hopper kernels take 16-bit inputs (bfloat16, float16) only: the table refuses "hopper" entries of
 # other bits (entry_from_json), so that a problem's Hopper tiles alone say whether a Hopper kernel runs.
 HOPPER_BITS = 16

@@ -226,6 +226,18 @@ def test_the_hopper_dkdv_compiles_with_query_tiles_narrower_than_a_warp():
     check_compiled(*compile_for_sm90(call, arrays))
 
 
+@pytest.mark.parametrize("causal,window,dkdv_stages", [
+    (False, (None, None), configs.HOPPER_DKDV_UNBANDED_TRITON_STAGES),
+    (True, (None, None), configs.HOPPER_BWD_TRITON_STAGES),
+    (False, (None, 8), configs.HOPPER_BWD_TRITON_STAGES)])
+def test_dkdv_takes_its_own_waits_only_without_a_band(causal, window, dkdv_stages):
+    """Triton's num_stages (whether its pipeliner waits on every product) of the Hopper backward's
+    kernels: dk/dv's own waits without causal or a window, the pipeliner's with either; dq's always."""
+    (dkdv, _), (dq, _) = hopper_backward_calls(128, causal, "THD", jnp.bfloat16, window=window)
+    assert (dkdv.num_stages, dq.num_stages) == (dkdv_stages, configs.HOPPER_BWD_TRITON_STAGES)
+    assert configs.HOPPER_DKDV_UNBANDED_TRITON_STAGES != configs.HOPPER_BWD_TRITON_STAGES
+
+
 # ---------------------------------------------------------------------------------------------------
 # On a Hopper GPU
 # ---------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from .._util import cdiv, lse_gradient, slopes_in_score_units
 from ..configs import (
     HOPPER_BWD_TRITON_STAGES,
     HOPPER_CONSUMER_REGS,
+    HOPPER_DKDV_UNBANDED_TRITON_STAGES,
     HOPPER_FWD_TRITON_STAGES,
     HOPPER_PRODUCER_REGS,
     MAX_HEAD_DIM,
@@ -433,7 +434,8 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
         spec.HOPPER_BWD_DKDV, p, config, dkdv,
         dict(dk=jax.ShapeDtypeStruct(p.kv_shape, k.dtype), dv=jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
         blocks(dkdv.block_n, p.kv_tokens, p.kv_max_seq_len), p.kv_tokens,
-        dict(scales, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale), HOPPER_BWD_TRITON_STAGES,
+        dict(scales, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale),
+        HOPPER_BWD_TRITON_STAGES if p.banded else HOPPER_DKDV_UNBANDED_TRITON_STAGES,
         dict(q=(dkdv.block_m, p.head_dim), do=(dkdv.block_m, p.head_dim), k=(dkdv.block_n // 2, p.head_dim),
              v=(dkdv.block_n // 2, p.head_dim)))
     dk, dv, _ = launch(run, dkdv_call, **inputs)

@@ -4,7 +4,7 @@ not), chooses its configuration, and runs the forward and the backward. select.p
 - "xla": blockwise pure JAX (xla/softmax.py), any device.
 - "portable": the portable Triton kernels (kernels/portable.py) on a GPU, through jax-triton.
 - "interpret": the same kernels in Triton's interpreter on the CPU.
-- "hopper": the Hopper kernels in Gluon (kernels/hopper.py, kernels/hopper_backward.py), sm_90a.
+- "hopper": the Hopper kernels in Gluon (kernels/hopper/), sm_90a.
 
 All four share one residual convention (the log-sum-exp in units of the unscaled scores, launch/calls.py),
 so a forward of one and a backward of another compose.
@@ -176,7 +176,7 @@ def gluon_available() -> bool:
     """Whether this Triton has Gluon's Hopper module (triton.experimental.gluon, 3.6 on) and the kernel
     modules import with it."""
     try:
-        from .kernels import hopper, hopper_backward  # noqa: F401
+        from .kernels.hopper import dkdv, dq, forward  # noqa: F401
     except Exception:  # ImportError, or an API the kernel module needs that this Triton lacks
         return False
     return True

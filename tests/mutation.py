@@ -1,6 +1,7 @@
 """Mutation testing: plant each plausible bug below in a copy of the repository, one at a time, run the
 CPU tests meant to catch it, and report which test did (`python tests/mutation.py [--only TEXT]`).
 A mutant that survives means a test is missing or too weak. tests/README.md lists the last results.
+`--check` runs no test: it checks that each original text occurs exactly once in its file.
 """
 
 from __future__ import annotations
@@ -18,38 +19,38 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # snippets are quoted code, one mutant per line.
 # ruff: noqa: E501
 MUTANTS = [
- ("kernels: no lower clamp of offsets", "jagged_flash_jax/kernels/common.py", "start = tl.minimum(tl.maximum(start, 0), num_tokens)\n    return start, tl.minimum(tl.maximum(end, start), num_tokens)", "start = tl.minimum(start, num_tokens)\n    return start, tl.minimum(tl.maximum(end, start), num_tokens)", "tests/test_memory_safety.py"),
- ("kernels: empty sequence read as length 1", "jagged_flash_jax/kernels/common.py", "    return start, tl.minimum(tl.maximum(end, start), num_tokens)", "    return start, tl.minimum(tl.maximum(end, start + 1), num_tokens)", "tests/test_jagged_attention.py -k log_sum_exp"),
- ("kernels: int64 offsets truncated to int32", "jagged_flash_jax/kernels/common.py", "start = tl.load(offsets_ptr + sequence).to(tl.int64)\n    end = tl.load(offsets_ptr + sequence + 1).to(tl.int64)", "start = tl.load(offsets_ptr + sequence).to(tl.int32).to(tl.int64)\n    end = tl.load(offsets_ptr + sequence + 1).to(tl.int32).to(tl.int64)", "tests/test_memory_safety.py"),
- ("kernels: causal shift reversed", "jagged_flash_jax/kernels/common.py", "    if ALIGNED:\n        return n_k - n_q", "    if ALIGNED:\n        return n_q - n_k", "tests/test_jagged_attention.py -k interpret"),
- ("kernels: causal mask excludes the diagonal", "jagged_flash_jax/kernels/common.py", "keep = (key_rows <= query_rows + shift) & keep", "keep = (key_rows < query_rows + shift) & keep", "tests/test_jagged_attention.py -k interpret"),
- ("kernels: window's left bound off by one", "jagged_flash_jax/kernels/common.py", "keep = (key_rows >= query_rows + (shift - WINDOW_LEFT)) & keep", "keep = (key_rows >= query_rows + (shift - WINDOW_LEFT + 1)) & keep", "tests/test_features.py -k interpret"),
- ("kernels: window's key blocks not skipped", "jagged_flash_jax/kernels/common.py", "        start = tl.maximum(query_start + shift - WINDOW_LEFT, 0)", "        start = n_k * 0", "tests/test_features.py -k skips"),
- ("kernels: softcap's derivative missing from dq", "jagged_flash_jax/kernels/portable.py", "        ds = ds * (1.0 - t * t)", "        ds = ds * 1.0", "tests/test_features.py -k interpret"),
- ("kernels: alibi bias with the wrong sign", "jagged_flash_jax/kernels/common.py", "x = x - slope * tl.abs(", "x = x + slope * tl.abs(", "tests/test_features.py -k interpret"),
- ("kernels: alibi distance not bottom-right aligned", "jagged_flash_jax/kernels/common.py", "tl.abs(query_rows + shift - key_rows)", "tl.abs(query_rows - key_rows)", "tests/test_features.py -k interpret"),
+ ("kernels: no lower clamp of offsets", "jagged_flash_jax/kernels/shared.py", "start = tl.minimum(tl.maximum(start, 0), num_tokens)\n    return start, tl.minimum(tl.maximum(end, start), num_tokens)", "start = tl.minimum(start, num_tokens)\n    return start, tl.minimum(tl.maximum(end, start), num_tokens)", "tests/test_memory_safety.py"),
+ ("kernels: empty sequence read as length 1", "jagged_flash_jax/kernels/shared.py", "    return start, tl.minimum(tl.maximum(end, start), num_tokens)", "    return start, tl.minimum(tl.maximum(end, start + 1), num_tokens)", "tests/test_jagged_attention.py -k log_sum_exp"),
+ ("kernels: int64 offsets truncated to int32", "jagged_flash_jax/kernels/shared.py", "start = tl.load(offsets_ptr + sequence).to(tl.int64)\n    end = tl.load(offsets_ptr + sequence + 1).to(tl.int64)", "start = tl.load(offsets_ptr + sequence).to(tl.int32).to(tl.int64)\n    end = tl.load(offsets_ptr + sequence + 1).to(tl.int32).to(tl.int64)", "tests/test_memory_safety.py"),
+ ("kernels: causal shift reversed", "jagged_flash_jax/kernels/shared.py", "    if ALIGNED:\n        return n_k - n_q", "    if ALIGNED:\n        return n_q - n_k", "tests/test_jagged_attention.py -k interpret"),
+ ("kernels: causal mask excludes the diagonal", "jagged_flash_jax/kernels/shared.py", "keep = (key_rows <= query_rows + shift) & keep", "keep = (key_rows < query_rows + shift) & keep", "tests/test_jagged_attention.py -k interpret"),
+ ("kernels: window's left bound off by one", "jagged_flash_jax/kernels/shared.py", "keep = (key_rows >= query_rows + (shift - WINDOW_LEFT)) & keep", "keep = (key_rows >= query_rows + (shift - WINDOW_LEFT + 1)) & keep", "tests/test_features.py -k interpret"),
+ ("kernels: window's key blocks not skipped", "jagged_flash_jax/kernels/shared.py", "        start = tl.maximum(query_start + shift - WINDOW_LEFT, 0)", "        start = n_k * 0", "tests/test_features.py -k skips"),
+ ("kernels: softcap's derivative missing from dq", "jagged_flash_jax/kernels/portable/backward.py", "        ds = ds * (1.0 - t * t)", "        ds = ds * 1.0", "tests/test_features.py -k interpret"),
+ ("kernels: alibi bias with the wrong sign", "jagged_flash_jax/kernels/shared.py", "x = x - slope * tl.abs(", "x = x + slope * tl.abs(", "tests/test_features.py -k interpret"),
+ ("kernels: alibi distance not bottom-right aligned", "jagged_flash_jax/kernels/shared.py", "tl.abs(query_rows + shift - key_rows)", "tl.abs(query_rows - key_rows)", "tests/test_features.py -k interpret"),
  ("xla backend: window's right bound off by one", "jagged_flash_jax/reference.py", "keep &= distance >= -right", "keep &= distance > -right", "tests/test_features.py -k xla"),
- ("kernels: GQA maps heads to kv heads by modulo", "jagged_flash_jax/kernels/portable.py", "    kv_head = head // KV_GROUP\n    if V_KEY_MAJOR:", "    kv_head = head % (NUM_HEADS // KV_GROUP)\n    if V_KEY_MAJOR:", "tests/test_jagged_attention.py -k interpret"),
- ("kernels: dk/dv sum only the first head of a group", "jagged_flash_jax/kernels/portable.py", "for member in range(0, KV_GROUP):", "for member in range(0, 1):", "tests/test_jagged_attention.py -k interpret"),
- ("kernels: dv misses the output scale", "jagged_flash_jax/kernels/portable.py", "dv * OUT_SCALE, kv_token_stride", "dv, kv_token_stride", "tests/test_fbgemm.py -k interpret"),
- ("kernels: queries with no key get log-sum-exp 0", "jagged_flash_jax/kernels/portable.py", "lse = tl.where(attended, row_max + tl.math.log2(row_sum) * (1.0 / QK_SCALE), INF)", "lse = tl.where(attended, row_max + tl.math.log2(row_sum) * (1.0 / QK_SCALE), 0.0)", "tests/test_jagged_attention.py -k log_sum_exp"),
- ("kernels: tokens past max_seq_len not zeroed", "jagged_flash_jax/kernels/common.py", "    if end - start > MAX_LEN:", "    if end - start > MAX_LEN + (1 << 30):", "tests/test_fbgemm.py -k interpret"),
- ("kernels: tokens after the last sequence not zeroed", "jagged_flash_jax/kernels/common.py", "        _zero_rows(base_first, base_second, tl.maximum(first, covered_end), last, cols, token_stride, D,", "        _zero_rows(base_first, base_second, last, last, cols, token_stride, D,", "tests/test_fbgemm.py -k interpret"),
- ("kernels: malformed offsets taken as sorted", "jagged_flash_jax/kernels/common.py", "    return tl.sum(unsorted, axis=0) == 0", "    return tl.sum(unsorted, axis=0) >= 0", "tests/test_memory_safety.py -k without_overlap"),
- ("kernels: backward recomputes p without the scale", "jagged_flash_jax/kernels/portable.py", "p = tl.math.exp2((scores - lse[:, None]) * QK_SCALE)", "p = tl.math.exp2(scores - lse[:, None])", "tests/test_jagged_attention.py -k interpret"),
- ("kernels: dq recomputes p as a fused multiply-add with a scaled log-sum-exp", "jagged_flash_jax/kernels/portable.py", "p = tl.math.exp2((scores - lse[:, None]) * QK_SCALE)", "p = tl.math.exp2(tl.fma(scores, QK_SCALE, -(lse[:, None] * QK_SCALE)))", "tests/test_adversarial_numerics.py -k large_logits_with_any_scale"),
- ("kernels: the forward's tail program goes on to attend as block -1", "jagged_flash_jax/kernels/portable.py", "BLOCK=FILL_BLOCK, TWO=False)\n        return\n    q_start", "BLOCK=FILL_BLOCK, TWO=False)\n    q_start", "tests/test_fbgemm.py -k interpret"),
- ("kernels: the one-axis grid maps programs to sequences with the wrong stride", "jagged_flash_jax/kernels/common.py", "        head_sequence = pid // slots", "        head_sequence = pid // (slots + 1)", "tests/test_jagged_attention.py -k grouped"),
- ("kernels: a key-major v reads the tokens before its sequence", "jagged_flash_jax/kernels/common.py", "        mask = (rows[None, :] >= first_row) & (rows[None, :] < num_rows)", "        mask = rows[None, :] < num_rows", "tests/test_jagged_attention.py -k key_major"),
- ("kernels: a key-major window attends the keys before its sequence", "jagged_flash_jax/kernels/portable.py", "            keep = keep & (key_rows[None, :] >= lead)", "            keep = keep", "tests/test_jagged_attention.py -k key_major"),
- ("kernels: a key-major window ignores the segment", "jagged_flash_jax/kernels/common.py", "    first = segment.to(tl.int64) * num_tokens + seq_start", "    first = seq_start.to(tl.int64)", "tests/test_transforms.py -k vmap_equals"),
- ("kernels: a key-major query window attends the queries before its sequence", "jagged_flash_jax/kernels/portable.py", "keep = (query_rows[None, :] >= lead) if QDO_KEY_MAJOR else True", "keep = (query_rows[None, :] >= 0) if QDO_KEY_MAJOR else True", "tests/test_jagged_attention.py -k key_major"),
- ("kernels: a launch of one kind of program takes its slots as pairs", "jagged_flash_jax/kernels/portable.py", "        is_dq = DQ_PROGRAMS\n        block = slot\n", "        is_dq = DQ_PROGRAMS\n        block = slot // 2\n", "tests/test_fbgemm.py -k tile_sizes"),
+ ("kernels: GQA maps heads to kv heads by modulo", "jagged_flash_jax/kernels/portable/forward.py", "    kv_head = head // KV_GROUP\n    if V_KEY_MAJOR:", "    kv_head = head % (NUM_HEADS // KV_GROUP)\n    if V_KEY_MAJOR:", "tests/test_jagged_attention.py -k interpret"),
+ ("kernels: dk/dv sum only the first head of a group", "jagged_flash_jax/kernels/portable/backward.py", "for member in range(0, KV_GROUP):", "for member in range(0, 1):", "tests/test_jagged_attention.py -k interpret"),
+ ("kernels: dv misses the output scale", "jagged_flash_jax/kernels/portable/backward.py", "dv * OUT_SCALE, kv_token_stride", "dv, kv_token_stride", "tests/test_fbgemm.py -k interpret"),
+ ("kernels: queries with no key get log-sum-exp 0", "jagged_flash_jax/kernels/portable/forward.py", "lse = tl.where(attended, row_max + tl.math.log2(row_sum) * (1.0 / QK_SCALE), INF)", "lse = tl.where(attended, row_max + tl.math.log2(row_sum) * (1.0 / QK_SCALE), 0.0)", "tests/test_jagged_attention.py -k log_sum_exp"),
+ ("kernels: tokens past max_seq_len not zeroed", "jagged_flash_jax/kernels/portable/fills.py", "    if end - start > MAX_LEN:", "    if end - start > MAX_LEN + (1 << 30):", "tests/test_fbgemm.py -k interpret"),
+ ("kernels: tokens after the last sequence not zeroed", "jagged_flash_jax/kernels/portable/fills.py", "        _zero_rows(bases, tl.maximum(first, covered_end), last, cols, token_stride, FILL)", "        _zero_rows(bases, last, last, cols, token_stride, FILL)", "tests/test_fbgemm.py -k interpret"),
+ ("kernels: malformed offsets taken as sorted", "jagged_flash_jax/kernels/portable/fills.py", "    return tl.sum(unsorted, axis=0) == 0", "    return tl.sum(unsorted, axis=0) >= 0", "tests/test_memory_safety.py -k without_overlap"),
+ ("kernels: backward recomputes p without the scale", "jagged_flash_jax/kernels/portable/backward.py", "p = tl.math.exp2((scores - lse[:, None]) * QK_SCALE)", "p = tl.math.exp2(scores - lse[:, None])", "tests/test_jagged_attention.py -k interpret"),
+ ("kernels: dq recomputes p as a fused multiply-add with a scaled log-sum-exp", "jagged_flash_jax/kernels/portable/backward.py", "p = tl.math.exp2((scores - lse[:, None]) * QK_SCALE)", "p = tl.math.exp2(tl.fma(scores, QK_SCALE, -(lse[:, None] * QK_SCALE)))", "tests/test_adversarial_numerics.py -k large_logits_with_any_scale"),
+ ("kernels: the forward's tail program goes on to attend as block -1", "jagged_flash_jax/kernels/portable/forward.py", "FILL=FILL)\n        return\n    q_start", "FILL=FILL)\n    q_start", "tests/test_fbgemm.py -k interpret"),
+ ("kernels: the one-axis grid maps programs to sequences with the wrong stride", "jagged_flash_jax/kernels/portable/memory.py", "        head_sequence = pid // slots", "        head_sequence = pid // (slots + 1)", "tests/test_jagged_attention.py -k grouped"),
+ ("kernels: a key-major v reads the tokens before its sequence", "jagged_flash_jax/kernels/portable/memory.py", "        mask = (rows[None, :] >= first_row) & (rows[None, :] < num_rows)", "        mask = rows[None, :] < num_rows", "tests/test_jagged_attention.py -k key_major"),
+ ("kernels: a key-major window attends the keys before its sequence", "jagged_flash_jax/kernels/portable/forward.py", "            keep = keep & (key_rows[None, :] >= lead)", "            keep = keep", "tests/test_jagged_attention.py -k key_major"),
+ ("kernels: a key-major window ignores the segment", "jagged_flash_jax/kernels/portable/memory.py", "    first = segment.to(tl.int64) * num_tokens + seq_start", "    first = seq_start.to(tl.int64)", "tests/test_transforms.py -k vmap_equals"),
+ ("kernels: a key-major query window attends the queries before its sequence", "jagged_flash_jax/kernels/portable/backward.py", "keep = (query_rows[None, :] >= lead) if QDO_KEY_MAJOR else True", "keep = (query_rows[None, :] >= 0) if QDO_KEY_MAJOR else True", "tests/test_jagged_attention.py -k key_major"),
+ ("kernels: a launch of one kind of program takes its slots as pairs", "jagged_flash_jax/kernels/portable/backward.py", "        is_dq = DQ_PROGRAMS\n        block = slot\n", "        is_dq = DQ_PROGRAMS\n        block = slot // 2\n", "tests/test_fbgemm.py -k tile_sizes"),
  ("plan: bfloat16 takes a key-major v", "jagged_flash_jax/launch/plan.py", "and jnp.dtype(dtype).itemsize == 4", "and jnp.dtype(dtype).itemsize >= 2", "tests/test_launchers.py"),
  ("plan: key-major operands at any head dimension", "jagged_flash_jax/launch/plan.py", "head_block(p.head_dim) in KEY_MAJOR_HEAD_DIMS[operands]", "head_block(p.head_dim) > 0", "tests/test_launchers.py"),
  ("configs: a window's width does not key the tiles", "jagged_flash_jax/configs.py", "longest if band is None else min(longest, band)", "longest", "tests/test_launchers.py -k window"),
  ("configs: query blocks not fitted to max_seq_len", "jagged_flash_jax/configs.py", "block_m = min(c.block_m, q_rows)", "block_m = c.block_m", "tests/test_launchers.py"),
- ("kernels: the key-major transpose writes past its padded tokens", "jagged_flash_jax/kernels/portable.py", "mask=(cols[:, None] < D) & (rows[None, :] < padded - first))", "mask=(cols[:, None] < D) & (rows[None, :] < padded - first + 16))", "tests/test_memory_safety.py -k adversarial"),
+ ("kernels: the key-major transpose writes past its padded tokens", "jagged_flash_jax/kernels/portable/transpose.py", "mask=(cols[:, None] < D) & (rows[None, :] < padded - first))", "mask=(cols[:, None] < D) & (rows[None, :] < padded - first + 16))", "tests/test_memory_safety.py -k adversarial"),
  ("compat: triton.language left patched after an interpreted run", "jagged_flash_jax/_compat.py", "        _restore_language(state)\n", "\n", "tests/test_launchers.py -k triton_language"),
  ("plan: dq/dk miss the output scale", "jagged_flash_jax/launch/plan.py", "DS_SCALE=p.scale * p.out_scale", "DS_SCALE=p.scale", "tests/test_fbgemm.py -k interpret"),
  ("plan: allow_tf32 inverted", "jagged_flash_jax/api.py", 'input_precision="tf32" if allow_tf32 else "ieee"', 'input_precision="ieee" if allow_tf32 else "tf32"', "tests/test_launchers.py"),
@@ -71,7 +72,16 @@ MUTANTS = [
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", default="", help="run the mutants whose description contains this")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that each mutant's original text occurs exactly once in its file")
     args = parser.parse_args()
+    if args.check:
+        wrong = [(name, path, (REPO / path).read_text().count(old) if (REPO / path).exists() else 0)
+                 for name, path, old, _, _ in MUTANTS]
+        for name, path, count in wrong:
+            if count != 1:
+                print(f"{count} times  {name}: {path}")
+        return 1 if any(count != 1 for _, _, count in wrong) else 0
     survivors = 0
     for name, path, old, new, tests in MUTANTS:
         if args.only not in name:

@@ -1,0 +1,6 @@
+"""The Hopper (sm_90a) kernels, in Gluon: the forward (forward.py), dk/dv (dkdv.py) and dq (dq.py), each
+persistent and warp-specialized (a 1-warp TMA producer, two consumer warpgroups), with the portable
+kernels' contracts. scheduler.py hands out the blocks, pipeline.py holds the shared-memory ring and the
+producer, scores.py the score transform and softmax step, fills.py the zero fills, addressing.py where
+tiles, statistics and rows are in global memory. Compiled only: Gluon has no interpreter.
+"""

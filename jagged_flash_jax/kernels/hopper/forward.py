@@ -1,0 +1,350 @@
+"""The Hopper forward: o and the log-sum-exp on a persistent grid, FlashAttention-3's structure (a TMA
+producer warp, two consumer warpgroups each running S = Q K^T while the last P V is in flight).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..shared import (
+    INF,
+    PARAM_BATCH,
+    PARAM_KV_TOKENS,
+    PARAM_Q_HEAD_STRIDE,
+    PARAM_Q_TOKEN_STRIDE,
+    PARAM_Q_TOKENS,
+    key_ranges,
+)
+from ..spec import HOPPER_FWD
+from .addressing import stat_origin
+from .fills import FILL_LSE, zero_fills
+from .pipeline import CONSUMER_ROWS, pass_tiles, publish, tma_load, zero_rows
+from .scheduler import item_ring, producer_loop, query_block, receive
+from .scores import alibi_slope, softmax_step
+
+PARAM_HOPPER_FWD_BLOCKS: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("blocks"))
+PARAM_HOPPER_FWD_FILL_CHUNK: gl.constexpr = gl.constexpr(HOPPER_FWD.slot("fill_chunk"))
+
+
+@gluon.jit
+def _own_tiles(row0, n_q, n_k, key_first, num_key_blocks, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr):
+    """[lo, hi) of the program's key tiles (from key_first) that some query of one consumer warpgroup's,
+    [row0, +64), sees: its own band within the block's (common._key_ranges over its rows), empty when
+    its rows are all past n_q."""
+    first, _, _, end = key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT))
+    lo = gl.minimum((first - key_first) // BLOCK_N, num_key_blocks)
+    hi = gl.minimum(gl.maximum(gl.cdiv(end - key_first, BLOCK_N), lo), num_key_blocks)
+    hi = gl.where(row0 < n_q, hi, lo)
+    return lo, hi
+
+
+@gluon.jit
+def _issue_kv(desc, bar, buf, row, col):
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma_load(desc, [row, col], bar, buf)
+
+
+@gluon.jit
+def _produce(buffers, q_row, q_col, kv_row, kv_col, num_key_blocks, t, qp, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr):
+    """The 1-warp load partition's work for one query block (`producer_loop`'s `produce`): both query
+    tiles (once the consumers have freed the last block's, q_free's phase qp ^ 1), then K_j and V_j
+    (j < num_key_blocks, from kv_row: the first key block of the band) into the ring from its position t
+    as slots free."""
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty = (
+        buffers)
+    for w in gl.static_range(2):
+        mbarrier.wait(q_free.index(w), qp ^ 1)  # fresh barriers: phase 1 counts as complete
+        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+        tma_load(q_desc, [q_row + w * CONSUMER_ROWS, q_col], q_bars.index(w), q_smem.index(w))
+    for j in range(num_key_blocks):
+        slot = (t + j) % STAGES
+        phase = ((t + j) // STAGES) & 1
+        row = kv_row + j * BLOCK_N
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        _issue_kv(k_desc, k_ready.index(slot), k_smem.index(slot), row, kv_col)
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        _issue_kv(v_desc, v_ready.index(slot), v_smem.index(slot), row, kv_col)
+
+
+@gluon.jit
+def _consume(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
+             lse_ptr, q_start, n_q, n_k, key_first, key_end, slope, start_m, head, q_tokens, q_token_stride,
+             q_head_stride, t, qp, tails, D: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+             CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+             SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             WG: gl.constexpr):
+    """One consumer warpgroup's work for one query block: queries [start_m + 64 WG, +64) against the key
+    blocks from key_first (a multiple of BLOCK_N) to key_end (the block's band, as the producer loads
+    them, from ring position t; the query tiles' barrier at phase qp), then their o and log-sum-exp. A
+    block is masked unless every query of this warpgroup sees every key of it. Returns the count of
+    tail-zeroing hand-overs (tail_bar's uses) after this block's: `tails` before it."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = k_smem.dtype
+    shift = n_k - n_q
+    row0 = start_m + WG * CONSUMER_ROWS
+    q = q_smem.index(WG)
+    num_key_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N) - key_first // BLOCK_N, 0)
+    # This warpgroup's clean key blocks (common._key_ranges over its 64 rows).
+    _, clean_start, clean_end, _ = key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, (CAUSAL, WINDOW_LEFT,
+                                               WINDOW_RIGHT))
+
+    # The tiles each warpgroup computes, [lo, hi): under a window a warpgroup's band may start or end a
+    # tile from the block's (more often with narrow bands' 64-key tiles); it passes the tiles outside,
+    # leaving the tensor cores to the other. Warpgroup 1 (the block's last rows) always ends at the
+    # block's last tile, which warpgroup 0 computes too unless it ends before. (Without a window the
+    # code is that of every tile computed by both.)
+    WINDOWED: gl.constexpr = WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0
+    if WINDOWED:
+        lo, hi = _own_tiles(row0, n_q, n_k, key_first, num_key_blocks, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                            WINDOW_RIGHT)
+        if WG == 0:  # warpgroup 0's range: its own
+            lo0 = lo
+            hi0 = hi
+        else:
+            lo0, hi0 = _own_tiles(start_m, n_q, n_k, key_first, num_key_blocks, BLOCK_N, CAUSAL, WINDOW_LEFT,
+                                  WINDOW_RIGHT)
+    else:
+        lo = 0
+        hi = num_key_blocks
+        lo0 = 0
+        hi0 = num_key_blocks
+    # The block's last value tile: its rows past the band's keys (past the sequence's maybe: other
+    # tokens, NaN) are zeroed first, by warpgroup 0 when it computes that tile (it hands the tile over
+    # on tail_bar, and warpgroup 1 then waits for it, whether it computes the tile or not, so that
+    # both count the barrier's uses alike), else by warpgroup 1 when it does.
+    tail = key_end - (key_first + (num_key_blocks - 1) * BLOCK_N)
+    handed_over = (hi0 == num_key_blocks) & (hi0 > lo0) & (tail < BLOCK_N)
+
+    m_i = gl.full([CONSUMER_ROWS], -INF, gl.float32, layout=row_layout)
+    l_i = gl.full([CONSUMER_ROWS], 0.0, gl.float32, layout=row_layout)
+    acc = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bars.index(WG), qp)  # always: the load must land before the program may end
+    if WINDOWED:
+        pass_tiles(k_ready, v_ready, k_empty, v_empty, t, t + lo, STAGES)
+    if hi > lo:
+        # S_lo alone; then S_j with P_{j-1} V_{j-1} in flight; then the last P V.
+        ks = (t + lo) % STAGES
+        key_start = key_first + lo * BLOCK_N
+        mbarrier.wait(k_ready.index(ks), ((t + lo) // STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(ks), count=1)
+        p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, slope,
+                                           (key_start < clean_start) | (key_start >= clean_end), QK_SCALE,
+                                           CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N,
+                                           s_layout)
+        for j in range(lo + 1, hi):
+            ks = (t + j) % STAGES
+            vs = (t + j - 1) % STAGES
+            key_start = key_first + j * BLOCK_N
+            mbarrier.wait(k_ready.index(ks), ((t + j) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(vs), ((t + j - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            s_tok = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc_tok = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(ks), count=1)
+            p, m_i, l_i, alpha = softmax_step(s, m_i, l_i, key_start, n_k, row0, shift, slope,
+                                               (key_start < clean_start) | (key_start >= clean_end), QK_SCALE,
+                                               CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N,
+                                               s_layout)
+            acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+            mbarrier.arrive(v_empty.index(vs), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        if WG == 0:
+            mbarrier.arrive(q_free.index(0), count=1)  # the query tile's last product is done
+        last = hi - 1
+        vs = (t + last) % STAGES
+        mbarrier.wait(v_ready.index(vs), ((t + last) // STAGES) & 1)
+        if (hi == num_key_blocks) & (tail < BLOCK_N):
+            if WG == 0:
+                zero_rows(v_smem.index(vs), tail, BLOCK_N)
+                publish()
+                mbarrier.arrive(tail_bar, count=1)
+            elif handed_over:
+                mbarrier.wait(tail_bar, tails & 1)
+            else:
+                zero_rows(v_smem.index(vs), tail, BLOCK_N)
+                publish()
+        if WG == 1:
+            if hi == num_key_blocks:  # (see below)
+                mbarrier.arrive(q_free.index(1), count=1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(vs), acc)
+        mbarrier.arrive(v_empty.index(vs), count=1)  # the slot's next use (the ring goes on)
+    elif WG == 0:
+        mbarrier.arrive(q_free.index(0), count=1)
+    if WINDOWED:
+        pass_tiles(k_ready, v_ready, k_empty, v_empty, t + hi, t + num_key_blocks, STAGES)
+    # Warpgroup 1 frees its query tile only once it is past its wait for a hand-over (above, or here
+    # when it did not compute the last tile, after its passes, which warpgroup 0 may need): the producer
+    # loads the next block's query tiles before its keys, so warpgroup 0 cannot hand a next tile over,
+    # a second phase of tail_bar, before this one has seen the first.
+    if WG == 1:
+        if (hi <= lo) | (hi < num_key_blocks):
+            if handed_over:
+                mbarrier.wait(tail_bar, tails & 1)
+            mbarrier.arrive(q_free.index(1), count=1)
+
+    # Epilogue: rows < n_q only (the fill programs write the others).
+    attended = l_i > 0  # false only for queries with no key
+    o_factor = gl.where(attended, OUT_SCALE / gl.where(attended, l_i, 1.0), 0.0)
+    o = acc * gl.expand_dims(gl.convert_layout(o_factor, gl.SliceLayout(1, o_layout)), 1)
+    rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    o_rows = (q_start + rows).to(gl.int64) * q_token_stride + head.to(gl.int64) * q_head_stride
+    o_ptrs = o_ptr + gl.expand_dims(o_rows, 1) + gl.expand_dims(cols, 0)
+    gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(rows < n_q, 1))
+    # In units of the unscaled scores: sum_j exp2((s_j - lse) * QK_SCALE) = 1.
+    lse = gl.where(attended, m_i + gl.log2(l_i) * (1.0 / QK_SCALE), INF)
+    lse_rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
+    lse_ptrs = lse_ptr + stat_origin(q_start, head, q_tokens) + lse_rows
+    gl.store(lse_ptrs, lse, mask=lse_rows < n_q)
+    return tails + handed_over.to(gl.int32)
+
+
+@gluon.jit
+def attention_fwd_kernel(
+    q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr,
+    o_ptr, lse_ptr, counter_ptr,
+    NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
+    FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """o and the base-2 log-sum-exp, on a persistent grid (one program per SM): each program first
+    does its share of the zero fills (fill i, i + programs, ...: per (sequence, head) the tokens past
+    Q_MAX_LEN, then per head the PARAM_HOPPER_FWD_FILL_CHUNK chunks of the tokens no sequence covers),
+    then takes query blocks of BLOCK_M (= 128, two warpgroups') queries from the counter at counter_ptr
+    (zeroed by the launcher) until none is left, in one warp-specialized region (`_attention`). So
+    every row of o [tokens, H, D] or [H, tokens, D] (q's strides) and of the log-sum-exp
+    [1, H, q_tokens] is written: no memset."""
+    batch = gl.load(params_ptr + PARAM_BATCH)
+    q_tokens = gl.load(params_ptr + PARAM_Q_TOKENS)
+    kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
+    q_token_stride = gl.load(params_ptr + PARAM_Q_TOKEN_STRIDE) * STRIDE_ALIGN
+    q_head_stride = gl.load(params_ptr + PARAM_Q_HEAD_STRIDE) * STRIDE_ALIGN
+    blocks = gl.load(params_ptr + PARAM_HOPPER_FWD_BLOCKS)
+    fill_chunk = gl.load(params_ptr + PARAM_HOPPER_FWD_FILL_CHUNK)
+    zero_fills(o_ptr, lse_ptr, q_offsets_ptr, batch, blocks, fill_chunk, q_tokens, q_token_stride,
+                q_head_stride, NUM_HEADS, Q_MAX_LEN, D, FILL_BLOCK, FILL_LSE)
+    _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr,
+               lse_ptr, counter_ptr, batch * NUM_HEADS * blocks, blocks, q_tokens, kv_tokens, q_token_stride,
+               q_head_stride, NUM_HEADS, KV_GROUP, D, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT,
+               WINDOW_RIGHT, SOFTCAP, ALIBI, QK_SCALE, OUT_SCALE, BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN,
+               CONSUMER_REGS, PRODUCER_REGS)
+
+
+@gluon.jit
+def _consume_item(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
+                  lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, item, blocks, q_tokens, kv_tokens,
+                  q_token_stride, q_head_stride, t, i, tails, NUM_HEADS: gl.constexpr, D: gl.constexpr,
+                  Q_MAX_LEN: gl.constexpr, KV_MAX_LEN: gl.constexpr, QK_SCALE: gl.constexpr,
+                  OUT_SCALE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+                  WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+    """`_consume` for query block `item`, the program's i-th (`fetch` hands out only blocks with
+    queries): (t, tails) after it."""
+    _, head, q_start, n_q, _, n_k, start_m, key_first, key_end, num_key_blocks = query_block(
+        q_offsets_ptr, kv_offsets_ptr, item, blocks, q_tokens, kv_tokens, NUM_HEADS, Q_MAX_LEN,
+        KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
+    slope = alibi_slope(slopes_ptr, head, ALIBI)
+    tails = _consume(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar,
+                     o_ptr, lse_ptr, q_start, n_q, n_k, key_first, key_end, slope, start_m, head, q_tokens,
+                     q_token_stride, q_head_stride, t, i & 1, tails, D, QK_SCALE, OUT_SCALE, CAUSAL,
+                     WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_N, STAGES, WG)
+    return t + num_key_blocks, tails
+
+
+@gluon.jit
+def _consumer_loop(q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar,
+                   o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+                   end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                   NUM_HEADS: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+                   KV_MAX_LEN: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
+                   CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, WG: gl.constexpr):
+    """A consumer warpgroup: `_consume` for the query blocks `producer_loop` hands out, until `end`."""
+    t = 0
+    tails = 0
+    i = 0
+    item = receive(items, item_full, item_empty, i)
+    while item < end:
+        t, tails = _consume_item(
+            q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar, o_ptr,
+            lse_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, item, blocks, q_tokens, kv_tokens,
+            q_token_stride, q_head_stride, t, i, tails, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE,
+            OUT_SCALE, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, WG)
+        i += 1
+        item = receive(items, item_full, item_empty, i)
+
+
+@gluon.jit
+def _attention(q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr, o_ptr, lse_ptr,
+               counter_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+               NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+               KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+               WINDOW_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr,
+               OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
+               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """The query blocks taken from the counter (items < end, see `query_block`): the warp-specialized
+    attention (rows < n_q only), its shared memory and barriers set up once."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    items, item_full, item_empty = item_ring()
+    for w in gl.static_range(2):
+        mbarrier.init(q_bars.index(w), count=1)
+        mbarrier.init(q_free.index(w), count=1)
+    mbarrier.init(tail_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
+
+    # (argument tuples written out: concatenating them in the kernel turns constexprs into tensors)
+    gl.warp_specialize([
+        (_consumer_loop, (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
+                          tail_bar, o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr,
+                          kv_offsets_ptr, slopes_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride,
+                          q_head_stride, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE, OUT_SCALE, CAUSAL,
+                          WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, 0)),
+        (_consumer_loop, (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty,
+                          tail_bar, o_ptr, lse_ptr, items, item_full, item_empty, q_offsets_ptr,
+                          kv_offsets_ptr, slopes_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride,
+                          q_head_stride, NUM_HEADS, D, Q_MAX_LEN, KV_MAX_LEN, QK_SCALE, OUT_SCALE, CAUSAL,
+                          WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, BLOCK_M, BLOCK_N, STAGES, 1)),
+        # (a function among a partition's arguments goes as a constexpr: triton 3.6 flattens them to IR)
+        (producer_loop, (gl.constexpr(_produce), (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars,
+                                                   q_free, k_ready, v_ready, k_empty, v_empty),
+                          items, item_full, item_empty, counter_ptr, q_offsets_ptr, kv_offsets_ptr,
+                          params_ptr, end, blocks, q_tokens, kv_tokens, q_token_stride, q_head_stride,
+                          NUM_HEADS, KV_GROUP, Q_MAX_LEN, KV_MAX_LEN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+                          BLOCK_M, BLOCK_N, STAGES, STRIDE_ALIGN)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+

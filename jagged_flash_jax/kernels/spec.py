@@ -1,10 +1,6 @@
 """The contract between the launch code and each kernel, declared once: a `KernelSpec` per kernel names its
 array inputs and outputs, the slots of its int32 array of runtime parameters, its compile-time constants,
-<<<<<<< HEAD
 which inputs are TMA descriptors and which outputs the launcher zeroes. launch/calls.py packs and checks
-=======
-which inputs are TMA descriptors and which outputs the launcher zeroes. launch/plan.py packs and checks
->>>>>>> 02ac653
 by it; the kernels read their parameter slots by it; tests/test_spec.py holds each spec against its
 kernel's own argument names. Plain Python, so that the launch code imports it without Triton.
 

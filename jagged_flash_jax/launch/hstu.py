@@ -21,7 +21,7 @@ def tiles(p: HstuProblem, interpret: bool) -> BlockSizes:
     tests walk several blocks in every loop; on the GPU the portable softmax kernels' tiles at the
     padded head dimension max(D, V), the inputs' bits and max_seq_len (configs.default_block_sizes).
     Those were measured for the softmax kernels (H200), not for these: a first choice until HSTU has
-    entries of its own. Its programs hold tiles of the same shapes (q, k, v, do, an accumulator per
+    entries of its own. Their programs hold tiles of the same shapes (q, k, v, do, an accumulator per
     output, three [BLOCK_M, BLOCK_N] float32 score tiles in the backward, as the softmax's p, dp, ds)."""
     if interpret:
         return INTERPRET_BLOCK_SIZES

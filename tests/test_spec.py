@@ -23,10 +23,12 @@ def test_every_kernel_has_a_spec():
 
 
 def test_the_attention_kernels_share_their_first_slots():
-    """kernels/shared.py names these slots once for every attention kernel."""
+    """kernels/shared.py names these slots once for every softmax attention kernel, kernels/shared_hstu.py
+    its own for the HSTU kernels."""
     for kernel_spec in spec.SPECS:
         if "batch" in kernel_spec.params:
-            assert kernel_spec.params[:len(spec.ATTENTION_PARAMS)] == spec.ATTENTION_PARAMS
+            first = spec.HSTU_PARAMS if kernel_spec.name.startswith("hstu_") else spec.ATTENTION_PARAMS
+            assert kernel_spec.params[:len(first)] == first
     assert spec.KEY_MAJOR.params[:3] == spec.ATTENTION_BWD_PREPROCESS.params
     # kernels/hopper/addressing.py names the Hopper kernels' own slots once for the three.
     assert spec.HOPPER_BWD_DKDV.params == spec.HOPPER_BWD_DQ.params == spec.HOPPER_FWD.params

@@ -138,5 +138,33 @@ HOPPER_BWD_DQ = KernelSpec(
     constants=("NUM_HEADS", *_SHAPE, *_LENGTHS, *_BAND, *_SCORES, "DS_SCALE", *_HOPPER_CONSTANTS),
     descriptors=("q", "do", "k", "v"), zeroed=("counter",))
 
+# HSTU attention's kernels (kernels/portable/hstu.py): q, k, dq, dk have the head dimension D, v, o, do,
+# dv the value dimension V. Their runtime parameters: per segment of the token axis, its sequences and
+# tokens; the token and head strides of q, k, dq, dk and of v, o, do, dv (in units of STRIDE_ALIGN
+# elements); the distances between the segments' rows of offsets and of num_targets (0: one row shared
+# by every segment); the tokens each zero-fill program clears; the programs per (segment, sequence or
+# fill, head).
+HSTU_PARAMS = ("batch", "tokens", "qk_token_stride", "qk_head_stride", "v_token_stride", "v_head_stride",
+               "offsets_stride", "targets_stride", "fill_chunk", "slots")
+# The problem as they take it: heads, the two head dimensions, the attended length, the factors of the
+# scores (ALPHA before silu; SCALE after it, or with TOKEN_SCALE one per query token, an operand) and the
+# mask's options.
+_HSTU_PROBLEM = ("NUM_HEADS", "D", "BLOCK_D", "V", "BLOCK_V", "MAX_LEN", "ALPHA", "SCALE", "TOKEN_SCALE",
+                 "CAUSAL", "MAX_ATTN_LEN", "CONTEXT_LEN", "MIN_FULL_LEN", "HAS_TARGETS", "INPUT_PRECISION")
+# After the arrays of tokens: each segment's row of offsets and of num_targets (a placeholder without
+# targets), the scale of each query token (a placeholder without TOKEN_SCALE), the runtime parameters.
+_HSTU_ROWS = ("offsets", "num_targets", "scale", "params")
+
+HSTU_FWD = KernelSpec(
+    "hstu_fwd_kernel", inputs=("q", "k", "v", *_HSTU_ROWS), outputs=("o",), params=HSTU_PARAMS,
+    constants=(*_HSTU_PROBLEM, "BLOCK_M", "BLOCK_N", "STRIDE_ALIGN", "FILL_BLOCK"))
+
+# dscale: the per-token scale's gradient per head, float32 [Z*T, H] (the launcher sums the heads).
+HSTU_BWD = KernelSpec(
+    "hstu_bwd_kernel", inputs=("q", "k", "v", "do", *_HSTU_ROWS), outputs=("dq", "dk", "dv", "dscale"),
+    params=HSTU_PARAMS,
+    constants=(*_HSTU_PROBLEM, "DKDV_BLOCK_M", "DKDV_BLOCK_N", "DQ_BLOCK_M", "DQ_BLOCK_N", "STRIDE_ALIGN",
+               "FILL_BLOCK", "DQ_PROGRAMS", "DKDV_PROGRAMS"))
+
 SPECS = (KEY_MAJOR, ATTENTION_FWD, ATTENTION_BWD_PREPROCESS, ATTENTION_BWD, HOPPER_FWD, HOPPER_BWD_DKDV,
-         HOPPER_BWD_DQ)
+         HOPPER_BWD_DQ, HSTU_FWD, HSTU_BWD)

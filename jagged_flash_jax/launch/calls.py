@@ -206,8 +206,14 @@ def backward_launches(p: Problem, tiles: BlockSizes) -> tuple[BackwardLaunch, ..
     """The backward's launches: dq and dk/dv programs together (in even and odd slots), or apart when their
     tiles' warps or stages differ. Each kind has, per sequence and head, its row blocks and a
     tail-zeroing program."""
-    dq = blocks(tiles.dq.block_m, p.q_tokens, p.max_seq_len) + 1
-    dkdv = blocks(tiles.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len) + 1
+    return paired_launches(tiles, dq=blocks(tiles.dq.block_m, p.q_tokens, p.max_seq_len) + 1,
+                           dkdv=blocks(tiles.dkdv.block_n, p.kv_tokens, p.kv_max_seq_len) + 1)
+
+
+def paired_launches(tiles: BlockSizes, dq: int, dkdv: int) -> tuple[BackwardLaunch, ...]:
+    """The launches of a backward kernel with `dq` slots of dq programs and `dkdv` of dk/dv programs per
+    (segment, sequence or fill, head): one launch when their tiles' warps, stages and register caps
+    agree (`BlockSizes.one_backward_launch`), else one launch of each kind."""
     if tiles.one_backward_launch:
         pairs = max(dq, dkdv)
         return (BackwardLaunch(("dq", "dk", "dv"), 2 * pairs, pairs, tiles.dkdv),)
@@ -231,11 +237,16 @@ def grid_error(p: Problem, tiles: BlockSizes) -> str | None:
     """Why a portable launch would need more programs than CUDA's grid allows, or None."""
     launches = [("forward", forward_slots(p, tiles))]
     launches += [("backward", launch.slots) for launch in backward_launches(p, tiles)]
-    sequences = sequence_heads(p)
+    return programs_error(launches, sequence_heads(p), p.num_heads)
+
+
+def programs_error(launches, sequences: int, heads: int) -> str | None:
+    """Why one of `launches` ((name, slots) each) would need more programs than CUDA's grid allows,
+    with `sequences` (segment, sequence or fill, head) triples of `heads` heads per slot, or None."""
     for name, count in launches:
         if sequences * count > MAX_GRID_X:
-            return (f"the {name} would need {sequences * count} programs ({sequences // p.num_heads} "
-                    f"sequences and fills x {p.num_heads} heads x {count} slots); at most {MAX_GRID_X} are "
+            return (f"the {name} would need {sequences * count} programs ({sequences // heads} "
+                    f"sequences and fills x {heads} heads x {count} slots); at most {MAX_GRID_X} are "
                     "supported (use a smaller max_seq_len or split the batch)")
     return None
 

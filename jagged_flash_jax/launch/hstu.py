@@ -1,0 +1,161 @@
+"""HSTU attention's kernel launches (kernels/portable/hstu.py), built as calls.py builds the softmax ones:
+each checked against its spec (kernels/spec.py's HSTU_FWD, HSTU_BWD), runtime sizes in the params array
+by slot name, constants by keyword, a program per (segment, sequence or zero fill, head, slot). `run` is a
+launcher (gpu.run, interpret.run). Semantics and array layouts: problem.HstuProblem.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..configs import INTERPRET_BLOCK_SIZES, MAX_HEAD_DIM, BlockSizes, default_block_sizes, head_block
+from ..kernels import spec
+from ..problem import HstuProblem
+from . import calls
+from .calls import Runner, _fill_chunk, _in_units
+
+
+def tiles(p: HstuProblem, interpret: bool) -> BlockSizes:
+    """The default tiles: in the interpreter small, unequal ones (configs.INTERPRET_BLOCK_SIZES), so that
+    tests walk several blocks in every loop; on the GPU the portable softmax kernels' tiles at the
+    padded head dimension max(D, V), the inputs' bits and max_seq_len (configs.default_block_sizes).
+    Those were measured for the softmax kernels (H200), not for these: a first choice until HSTU has
+    entries of its own. Their programs hold tiles of the same shapes (q, k, v, do, an accumulator per
+    output, three [BLOCK_M, BLOCK_N] float32 score tiles in the backward, as the softmax's p, dp, ds)."""
+    if interpret:
+        return INTERPRET_BLOCK_SIZES
+    return default_block_sizes(max(p.head_dim, p.value_dim), jnp.dtype(p.dtype), p.max_seq_len)
+
+
+def forward_slots(p: HstuProblem, tiles: BlockSizes) -> int:
+    """The forward's programs per (segment, sequence or fill, head): its query blocks, then the
+    tail-zeroing one."""
+    return calls.blocks(tiles.fwd.block_m, p.tokens, p.max_seq_len) + 1
+
+
+def backward_launches(p: HstuProblem, tiles: BlockSizes) -> tuple[calls.BackwardLaunch, ...]:
+    """The backward's launches, as the softmax backward's (calls.paired_launches)."""
+    return calls.paired_launches(tiles, dq=calls.blocks(tiles.dq.block_m, p.tokens, p.max_seq_len) + 1,
+                                 dkdv=calls.blocks(tiles.dkdv.block_n, p.tokens, p.max_seq_len) + 1)
+
+
+def _sequence_heads(p: HstuProblem) -> int:
+    return p.num_segments * (p.batch + 1) * p.num_heads
+
+
+def grid_error(p: HstuProblem, tiles: BlockSizes) -> str | None:
+    """Why a launch would need more programs than CUDA's grid allows, or None."""
+    launches = [("forward", forward_slots(p, tiles))]
+    launches += [("backward", launch.slots) for launch in backward_launches(p, tiles)]
+    return calls.programs_error(launches, _sequence_heads(p), p.num_heads)
+
+
+def addressing_error(p: HstuProblem) -> str | None:
+    """Why the kernels cannot address the problem's sequences (row offsets within one are int32: up to
+    the longest attended sequence and a block more, a token stride apart), or None."""
+    longest = min(p.max_seq_len, p.tokens)
+    for name, dim in (("D", p.head_dim), ("V", p.value_dim)):
+        stride = p.strides(dim)[0]
+        if (longest + MAX_HEAD_DIM) * stride > calls.MAX_SEQUENCE_ELEMENTS:
+            return (f"max_seq_len * {'H * ' if p.layout == 'THD' else ''}{name} = {longest * stride} "
+                    "elements in one sequence (at most its tokens) is more than the kernels address "
+                    "(< 2**31)")
+    return None
+
+
+def _grid(p: HstuProblem, slots: int) -> tuple[int, ...]:
+    """The grid of a kernel with `slots` programs per (segment, sequence or fill, head): one axis (each
+    sequence's programs next to each other, see kernels.portable.memory.program) when q, k, v outgrow
+    half of an L2 or the slots CUDA's second grid dimension, else two."""
+    elements = p.num_segments * p.tokens * p.num_heads * (2 * p.head_dim + p.value_dim)
+    if elements * p.itemsize > calls.L2_REUSE_BYTES or slots > calls.MAX_GRID_Y:
+        return (_sequence_heads(p) * slots,)
+    return (_sequence_heads(p), slots)
+
+
+def _common(p: HstuProblem, slots: int, programs_per_kind: int) -> tuple[dict, dict]:
+    """The runtime parameters (kernels/spec.py's HSTU_PARAMS) and the constants both kernels share, for a
+    launch of `slots` programs per (segment, sequence or fill, head), `programs_per_kind` of each kind."""
+    align, (qk_token, qk_head, v_token, v_head) = _in_units(*p.strides(p.head_dim), *p.strides(p.value_dim))
+    shared_rows = p.offsets_rows == 1
+    params = dict(
+        batch=p.batch, tokens=p.tokens, qk_token_stride=qk_token, qk_head_stride=qk_head,
+        v_token_stride=v_token, v_head_stride=v_head, offsets_stride=0 if shared_rows else p.batch + 1,
+        targets_stride=0 if shared_rows else p.batch, fill_chunk=_fill_chunk(p.tokens, programs_per_kind),
+        slots=slots)
+    constants = dict(
+        NUM_HEADS=p.num_heads, D=p.head_dim, BLOCK_D=head_block(p.head_dim), V=p.value_dim,
+        BLOCK_V=head_block(p.value_dim), MAX_LEN=p.max_seq_len, ALPHA=float(p.alpha),
+        SCALE=1.0 if p.scale is None else float(p.scale), TOKEN_SCALE=p.scale is None, CAUSAL=p.causal,
+        MAX_ATTN_LEN=p.max_attn_len, CONTEXT_LEN=p.contextual_seq_len, MIN_FULL_LEN=p.min_full_attn_seq_len,
+        HAS_TARGETS=p.has_targets, INPUT_PRECISION=p.input_precision, STRIDE_ALIGN=align,
+        FILL_BLOCK=calls.FILL_BLOCK)
+    return params, constants
+
+
+def _rows(p: HstuProblem, offsets, num_targets, scale_tokens) -> dict:
+    """The kernels' offsets, num_targets and scale operands: a one-element placeholder, never read, for
+    num_targets without targets and for the scale when it is a constant."""
+    if (num_targets is None) == p.has_targets:
+        raise ValueError(f"num_targets must be given exactly when has_targets ({p.has_targets})")
+    if (scale_tokens is None) == (p.scale is None):
+        raise ValueError(f"scale_tokens must be given exactly when the problem's scale is None ({p.scale})")
+    return dict(offsets=offsets,
+                num_targets=num_targets if p.has_targets else jnp.zeros((1,), jnp.int32),
+                scale=jnp.zeros((1,), jnp.float32) if scale_tokens is None else scale_tokens)
+
+
+def forward(run: Runner, p: HstuProblem, tiles: BlockSizes, q, k, v, offsets, num_targets, scale_tokens):
+    """o (p.shape(V), q's dtype, zero where no query is attended) by kernels.hstu_fwd_kernel. offsets
+    [rows, B+1] int32 or int64, num_targets [rows, B] int32 (None without targets), scale_tokens [Z*T]
+    float32 (None when p.scale is a constant)."""
+    if p.empty:
+        return jnp.zeros(p.shape(p.value_dim), q.dtype)
+    rows = _rows(p, offsets, num_targets, scale_tokens)
+    slots = forward_slots(p, tiles)
+    params, constants = _common(p, slots, slots)
+    call = calls.kernel_call(
+        spec.HSTU_FWD, grid=_grid(p, slots),
+        outputs=dict(o=jax.ShapeDtypeStruct(p.shape(p.value_dim), q.dtype)), params=params,
+        constants=dict(constants, BLOCK_M=tiles.fwd.block_m, BLOCK_N=tiles.fwd.block_n), config=tiles.fwd)
+    (o,) = calls.launch(run, call, q=q, k=k, v=v, **rows)
+    return o
+
+
+def backward(run: Runner, p: HstuProblem, tiles: BlockSizes, q, k, v, offsets, num_targets, scale_tokens, do):
+    """(dq, dk, dv, d_scale_tokens) by kernels.hstu_bwd_kernel (dq and dk/dv programs in one launch or
+    two, see `backward_launches`), in q's, k's and v's dtypes; d_scale_tokens [Z*T] float32, the
+    per-token scale's gradient (None when p.scale is a constant). Operands as `forward`'s, do as o."""
+    token_scale = p.scale is None
+    if p.empty:
+        grads = (jnp.zeros(p.shape(p.head_dim), q.dtype), jnp.zeros(p.shape(p.head_dim), k.dtype),
+                 jnp.zeros(p.shape(p.value_dim), v.dtype))
+        return (*grads, jnp.zeros_like(scale_tokens) if token_scale else None)
+    rows = _rows(p, offsets, num_targets, scale_tokens)
+    shapes = dict(dq=jax.ShapeDtypeStruct(p.shape(p.head_dim), q.dtype),
+                  dk=jax.ShapeDtypeStruct(p.shape(p.head_dim), k.dtype),
+                  dv=jax.ShapeDtypeStruct(p.shape(p.value_dim), v.dtype),
+                  dscale=jax.ShapeDtypeStruct((p.num_segments * p.tokens, p.num_heads), jnp.float32))
+    grads = {}
+    for one in backward_launches(p, tiles):
+        written = set(one.grads) | ({"dscale"} if token_scale and "dq" in one.grads else set())
+        params, constants = _common(p, one.slots, one.programs_per_kind)
+        call = calls.kernel_call(
+            spec.HSTU_BWD, grid=_grid(p, one.slots),
+            # The outputs a launch does not write are one-element placeholders it never touches.
+            outputs={name: shape if name in written else jax.ShapeDtypeStruct((1,), shape.dtype)
+                     for name, shape in shapes.items()},
+            params=params,
+            constants=dict(constants, DKDV_BLOCK_M=tiles.dkdv.block_m, DKDV_BLOCK_N=tiles.dkdv.block_n,
+                           DQ_BLOCK_M=tiles.dq.block_m, DQ_BLOCK_N=tiles.dq.block_n,
+                           DQ_PROGRAMS="dq" in one.grads, DKDV_PROGRAMS="dk" in one.grads),
+            config=one.config)
+        outputs = calls.launch(run, call, q=q, k=k, v=v, do=do, **rows)
+        grads.update((name, x) for name, x in zip(shapes, outputs) if name in written)
+    d_scale = None
+    if token_scale:  # the heads' shares added in a fixed order: deterministic on any device
+        d_scale = grads["dscale"][:, 0]
+        for head in range(1, p.num_heads):
+            d_scale = d_scale + grads["dscale"][:, head]
+    return grads["dq"], grads["dk"], grads["dv"], d_scale

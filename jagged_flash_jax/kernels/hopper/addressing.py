@@ -105,9 +105,12 @@ def add_columns(base, token_stride, acc_t, stage, col0, n):
     stage.store(acc_t)
     partition_barrier()
     dims = gl.arange(0, D, layout=gl.SliceLayout(1, chunk_layout))
-    rows = col0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_layout))
-    ptrs = base + (gl.expand_dims(rows * token_stride, 0) + gl.expand_dims(dims, 1))
+    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, chunk_layout))
+    ptrs = base + (gl.expand_dims((col0 + rows) * token_stride, 0) + gl.expand_dims(dims, 1))
+    # The rows left below n, a scalar of the tile: a bound of each chunk's own would be a loop invariant
+    # of the kernel's tile loop, which the compiler hoists (a register each, spilled).
+    left = n - col0
     for c in gl.static_range(COLS // CHUNK):
         values = stage.slice(c * CHUNK, CHUNK, dim=1).load(chunk_layout)
-        gl.atomic_add(ptrs, values, mask=gl.expand_dims(rows < n - c * CHUNK, 0), sem="relaxed")
+        gl.atomic_add(ptrs, values, mask=gl.expand_dims(rows < left - c * CHUNK, 0), sem="relaxed")
         ptrs += CHUNK * token_stride

@@ -59,6 +59,18 @@ class Spy(Implementation):
         return self.inner.backward(p, config, *args)
 
 
+class FusedDq(Spy):
+    """A spy of the Hopper implementation whose backward configuration fuses dq into the dk/dv kernel
+    (HopperConfig.fused_dq): the backward a caller who waives bitwise determinism will get."""
+
+    def __init__(self, calls: list | None = None):
+        super().__init__("hopper", calls)
+
+    def config(self, p, context, backward):
+        config = self.inner.config(p, context, backward)
+        return dataclasses.replace(config, fused_dq=True) if backward and config is not None else config
+
+
 def implementation_of(backend: str):
     """The implementation a test's `backend` names when it spies on it or varies it: "triton" is the
     portable kernels on the GPU."""

@@ -29,6 +29,7 @@ import pytest
 from helpers import (
     TOLERANCES,
     Batch,
+    FusedDq,
     Spy,
     assert_matches,
     attended_mask,
@@ -91,16 +92,18 @@ def hopper_call(dim: int, causal: bool, layout: str, dtype, window=(None, None),
 
 
 def hopper_backward_calls(dim: int, causal: bool, layout: str, dtype, window=(None, None), softcap=None,
-                          alibi=False, dkdv_block_m=None):
+                          alibi=False, dkdv_block_m=None, fused_dq=False):
     """The Hopper backward's two KernelCalls (dk/dv, dq) and arrays, as calls.hopper_backward makes them
-    (GQA, cross-attention; the options as `hopper_call`'s)."""
+    (GQA, cross-attention; the options as `hopper_call`'s); with `fused_dq` (HopperConfig.fused_dq) its
+    one, of the dq-fused dk/dv kernel."""
     p, config, q, kv, offsets = _problem(dim, causal, layout, dtype, dkdv_block_m, window=window,
                                          softcap=softcap, alibi=alibi)
+    config = dataclasses.replace(config, fused_dq=fused_dq)
     lse = jnp.zeros(p.stats_shape, jnp.float32)
     recorded = _captured(calls.hopper_backward, p, config, q, kv, kv, offsets, offsets, q, lse, q,
                          jnp.ones(4, jnp.float32) if alibi else None)
     recorded = [c for c in recorded if c[0].descriptors]  # the preprocess is the portable kernel
-    assert len(recorded) == 2
+    assert len(recorded) == (1 if fused_dq else 2)
     return recorded
 
 
@@ -236,6 +239,28 @@ def test_dkdv_takes_its_own_waits_only_without_a_band(causal, window, dkdv_stage
     (dkdv, _), (dq, _) = hopper_backward_calls(128, causal, "THD", jnp.bfloat16, window=window)
     assert (dkdv.num_stages, dq.num_stages) == (dkdv_stages, configs.HOPPER_BWD_TRITON_STAGES)
     assert configs.HOPPER_DKDV_UNBANDED_TRITON_STAGES != configs.HOPPER_BWD_TRITON_STAGES
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
+@pytest.mark.parametrize("dim,causal,layout,dtype,options,block_m",
+                         [(*case, None) for case in BACKWARD_COMPILE_CASES]
+                         + [(128, True, "THD", jnp.bfloat16, {}, 16)], ids=_compile_id)
+def test_the_fused_dq_hopper_backward_compiles_for_sm90a(dim, causal, layout, dtype, options, block_m):
+    """The dq-fused dk/dv kernel (HopperConfig.fused_dq) with the constants calls.hopper_backward passes,
+    through jax-triton's pipeline and ptxas, as the unfused kernels (D = 64, where one warpgroup takes a
+    tile's whole dQ, and D = 128, where each takes half; the 16-query tiles a tuned table may give):
+    dQ's adds relaxed and four floats wide, its product a wgmma with K^T read transposed from shared
+    memory, and its buffers within the shared memory (at the table's 2 stages of 64-query tiles)."""
+    if not implementations.gluon_available():
+        pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
+    (call, arrays), = hopper_backward_calls(dim, causal, layout, dtype, dkdv_block_m=block_m, fused_dq=True,
+                                            **options)
+    assert call.kernel.__name__ == "attention_bwd_dkdv_dq_kernel" and call.zeroed_outputs == (2, 3)
+    ptx, metadata = compile_for_sm90(call, arrays)
+    check_compiled(ptx, metadata)
+    assert re.search(r"(red|atom)\.global\.gpu\.relaxed\.add\.v4\.f32", ptx)
+    # (both operands descriptors, A transposed: scale-d, scale-a, scale-b, trans-a = 1, trans-b = 1)
+    assert re.search(r"wgmma\.mma_async[^;]*\}, %rd\d+, %rd\d+, [^,]+, 1, 1, 1, 1;", ptx)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -840,3 +865,134 @@ def test_backward_rows_no_block_computes_are_zero(layout, causal, backward_kerne
             assert np.all(np.isfinite(got)), (name, what)
             assert relative_error(got, want) < 1e-2, (name, what)
     assert backward_kernels.ran == ["hopper", "portable"] * len(FILL_OFFSETS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Hopper backward with dq fused into the dk/dv kernel (HopperConfig.fused_dq), on a Hopper GPU
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fused_dq_kernels():
+    """The backwards that ran (`Chosen`), the Hopper one with dq fused into its dk/dv kernel
+    (helpers.FusedDq) asked for wherever it can run, on a Hopper GPU."""
+    chosen = Chosen("backward")
+    chosen.hopper = FusedDq(chosen.calls)
+    chosen.kwargs = dict(implementation="portable", backward_implementation=(chosen.hopper, chosen.portable))
+    return chosen
+
+
+def assert_fused(kernels: Chosen) -> None:
+    """Every Hopper backward that ran fused dq."""
+    configs_ = [config for kind, name, _, config in kernels.calls if (kind, name) == ("backward", "hopper")]
+    assert configs_ and all(config.fused_dq for config in configs_)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,layout", [
+    ("self-causal", "THD"), ("self-causal", "HTD"), ("cross-nq<nk-causal-gqa", "THD"),
+    ("cross-nq<nk-causal-gqa", "HTD"), ("cross-nq>nk-causal-mqa", "THD"), ("cross-gqa-truncated", "HTD"),
+    ("cross-D64-gqa", "THD"), ("window-left-causal-gqa", "THD"), ("window-left-causal-gqa", "HTD"),
+    ("cross-window-right-gqa", "THD"), ("cross-window-both-D64-gqa", "HTD"),
+    ("cross-window-right-softcap-mqa", "HTD"), ("cross-alibi-gqa", "THD"),
+    ("narrow-window-causal-gqa", "THD"), ("cross-narrow-window-both", "HTD"),
+    ("cross-causal-all-options-gqa", "THD"),
+    ("cross-causal-all-options-gqa", "HTD"), ("cross-causal-all-options-D64-mqa", "THD")], ids=str)
+def test_fused_dq_backward_matches_float64(case, layout, fused_dq_kernels):
+    """The fused-dq backward on the unfused one's cases (D = 128, where each warpgroup adds half of a
+    tile's dQ columns, and D = 64, where the warpgroups take whole tiles in turn): causal, windows, GQA
+    and MQA, cross-attention both ways (queries that see no key: their dq stays the zeroed buffer's),
+    keys truncated (K's rows past n_k zeroed before dS K), both layouts."""
+    check_backward(case, layout, "bf16", fused_dq_kernels)
+    assert_fused(fused_dq_kernels)
+
+
+@pytest.mark.gpu
+def test_fused_dq_backward_float16(fused_dq_kernels):
+    check_backward("cross-nq<nk-causal-gqa", "HTD", "fp16", fused_dq_kernels)
+    assert_fused(fused_dq_kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("case,layout", [("cross-D64-gqa", "THD"), ("cross-window-right-gqa", "HTD"),
+                                         ("cross-causal-all-options-gqa", "THD")], ids=str)
+def test_fused_dq_backward_on_few_programs(case, layout, programs, fused_dq_kernels):
+    """Few programs taking many key blocks: the dS^T slots' barrier (ds_full) and the K tile, which both
+    warpgroups' dQ products read, running on from block to block."""
+    with select.use_device(dataclasses.replace(select.current_device(), sms=programs)):
+        check_backward(case, layout, "bf16", fused_dq_kernels)
+    assert fused_dq_kernels.calls[-1][3].programs == programs
+    assert_fused(fused_dq_kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("case,layout", [("cross-nq<nk-causal-gqa", "THD"),
+                                         ("cross-causal-all-options-gqa", "HTD")], ids=str)
+def test_fused_dq_backward_with_narrower_query_tiles(case, layout, block_m, fused_dq_kernels, monkeypatch,
+                                                     tmp_path):
+    """16- and 32-query tiles (a tuned table's): dQ^T products 16 and 32 wide, their adds in 2 and 4
+    chunks of 8 queries."""
+    monkeypatch.setenv(select.TUNED_CONFIGS_ENV, narrower_dkdv_table(tmp_path, block_m))
+    check_backward(case, layout, "bf16", fused_dq_kernels)
+    assert fused_dq_kernels.calls[-1][3].tiles.dkdv.block_m == block_m
+    assert_fused(fused_dq_kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operand,layout", [("q", "THD"), ("k", "HTD"), ("v", "THD")])
+def test_fused_dq_backward_keeps_inf_and_nan_in_unattended_tokens_out(operand, layout, fused_dq_kernels):
+    """`test_backward_keeps_inf_and_nan_in_unattended_tokens_out` with dq fused: K's poisoned rows past
+    n_k (zeroed before dS K reads them), dS^T's there (selected to 0, as dP^T from V's poisoned rows may
+    be NaN), the query rows past n_q (no add) keep dq finite and 0 where unattended."""
+    test_backward_keeps_inf_and_nan_in_unattended_tokens_out(operand, layout, fused_dq_kernels)
+    assert_fused(fused_dq_kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operand,layout", [("q", "HTD"), ("k", "THD"), ("v", "HTD")])
+def test_fused_dq_backward_keeps_inf_and_nan_out_with_the_options(operand, layout, fused_dq_kernels):
+    """The same with a window of both bounds, a soft cap and ALiBi (GQA)."""
+    test_backward_keeps_inf_and_nan_in_unattended_tokens_out_with_the_options(operand, layout,
+                                                                              fused_dq_kernels)
+    assert_fused(fused_dq_kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,causal", [("THD", True), ("HTD", False)])
+def test_fused_dq_backward_rows_no_block_computes_are_zero(layout, causal, fused_dq_kernels):
+    """`test_backward_rows_no_block_computes_are_zero` with dq fused: dq's rows that no key block adds to
+    (past max_seq_len, outside every sequence, under adversarial offsets) are exactly 0, from the zeroed
+    float32 buffer, never written outside q's tokens."""
+    test_backward_rows_no_block_computes_are_zero(layout, causal, fused_dq_kernels)
+    assert_fused(fused_dq_kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,layout", [("cross-causal-all-options-gqa", "THD"), ("cross-D64-gqa", "HTD")],
+                         ids=str)
+def test_fused_dq_backward_matches_the_unfused_one(case, layout, fused_dq_kernels):
+    """The same problem through the unfused and the fused Hopper backward: dv bitwise the same (its
+    products untouched), dk to bfloat16 rounding (dK's product reads dS^T from shared memory, not
+    registers), dq to bfloat16 rounding (float32 atomic adds in any order)."""
+    spec = dict(BACKWARD_CASES[case])
+    slopes = slopes_for(spec["heads"]) if spec.pop("alibi", False) else None
+    batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
+                       kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None), lead=3,
+                       extra=70, seed=5, scale=0.6)
+    if slopes is not None:
+        spec["alibi_slopes"] = jnp.asarray(slopes)
+    results = {}
+    for backward in (Spy("hopper", fused_dq_kernels.calls), fused_dq_kernels.hopper):
+        results[type(backward).__name__] = run_vjp(
+            jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, implementation="portable",
+            backward_implementation=backward, **spec)
+    unfused, fused = results["Spy"][5:], results["FusedDq"][5:]
+    np.testing.assert_array_equal(fused[2], unfused[2])
+    for name, got, want in zip(("dq", "dk"), fused[:2], unfused[:2]):
+        assert np.all(np.isfinite(got)), name
+        assert relative_error(got, want) < 1e-2, name
+    configs_ = [config.fused_dq for kind, _, _, config in fused_dq_kernels.calls if kind == "backward"]
+    assert configs_ == [False, True]
+

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import triton
 import triton.language as tl
-from helpers import Batch, reference
+from helpers import Batch, FusedDq, reference
 
 import jagged_flash_jax as jfa
 from jagged_flash_jax import _compat, checks, configs, implementations, kernels, select, transforms
@@ -1151,6 +1151,50 @@ def test_the_hopper_backward_launches_pass_the_options(hopper_backward_gpu):
         options = (call["WINDOW_LEFT"], call["WINDOW_RIGHT"], call["SOFTCAP"], call["ALIBI"])
         assert options == (8, 2, 10.0, True)
         assert (call["args"][8].shape, call["args"][8].dtype) == ((1, 4), jnp.float32)
+
+
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_the_fused_dq_hopper_backward_is_one_launch(hopper_backward_gpu, layout):
+    """HopperConfig.fused_dq (helpers.FusedDq asks for it): after the preprocess, one launch, of the
+    dq-fused dk/dv kernel, and no dq launch. It takes what the unfused dk/dv launch takes (q, do, k, v
+    as the same descriptors, the statistics, offsets and slopes, the same runtime parameters, warps,
+    stages, register cap and constants), and its outputs are dk, dv, a float32 dq_acc of q's shape and
+    strides and the counter, dq_acc zeroed with the counter; the gradient dq is dq_acc cast to q's dtype
+    (the fake launches return zeros: the cast's shape and dtype)."""
+    q_shape, kv_shape = ((40, 4, 128), (50, 2, 128)) if layout == "THD" else ((4, 40, 128), (2, 50, 128))
+    q, kv = jnp.ones(q_shape, jnp.bfloat16), jnp.ones(kv_shape, jnp.bfloat16)
+
+    def launches(backward):
+        hopper_backward_gpu.reset()
+        grads = jax.grad(lambda q, k, v: jnp.sum(jfa.jagged_attention(
+            q, k, v, jnp.asarray([0, 15, 40], jnp.int32), 600, kv_offsets=jnp.asarray([0, 20, 50], jnp.int32),
+            kv_max_seq_len=30, scale=0.5, causal=True, window=(8, None), layout=layout,
+            implementation="portable", backward_implementation=backward).astype(jnp.float32)),
+            argnums=(0, 1, 2))(q, kv, kv)
+        return list(hopper_backward_gpu.calls), grads
+
+    fused = FusedDq()
+    (*_, preprocess, fused_call), grads = launches(fused)
+    (*_, unfused_preprocess, dkdv, dq), _ = launches("hopper")
+    assert fused.calls[-1][0] == "backward" and fused.calls[-1][3].fused_dq
+    assert preprocess["kernel"] is unfused_preprocess["kernel"] is kernels.attention_bwd_preprocess_kernel
+    assert dkdv["kernel"] is kernels.hopper_attention_bwd_dkdv_kernel
+    assert dq["kernel"] is kernels.hopper_attention_bwd_dq_kernel
+    assert fused_call["kernel"] is kernels.hopper_attention_bwd_dkdv_dq_kernel
+    fused_call, dkdv = dict(fused_call, kernel=None), dict(dkdv, kernel=None)
+    fused_args, args = fused_call.pop("args"), dkdv.pop("args")
+    assert [a.block_shape for a in fused_args[:4]] == [a.block_shape for a in args[:4]]
+    assert [a.base.shape for a in fused_args[:4]] == [a.base.shape for a in args[:4]]
+    assert [(a.shape, a.dtype) for a in fused_args[4:]] == [(a.shape, a.dtype) for a in args[4:]]
+    assert hopper_backward_gpu.params[id(fused_args[-1])] == hopper_backward_gpu.params[id(args[-1])]
+    i32, f32 = jnp.dtype(jnp.int32), jnp.dtype(jnp.float32)
+    assert tuple(fused_call.pop("out_type")) == (_sds(kv_shape, jnp.bfloat16), _sds(kv_shape, jnp.bfloat16),
+                                                 _sds(q_shape, f32), _sds((1,), i32))
+    assert (fused_call.pop("zeroed_outputs"), dkdv.pop("zeroed_outputs")) == ((2, 3), (2,))
+    dkdv.pop("out_type")
+    assert fused_call == dkdv  # warps, stages, backend options and every constant
+    assert [(g.shape, g.dtype) for g in grads] == [(q_shape, q.dtype), (kv_shape, kv.dtype),
+                                                   (kv_shape, kv.dtype)]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""ptxas's registers and spill bytes per thread of the Hopper backward's kernels (dk/dv and dq), compiled for
-sm_90a as jax-triton 0.4.1 compiles them (tests/test_hopper.compile_for_sm90), in the configurations the tests
-use; no GPU needed. Run from the repository root: python -m benchmarks.probes.backward_spills (triton from
-PYTHONPATH: the GPU machine's is 3.6; Triton's own ptxas for sm_90)."""
+"""ptxas's registers and spill bytes per thread of the Hopper backward's kernels (dk/dv and dq, and dk/dv
+with dq fused in), compiled for sm_90a as jax-triton 0.4.1 compiles them (tests/test_hopper.compile_for_sm90),
+in the configurations the tests use; no GPU needed. Run from the repository root: python -m
+benchmarks.probes.backward_spills (triton from PYTHONPATH: the GPU machine's is 3.6; Triton's own ptxas for
+sm_90)."""
 
 from __future__ import annotations
 
@@ -46,11 +47,14 @@ def ptxas_report(ptx: str) -> tuple[str, str, str]:
 def main() -> None:
     print(f"triton {triton.__version__}, sm_90a, bfloat16, THD")
     for name, dim, causal, options in CONFIGS:
-        for call, arrays in th.hopper_backward_calls(dim, causal, "THD", jnp.bfloat16, **options):
+        launches = [call for fused_dq in (False, True)
+                    for call in th.hopper_backward_calls(dim, causal, "THD", jnp.bfloat16, fused_dq=fused_dq,
+                                                         **options)]
+        for call, arrays in launches:
             with contextlib.redirect_stdout(io.StringIO()):
                 ptx, _ = th.compile_for_sm90(call, arrays)
             regs, stores, loads = ptxas_report(ptx)
-            print(f"{call.kernel.__name__:28s} {name:38s} registers {regs}, spill stores {stores:>5s} B, "
+            print(f"{call.kernel.__name__:30s} {name:38s} registers {regs}, spill stores {stores:>5s} B, "
                   f"loads {loads:>5s} B", flush=True)
 
 

@@ -132,6 +132,16 @@ HOPPER_BWD_DKDV = KernelSpec(
                *_HOPPER_CONSTANTS),
     descriptors=("q", "do", "k", "v"), zeroed=("counter",))
 
+# dk/dv with dq fused in (kernels/hopper/dkdv.attention_bwd_dkdv_dq_kernel, its FUSED_DQ): besides dk and
+# dv, dq_acc, float32 of q's shape, into which the kernel adds each tile's dq atomically; zeroed by the
+# launcher, which casts it to q's dtype. A kernel of its own, not a constant of the dk/dv kernel's: the
+# unfused kernel keeps its arguments, and so its PTX.
+HOPPER_BWD_DKDV_DQ = KernelSpec(
+    "hopper_attention_bwd_dkdv_dq_kernel", inputs=_HOPPER_BWD_INPUTS,
+    outputs=("dk", "dv", "dq_acc", "counter"),
+    params=_HOPPER_PARAMS, constants=HOPPER_BWD_DKDV.constants, descriptors=HOPPER_BWD_DKDV.descriptors,
+    zeroed=("dq_acc", "counter"))
+
 HOPPER_BWD_DQ = KernelSpec(
     "hopper_attention_bwd_dq_kernel", inputs=_HOPPER_BWD_INPUTS, outputs=("dq", "counter"),
     params=_HOPPER_PARAMS,
@@ -167,4 +177,4 @@ HSTU_BWD = KernelSpec(
                "FILL_BLOCK", "DQ_PROGRAMS", "DKDV_PROGRAMS"))
 
 SPECS = (KEY_MAJOR, ATTENTION_FWD, ATTENTION_BWD_PREPROCESS, ATTENTION_BWD, HOPPER_FWD, HOPPER_BWD_DKDV,
-         HOPPER_BWD_DQ, HSTU_FWD, HSTU_BWD)
+         HOPPER_BWD_DKDV_DQ, HOPPER_BWD_DQ, HSTU_FWD, HSTU_BWD)

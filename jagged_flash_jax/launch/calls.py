@@ -72,11 +72,14 @@ class PortableConfig:
 @dataclasses.dataclass(frozen=True)
 class HopperConfig:
     """The Hopper kernels' configuration: their tiles (configs.hopper_block_sizes), the persistent grid's
-    programs (one per SM), and the backward preprocess's row block (a portable kernel)."""
+    programs (one per SM), the backward preprocess's row block (a portable kernel), and whether the
+    backward fuses dq into the dk/dv kernel (`fused_dq`: five products per tile instead of seven, and one
+    launch instead of two, but dq accumulated by float32 atomic adds, so not bitwise deterministic)."""
 
     tiles: BlockSizes
     programs: int
     preprocess_block_m: int
+    fused_dq: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,7 +434,9 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
     """The Hopper backward: the portable preprocess (`delta`), then a dk/dv launch and a dq launch, each
     persistent as the Hopper forward (blocks of 128 keys, or of 128 queries), q, do, k, v as TMA
     descriptors over the forward's 2-D views, the window, soft cap and ALiBi slopes as the forward takes
-    them."""
+    them. With config.fused_dq, the dk/dv launch alone, of its dq-fused kernel, which adds dq into a
+    float32 array of q's shape that the launch zeroes, then cast to q's dtype: the tokens no sequence
+    attends, and the queries that see no key, stay 0 (nothing adds there)."""
     if p.empty:
         return _zero_gradients(p, q, k, v)
     delta_ = delta(run, p, config.preprocess_block_m, o, do, lse, dlse)
@@ -440,15 +445,21 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
     inputs = dict(q=q_view, do=do_view, k=k_view, v=v_view, lse=lse, delta=delta_, q_offsets=q_offsets,
                   kv_offsets=kv_offsets, slopes=_slopes(p, slopes))
     scales = dict(DS_SCALE=p.scale * p.out_scale)
+    dkdv_outputs = dict(dk=jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
+                        dv=jax.ShapeDtypeStruct(p.kv_shape, v.dtype))
+    if config.fused_dq:
+        dkdv_outputs["dq_acc"] = jax.ShapeDtypeStruct(p.q_shape, jnp.float32)
     # Two consumer warpgroups of 64 rows: the dk/dv program's keys, the dq program's queries.
     dkdv_call = _hopper_call(
-        spec.HOPPER_BWD_DKDV, p, config, dkdv,
-        dict(dk=jax.ShapeDtypeStruct(p.kv_shape, k.dtype), dv=jax.ShapeDtypeStruct(p.kv_shape, v.dtype)),
+        spec.HOPPER_BWD_DKDV_DQ if config.fused_dq else spec.HOPPER_BWD_DKDV, p, config, dkdv, dkdv_outputs,
         blocks(dkdv.block_n, p.kv_tokens, p.kv_max_seq_len), p.kv_tokens,
         dict(scales, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale),
         HOPPER_BWD_TRITON_STAGES if p.banded else HOPPER_DKDV_UNBANDED_TRITON_STAGES,
         dict(q=(dkdv.block_m, p.head_dim), do=(dkdv.block_m, p.head_dim), k=(dkdv.block_n // 2, p.head_dim),
              v=(dkdv.block_n // 2, p.head_dim)))
+    if config.fused_dq:
+        dk, dv, dq_acc, _ = launch(run, dkdv_call, **inputs)
+        return dq_acc.astype(q.dtype), dk, dv
     dk, dv, _ = launch(run, dkdv_call, **inputs)
     dq_call = _hopper_call(
         spec.HOPPER_BWD_DQ, p, config, dq, dict(dq=jax.ShapeDtypeStruct(p.q_shape, q.dtype)),

@@ -7,6 +7,12 @@ log-sum-exp and delta, into a STAGES-deep ring that runs on from block to block.
 own 64 key rows each, dK and dV in float32 registers: per tile S^T = K Q^T and dP^T = V dO^T, P^T (masked
 at the band's edges and the sequence's last tile), dV += P^T dO, dS^T = P^T S'^T (dP^T - delta),
 dK += dS^T Q. A block that no query sees is a block too: its rows < n_k are stored as zeros.
+
+`attention_bwd_dkdv_dq_kernel` is the same program with dq fused in (FUSED_DQ), as FlashAttention-2 and 3
+do: five products per tile instead of the dk/dv and dq kernels' seven, dq accumulated in float32 by
+atomic adds (so not deterministic). dS^T goes to shared memory, where dK's product and the tile's dQ^T =
+K^T dS^T over the block's 128 keys read it; each warpgroup adds 64 columns of dQ (at D = 64 one
+warpgroup the whole tile, in turn), never holding a third accumulator of D columns beside dK and dV.
 """
 
 from triton.experimental import gluon
@@ -19,7 +25,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..shared import PARAM_BATCH, band, probability, query_ranges
-from .addressing import PARAM_BLOCKS, PARAM_FILL_CHUNK, read_layout, stat_origin, store_rows, tile_origin
+from .addressing import (
+    PARAM_BLOCKS,
+    PARAM_FILL_CHUNK,
+    STAGE_LAYOUT,
+    add_columns,
+    read_layout,
+    row_base,
+    stat_origin,
+    store_rows,
+    tile_origin,
+)
 from .fills import FILL_ROWS, zero_fills
 from .pipeline import (
     CONSUMER_ROWS,
@@ -51,20 +67,83 @@ def attention_bwd_dkdv_kernel(
     program first does its share of the zero fills of dk and dv, then takes blocks of BLOCK_N = 128 keys
     (two warpgroups') from the counter at counter_ptr until none is left. Every row of dk, dv (k's
     strides) is written, by one program: deterministic."""
+    SHAPE: gl.constexpr = (NUM_KV_HEADS, KV_GROUP, D)
+    LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)
+    BAND: gl.constexpr = (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
+    SCORES: gl.constexpr = (SOFTCAP, ALIBI, QK_SCALE)
+    SCALES: gl.constexpr = (DS_SCALE, OUT_SCALE)
+    TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
+    BUILD: gl.constexpr = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS)
+    _dkdv_program((q_desc, do_desc, k_desc, v_desc),
+                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr),
+                  (dk_ptr, dv_ptr, None, counter_ptr), SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
+                  BUILD, FUSED_DQ=False)
+
+
+@gluon.jit
+def attention_bwd_dkdv_dq_kernel(
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+    params_ptr, dk_ptr, dv_ptr, dq_acc_ptr, counter_ptr,
+    NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+    OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    STRIDE_ALIGN: gl.constexpr, FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    """`attention_bwd_dkdv_kernel` with dq fused in (FUSED_DQ): each consumer warpgroup also forms
+    DS_SCALE * dS k for each query tile it visits and adds it into dq_acc (float32, q's shape and
+    strides, zeroed by the launcher) by atomic adds, the rows past n_q masked. Five products per tile
+    instead of the two kernels' seven; not deterministic (the order of the adds). The launcher casts
+    dq_acc to q's dtype: rows no key block adds to (no key, or no sequence) stay 0."""
+    SHAPE: gl.constexpr = (NUM_KV_HEADS, KV_GROUP, D)
+    LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)
+    BAND: gl.constexpr = (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
+    SCORES: gl.constexpr = (SOFTCAP, ALIBI, QK_SCALE)
+    SCALES: gl.constexpr = (DS_SCALE, OUT_SCALE)
+    TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
+    BUILD: gl.constexpr = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS)
+    _dkdv_program((q_desc, do_desc, k_desc, v_desc),
+                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr),
+                  (dk_ptr, dv_ptr, dq_acc_ptr, counter_ptr), SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
+                  BUILD, FUSED_DQ=True)
+
+
+@gluon.jit
+def _dkdv_program(descs, inputs, outputs, SHAPE: gl.constexpr, LENGTHS: gl.constexpr, BAND: gl.constexpr,
+                  SCORES: gl.constexpr, SCALES: gl.constexpr, TILES: gl.constexpr, BUILD: gl.constexpr,
+                  FUSED_DQ: gl.constexpr):
+    """Either entry's program: the zero fills of dk and dv, then the warp-specialized region. descs =
+    (q_desc, do_desc, k_desc, v_desc); inputs = (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr,
+    slopes_ptr, params_ptr); outputs = (dk_ptr, dv_ptr, dq_acc_ptr, counter_ptr), dq_acc_ptr None unless
+    FUSED_DQ; BUILD = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS). Without FUSED_DQ nothing of
+    dq's reaches the partitions (None is a constant, which they do not capture), so the unfused kernel
+    compiles as if the option did not exist."""
+    q_desc, do_desc, k_desc, v_desc = descs
+    lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr = inputs
+    dk_ptr, dv_ptr, dq_acc_ptr, counter_ptr = outputs
+    NUM_KV_HEADS: gl.constexpr = SHAPE[0]
+    D: gl.constexpr = SHAPE[2]
+    BLOCK_M: gl.constexpr = TILES[0]
+    STAGES: gl.constexpr = TILES[2]
+    STRIDE_ALIGN: gl.constexpr = BUILD[0]
     batch = gl.load(params_ptr + PARAM_BATCH)
     kv_layout = read_layout(params_ptr, KEYS=True, ALIGN=STRIDE_ALIGN)
     kv_tokens, _, _ = kv_layout
     blocks = gl.load(params_ptr + PARAM_BLOCKS)
     fill_chunk = gl.load(params_ptr + PARAM_FILL_CHUNK)
     zero_fills((dk_ptr, dv_ptr), kv_offsets_ptr, batch, blocks, fill_chunk, kv_layout, NUM_KV_HEADS,
-               KV_MAX_LEN, (D, FILL_BLOCK, FILL_ROWS))
+               LENGTHS[1], (D, BUILD[1], FILL_ROWS))
     end = batch * NUM_KV_HEADS * blocks
     q_layout = read_layout(params_ptr, KEYS=False, ALIGN=STRIDE_ALIGN)
     q_tokens, _, _ = q_layout
 
     # The shared memory and barriers of the warp-specialized region, set up once.
     dtype: gl.constexpr = q_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], k_desc.layout)
+    if FUSED_DQ:  # K as one [BLOCK_N, D] tile: the consumers' halves (`_key_half`), and dQ's A operand
+        k_smem = gl.allocate_shared_memory(dtype, [1, TILES[1], D], k_desc.layout)
+    else:
+        k_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
@@ -86,22 +165,41 @@ def attention_bwd_dkdv_kernel(
     pipe = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_free, ready, empty, tail_bar)
     schedule = (counter_ptr, end, blocks, ring)
     sequences = (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens)
-    SHAPE: gl.constexpr = (NUM_KV_HEADS, KV_GROUP, D)
-    LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)
-    BAND: gl.constexpr = (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
-    SCORES: gl.constexpr = (SOFTCAP, ALIBI, QK_SCALE)
-    SCALES: gl.constexpr = (DS_SCALE, OUT_SCALE)
-    TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
-    arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout)
+    if FUSED_DQ:
+        # dS^T of each ring slot's query tile, [BLOCK_N keys, BLOCK_M], each consumer writing its 64 keys'
+        # rows, both consumers' dQ products reading all (`_dq_tile`); ds_full[s] counts both written.
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILES[1], BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [STAGES, TILES[1], BLOCK_M], ds_layout)
+        ds_full = mbarriers(STAGES)
+        init_barriers((ds_full, ), (2, ), STAGES)
+        fence_async_shared()
+        # Each consumer's [64, BLOCK_M] float32 of dQ^T on its way to the atomic adds (`add_columns`).
+        stage = gl.allocate_shared_memory(gl.float32, [2, CONSUMER_ROWS, BLOCK_M], STAGE_LAYOUT)
+        arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, (dq_acc_ptr, q_layout, ds_smem, ds_full, stage))
+    else:
+        arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, None)
     # The forward's partitions, their computed scalars in the same order (see forward.py).
     gl.warp_specialize([
         (_dkdv_consumer_loop, (pipe, schedule, sequences, arrays, SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
-                               0)),
+                               0, FUSED_DQ)),
         (_dkdv_consumer_loop, (pipe, schedule, sequences, arrays, SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
-                               1)),
+                               1, FUSED_DQ)),
         (_dkdv_producer_loop, ((q_desc, do_desc, k_desc, v_desc, pipe), (lse_ptr, delta_ptr), schedule,
                                sequences, (q_layout, kv_layout), SHAPE, LENGTHS, BAND, TILES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    ], [4, 1], [BUILD[2], BUILD[3]])
+
+
+@gluon.jit
+def _key_half(k_smem, w):
+    """The block's keys [64 w, +64) in k_smem: [2, 64, D] halves, or with fused dq one [1, BLOCK_N, D]
+    tile, which dQ's product reads whole. (A view of a tile is taken from an index of the allocation,
+    never of the allocation itself: Triton 3.6's wgmma pipelining walks a product's operand up its
+    views and never ends at a worker partition's argument.)"""
+    if k_smem.shape[0] == 2:
+        half = k_smem.index(w)
+    else:
+        half = k_smem.index(0).slice(w * CONSUMER_ROWS, CONSUMER_ROWS, dim=0)
+    return half
 
 
 @gluon.jit
@@ -166,7 +264,7 @@ def _dkdv_produce(buffers, stats, block, kv_origin, q_layout, t, kvp, KV_GROUP: 
     mbarrier.wait(kv_free, kvp ^ 1)  # fresh barriers: phase 1 counts as complete
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):
-        tma_load(k_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, k_smem.index(w))
+        tma_load(k_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, _key_half(k_smem, w))
         tma_load(v_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, v_smem.index(w))
     t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, BLOCK_N, BAND)
     per_head = ntiles - t0
@@ -200,7 +298,7 @@ def _dkdv_produce(buffers, stats, block, kv_origin, q_layout, t, kvp, KV_GROUP: 
 @gluon.jit
 def _dkdv_consumer_loop(pipe, schedule, sequences, arrays, SHAPE: gl.constexpr, LENGTHS: gl.constexpr,
                         BAND: gl.constexpr, SCORES: gl.constexpr, SCALES: gl.constexpr, TILES: gl.constexpr,
-                        WG: gl.constexpr):
+                        WG: gl.constexpr, FUSED_DQ: gl.constexpr):
     """Consumer warpgroup WG: `_dkdv_consume` for each key block the producer hands out, until `end`."""
     counter_ptr, end, blocks, ring = schedule  # (names, not `_`: a name reassigned in the loop is carried)
     t = 0
@@ -210,24 +308,27 @@ def _dkdv_consumer_loop(pipe, schedule, sequences, arrays, SHAPE: gl.constexpr, 
     while item < end:
         block = key_block(sequences, item, blocks, SHAPE[0], LENGTHS, TILES[1])
         t, tail_phases = _dkdv_consume(pipe, arrays, block, (t, i & 1, tail_phases), SHAPE, TILES, BAND,
-                                       SCORES, SCALES, WG)
+                                       SCORES, SCALES, WG, FUSED_DQ)
         i += 1
         item = receive(ring, i)
 
 
 @gluon.jit
 def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.constexpr, BAND: gl.constexpr,
-                  SCORES: gl.constexpr, SCALES: gl.constexpr, WG: gl.constexpr):
+                  SCORES: gl.constexpr, SCALES: gl.constexpr, WG: gl.constexpr, FUSED_DQ: gl.constexpr):
     """One consumer warpgroup's work for one key block (`key_block`'s tuple): dK, dV of keys
     key0 + 64 WG + [0, 64) over the query tiles the producer streams into the ring from its position t
     (the block's K and V behind kv_bar at phase kvp), stored (rows < n_k; zero where no query sees them)
-    at the end; arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout), SCALES = (DS_SCALE, OUT_SCALE). A tile
-    is masked unless every query of it sees every key of this warpgroup's and it has no row past n_q.
+    at the end; arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, fused), SCALES = (DS_SCALE, OUT_SCALE). A
+    tile is masked unless every query of it sees every key of this warpgroup's and it has no row past n_q.
+    With FUSED_DQ (fused = (dq_acc_ptr, q_layout, ds_smem, ds_full, stage), else None) also each tile's
+    DS_SCALE * dS K into dq_acc (`_dq_tile`): this warpgroup's dS^T rows, masked past n_k (where K's rows,
+    zeroed here, are other tokens), go to the slot's ds_smem tile, which dK's product then reads.
     position = (t, kvp, tail_phases), tail_phases the per-slot tail barriers' parities (a bit per slot);
     returns the ring's position and tail_phases after the block."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_free, ready, empty, tail_bar = pipe
-    slopes_ptr, dk_ptr, dv_ptr, kv_layout = arrays
-    kv_head, _, n_q, kv_start, n_k, key0 = block
+    slopes_ptr, dk_ptr, dv_ptr, kv_layout, fused = arrays
+    kv_head, q_start, n_q, kv_start, n_k, key0 = block
     t, kvp, tail_phases = position
     KV_GROUP: gl.constexpr = SHAPE[1]
     D: gl.constexpr = SHAPE[2]
@@ -245,7 +346,7 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
     WINDOWED: gl.constexpr = BAND[1] >= 0 or BAND[2] >= 0
     shift = n_k - n_q
     krow0 = key0 + WG * CONSUMER_ROWS
-    k = k_smem.index(WG)
+    k = _key_half(k_smem, WG)
     v = v_smem.index(WG)
     dk = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=acc_layout)
@@ -259,9 +360,19 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
         # This warpgroup's clean query tiles, [clean_start, clean_end) (below n_q's last partial tile).
         _, clean_start, clean_end, _ = query_ranges(krow0, n_q, n_k, BLOCK_M, CONSUMER_ROWS, BAND)
     mbarrier.wait(kv_bar, kvp)  # always, tiles or none: kv_bar's phase runs on from block to block
+    if FUSED_DQ:
+        dq_acc_ptr, q_layout, ds_smem, ds_full, _ = fused
+        if krow0 + CONSUMER_ROWS > n_k:
+            # K's rows past n_k (other tokens, maybe NaN), which dS K reads: zeroed by the warpgroup whose
+            # half they are, before its first dS^T is published to the other (ds_full). The proxy fence
+            # in `publish` also orders these writes before the producer's next TMA load into the half.
+            zero_rows(k, n_k - krow0, CONSUMER_ROWS)
+            publish()
     for g in range(KV_GROUP):
         head = kv_head * KV_GROUP + g
         slope = alibi_slope(slopes_ptr, head, SCORES[1])
+        if FUSED_DQ:
+            dq_base = row_base(dq_acc_ptr, q_start, head, q_layout)
         for tile in range(t0, ntiles):
             i = t + g * per_head + (tile - t0)
             slot = i % STAGES
@@ -310,13 +421,86 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             if tail:  # past n_q dP^T reads zeroed rows, but keep 0 exactly
                 dst = gl.where(gl.expand_dims(cols < n_q, 0), dst, 0.0)
-            ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-            dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
-            dv, dk, ds_op, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, ds_op, p_op))
-            mbarrier.arrive(empty.index(slot), count=1)
+            if FUSED_DQ:
+                # Keys past n_k (other tokens; dK's rows there are never stored): 0 for dQ, by a select
+                # (P^T and dP^T there may be NaN). dS^T goes to shared memory, where dK's product reads
+                # it too, then the tile's dQ (`_dq_tile`).
+                dst = gl.where(gl.expand_dims(key_rows < n_k, 1), dst, 0.0)
+                ds_tile = ds_smem.index(slot).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS, dim=0)
+                ds_tile.store(dst.to(dtype))
+                publish()
+                mbarrier.arrive(ds_full.index(slot), count=1)
+                dk_tok = warpgroup_mma(ds_tile, q, dk, is_async=True)
+                dv, dk = _dq_tile(fused, (k_smem, ds_smem, empty), (dv_tok, dk_tok, p_op),
+                                  (dq_base, m0, n_q, i), SCALES[0], D, TILES, WG)
+            else:
+                ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+                dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+                dv, dk, ds_op, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, ds_op, p_op))
+                mbarrier.arrive(empty.index(slot), count=1)
     # K and V are free for the next block's (kv_free counts both warpgroups' arrivals): dK and dV are in
     # registers, and the products that read K and V are done.
     mbarrier.arrive(kv_free, count=1)
     store_rows(dk_ptr, dk, SCALES[0], kv_start, kv_head, krow0, n_k, kv_layout, D, acc_layout)
     store_rows(dv_ptr, dv, SCALES[1], kv_start, kv_head, krow0, n_k, kv_layout, D, acc_layout)
     return t + KV_GROUP * per_head, tail_phases
+
+
+@gluon.jit
+def _dq_tile(fused, smem, products, rows, DS_SCALE: gl.constexpr, D: gl.constexpr, TILES: gl.constexpr,
+             WG: gl.constexpr):
+    """Warpgroup WG's share of the fused dQ of ring tile i, once its dV and dK products (products =
+    (dv_tok, dk_tok, p_op)) are issued; returns dV and dK, waited for. rows = (dq_base, m0, n_q, i): the
+    tile's rows m0 + [0, BLOCK_M) of dq_acc from dq_base (`row_base`), those at or past n_q masked. The
+    tile's dQ over the block's 128 keys is dS K = (K^T dS^T)^T (`_dq_product`), once ds_full says both
+    consumers wrote their dS^T rows: at D = 128 each warpgroup takes 64 columns d, at D = 64 one takes
+    the whole tile, warpgroup i % 2 (the other only releases the slot). [64, BLOCK_M] float32 of dQ^T in
+    registers, added into dq_acc (`add_columns`) after the ring slot is released. Both warpgroups
+    release it only after their products that read its dS^T, and write the slot's dS^T again only once
+    the producer has loaded its next tile, which waits for both releases: no other barrier guards
+    ds_smem."""
+    _, q_layout, _, ds_full, stage = fused
+    token_stride = q_layout[1]
+    k_smem, ds_smem, empty = smem
+    dv_tok, dk_tok, p_op = products
+    dq_base, m0, n_q, i = rows
+    BLOCK_M: gl.constexpr = TILES[0]
+    STAGES: gl.constexpr = TILES[2]
+    SPLIT: gl.constexpr = D // CONSUMER_ROWS  # warpgroups sharing a tile's dQ: 2 at D = 128, 1 at D = 64
+    layout: gl.constexpr = wgmma_layout(BLOCK_M)
+    slot = i % STAGES
+    if SPLIT == 2:
+        D0: gl.constexpr = WG * CONSUMER_ROWS
+        mbarrier.wait(ds_full.index(slot), (i // STAGES) & 1)
+        dqt = _dq_product(k_smem, ds_smem, slot, D0, D, layout)
+        dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op))
+        dqt = warpgroup_mma_wait(0, deps=(dqt, ))
+        mbarrier.arrive(empty.index(slot), count=1)
+        add_columns(dq_base + D0, token_stride, dqt * DS_SCALE, stage.index(WG), m0, n_q)
+    else:
+        dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op))
+        if i % 2 == WG:
+            mbarrier.wait(ds_full.index(slot), (i // STAGES) & 1)
+            dqt = _dq_product(k_smem, ds_smem, slot, 0, D, layout)
+            dqt = warpgroup_mma_wait(0, deps=(dqt, ))
+            mbarrier.arrive(empty.index(slot), count=1)
+            add_columns(dq_base, token_stride, dqt * DS_SCALE, stage.index(WG), m0, n_q)
+        else:
+            mbarrier.arrive(empty.index(slot), count=1)
+    return dv, dk
+
+
+@gluon.jit
+def _dq_product(k_smem, ds_smem, slot, D0: gl.constexpr, D: gl.constexpr, layout: gl.constexpr):
+    """The asynchronous product of dQ^T's rows [D0, D0 + 64) for ring slot `slot`: K^T dS^T over the
+    block's 128 keys, A the K tile read transposed (k_smem one [1, BLOCK_N, D] tile), B the slot's dS^T,
+    into a [64, BLOCK_M] float32 accumulator of the wgmma layout `layout`. One product over both
+    warpgroups' keys, not one per half: a second chained onto the first's accumulator costs ptxas a
+    second copy of it (hundreds of bytes of spills)."""
+    BLOCK_M: gl.constexpr = ds_smem.shape[2]
+    k_t = k_smem.index(0)
+    if D > CONSUMER_ROWS:
+        k_t = k_t.slice(D0, CONSUMER_ROWS, dim=1)
+    return warpgroup_mma(k_t.permute((1, 0)), ds_smem.index(slot),
+                         gl.zeros([CONSUMER_ROWS, BLOCK_M], gl.float32, layout=layout), use_acc=False,
+                         is_async=True)

@@ -29,6 +29,7 @@ from .configs import (
     band_width,
 )
 from .launch import calls
+from .launch import hstu as launch_hstu
 from .launch.calls import HopperConfig, PortableConfig
 from .problem import Problem
 from .xla import hstu as xla_hstu
@@ -283,5 +284,34 @@ class HstuXla(Implementation):
         return xla_hstu.backward(p, q, k, v, offsets, num_targets, scale, do)
 
 
+@dataclasses.dataclass(frozen=True)
+class HstuPortable(Implementation):
+    """HSTU's portable kernels (kernels/portable/hstu.py), on the GPU ("portable") or in Triton's
+    interpreter ("interpret"); its config is the tiles (`block_sizes`, else launch/hstu.py's defaults)."""
+
+    name: str = "portable"
+    launcher: str = "gpu"
+
+    def config(self, p, context, backward):
+        return context.block_sizes or launch_hstu.tiles(p, self.launcher == "interpret")
+
+    def supports(self, p, context, config, backward):
+        if self.launcher == "gpu" and (reason := gpu_reason(context.device)):
+            return reason
+        if max(p.head_dim, p.value_dim) > configs.MAX_HEAD_DIM:
+            return (f"head dimensions D={p.head_dim}, V={p.value_dim} (the kernels take both <= "
+                    f"{configs.MAX_HEAD_DIM}; the 'xla' implementation takes any)")
+        return launch_hstu.addressing_error(p) or launch_hstu.grid_error(p, config)
+
+    def forward(self, p, config, q, k, v, offsets, num_targets, scale):
+        return (launch_hstu.forward(_runner(self.launcher), p, config, q, k, v, offsets, num_targets, scale),)
+
+    def backward(self, p, config, q, k, v, offsets, num_targets, scale, do):
+        return launch_hstu.backward(_runner(self.launcher), p, config, q, k, v, offsets, num_targets, scale,
+                                    do)
+
+
 HSTU_XLA = HstuXla()
-HSTU_IMPLEMENTATIONS = {impl.name: impl for impl in (HSTU_XLA,)}
+HSTU_PORTABLE = HstuPortable()
+HSTU_INTERPRET = HstuPortable("interpret", "interpret")
+HSTU_IMPLEMENTATIONS = {impl.name: impl for impl in (HSTU_PORTABLE, HSTU_INTERPRET, HSTU_XLA)}

@@ -215,17 +215,23 @@ CASES = {
     "all-noncausal": dict(targets=TARGETS, contextual_seq_len=3, max_attn_len=4, min_full_attn_seq_len=6,
                           causal=False),
 }
-IMPLS = ["reference", "xla"]
+# The dense reference, and the op on each backend: the kernels in the interpreter here, on the GPU there.
+IMPLS = ["reference", "xla", "interpret", pytest.param("triton", marks=pytest.mark.gpu)]
 # The xla backend takes the mask from `hstu_mask` as the reference does: there the cases that add to its
 # own code (blocks, gathers, scales, gradients) are enough: every option alone is the reference's.
 XLA_CASES = ("causal", "noncausal", "targets", "all", "all-noncausal")
 
 
 def impl_params(cases, xla_cases=XLA_CASES):
-    """pytest params (*case, impl): every case on the reference, those in `xla_cases` on xla too."""
-    return [pytest.param(*case, impl, id="-".join((*case, impl)))
-            for case in (c if isinstance(c, tuple) else (c,) for c in cases)
-            for impl in IMPLS if impl == "reference" or case[0] in xla_cases]
+    """pytest params (*case, impl): every case on the reference, those in `xla_cases` on the backends
+    too (xla, the kernels in the interpreter, and on the GPU)."""
+    params = []
+    for case in (c if isinstance(c, tuple) else (c,) for c in cases):
+        for impl in IMPLS:
+            name, marks = (impl, ()) if isinstance(impl, str) else (impl.values[0], impl.marks)
+            if name == "reference" or case[0] in xla_cases:
+                params.append(pytest.param(*case, name, id="-".join((*case, name)), marks=marks))
+    return params
 
 
 def check(impl, case, *, attn_scale="none", dtype=jnp.float32, tol=1e-5, layout="THD"):
@@ -347,7 +353,7 @@ def test_reference_forward_mode():
                                          for t, g in zip(tangents, expected[1:]))
 
 
-@pytest.mark.parametrize("backend", ["xla"])
+@pytest.mark.parametrize("backend", ["xla", "interpret", pytest.param("triton", marks=pytest.mark.gpu)])
 def test_vmap_folds_batches(backend):
     """jax.vmap over two batches of the same shapes (their own offsets, targets and attn_scale) gives
     each batch's own results, forward and backward (the vmapped axis folded into segments)."""
@@ -457,7 +463,7 @@ def bad_calls():
         "triton on the CPU": (lambda: op(q, k, v, offsets, backend="triton"), ValueError,
                               "backend='triton' needs a GPU"),
         "implementation": (lambda: op(q, k, v, offsets, implementation="hopper"), ValueError,
-                           r"implementation must be one of \('xla'"),
+                           r"implementation must be one of \('portable', 'interpret', 'xla'\)"),
     }
 
 

@@ -103,7 +103,12 @@ def run(x: Inputs, tiles: BlockSizes = INTERPRET_BLOCK_SIZES, offsets_dtype=jnp.
     targets = None if x.num_targets is None else jnp.asarray(x.num_targets, jnp.int32)
     scale = None if x.scale is None else jnp.asarray(x.scale, jnp.float32)
     o = hstu.forward(interpret.run, p, tiles, q, k, v, offsets, targets, scale)
-    grads = hstu.backward(interpret.run, p, tiles, q, k, v, offsets, targets, scale, do)
+    *grads, d_scale = hstu.backward(interpret.run, p, tiles, q, k, v, offsets, targets, scale, do)
+    if d_scale is not None:  # each head's share [Z, H, T], summed as the op sums it
+        assert d_scale.shape == (p.num_segments, p.num_heads, p.tokens)
+        grads.append(d_scale.sum(axis=1).reshape(-1))
+    else:
+        grads.append(None)
     assert o.shape == p.shape(p.value_dim) and o.dtype == q.dtype
 
     def numpy(a):

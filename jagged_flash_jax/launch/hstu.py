@@ -124,14 +124,16 @@ def forward(run: Runner, p: HstuProblem, tiles: BlockSizes, q, k, v, offsets, nu
 
 
 def backward(run: Runner, p: HstuProblem, tiles: BlockSizes, q, k, v, offsets, num_targets, scale_tokens, do):
-    """(dq, dk, dv, d_scale_tokens) by kernels.hstu_bwd_kernel (dq and dk/dv programs in one launch or
-    two, see `backward_launches`), in q's, k's and v's dtypes; d_scale_tokens [Z*T] float32, the
-    per-token scale's gradient (None when p.scale is a constant). Operands as `forward`'s, do as o."""
+    """(dq, dk, dv, dscale) by kernels.hstu_bwd_kernel (dq and dk/dv programs in one launch or two, see
+    `backward_launches`), in q's, k's and v's dtypes; dscale float32 [Z, H, T], each head's share of
+    the per-token scale's gradient, which the op sums (None when p.scale is a constant). Operands as
+    `forward`'s, do as o."""
     token_scale = p.scale is None
     if p.empty:
         grads = (jnp.zeros(p.shape(p.head_dim), q.dtype), jnp.zeros(p.shape(p.head_dim), k.dtype),
                  jnp.zeros(p.shape(p.value_dim), v.dtype))
-        return (*grads, jnp.zeros_like(scale_tokens) if token_scale else None)
+        return (*grads, jnp.zeros((p.num_segments, p.num_heads, p.tokens), jnp.float32) if token_scale
+                else None)
     rows = _rows(p, offsets, num_targets, scale_tokens)
     shapes = dict(dq=jax.ShapeDtypeStruct(p.shape(p.head_dim), q.dtype),
                   dk=jax.ShapeDtypeStruct(p.shape(p.head_dim), k.dtype),
@@ -154,8 +156,6 @@ def backward(run: Runner, p: HstuProblem, tiles: BlockSizes, q, k, v, offsets, n
         outputs = calls.launch(run, call, q=q, k=k, v=v, do=do, **rows)
         grads.update((name, x) for name, x in zip(shapes, outputs) if name in written)
     d_scale = None
-    if token_scale:  # the heads' shares added in a fixed order: deterministic on any device
-        d_scale = grads["dscale"][:, 0]
-        for head in range(1, p.num_heads):
-            d_scale = d_scale + grads["dscale"][:, head]
+    if token_scale:  # [Z*T, H] -> [Z, H, T], as the other implementations give it
+        d_scale = jnp.swapaxes(grads["dscale"].reshape(p.num_segments, p.tokens, p.num_heads), 1, 2)
     return grads["dq"], grads["dk"], grads["dv"], d_scale

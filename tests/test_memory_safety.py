@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import triton
 import triton.language as tl
-from helpers import Spy, attended_mask, to_numpy, variant
+from helpers import FusedDq, Spy, attended_mask, to_numpy, variant
 
 import jagged_flash_jax as jfa
 from jagged_flash_jax import select, transforms
@@ -226,10 +226,12 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False)
     as chosen, then the portable ones with key-major operands forced (which float32 inputs with TF32 and
     D >= 64 take: their transposes, and key and query windows that start before their sequence). With
     `hopper` (a Hopper GPU), bfloat16 at D = 128 on the Hopper kernels alone (a spy says they ran), whose
-    tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens."""
+    tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens, then with
+    dq fused into dk/dv by atomics."""
     spy = Spy("hopper")
-    variants = {"hopper": spy} if hopper else {"as chosen": backend,
-                                                "key-major": variant(backend, key_major=True)}
+    # (and the backward with dq fused by atomics, deterministic=False's)
+    variants = ({"hopper": spy, "hopper fused dq": FusedDq(spy.calls)} if hopper
+                else {"as chosen": backend, "key-major": variant(backend, key_major=True)})
     for name, where in variants.items():
         # Each variant traces its own programs: the last one's may go (memory).
         jax.clear_caches()

@@ -67,6 +67,7 @@ from helpers import GPU_AVAILABLE  # noqa: E402
 LONGEST_FIRST = (
     "tests/test_memory_safety.py::test_adversarial_offsets_are_memory_safe",
     "notebooks/flax_model.ipynb",
+    "notebooks/hstu_model.ipynb",
     "notebooks/quickstart.ipynb",
     "tests/test_install.py",
     "tests/test_properties.py::test_kernels_on_random_batches",

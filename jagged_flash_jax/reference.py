@@ -11,6 +11,7 @@ from jax import lax
 from . import checks
 from ._util import slopes_in_score_units
 from .jagged import jagged_to_padded, padded_to_jagged, sequence_bounds
+from .xla.hstu import hstu_mask  # noqa: F401 (public here: the rule the reference applies)
 from .xla.softmax import allowed, distance
 
 
@@ -83,57 +84,6 @@ def jagged_attention_reference(q, k, v, offsets, max_seq_len: int, *, kv_offsets
 # ---------------------------------------------------------------------------------------------------
 # HSTU attention (generative-recommenders' `hstu_mha`): the mask and the dense reference
 # ---------------------------------------------------------------------------------------------------
-
-
-def hstu_mask(query_pos, key_pos, lengths, num_targets=None, *, causal: bool = True, max_attn_len: int = 0,
-              contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0):
-    """HSTU's attention mask: [..., Q, K] bool, whether the query at position `query_pos` [..., Q]
-    (within its sequence, 0-based) sees the key at `key_pos` [..., K] of the same sequence, whose full
-    length is `lengths` [...] (not capped at max_seq_len) and whose last `num_targets` [...] tokens are
-    targets (None: no targets). The leading dimensions broadcast. Positions at or past a sequence's
-    (capped) length are the caller's to mask: this is the rule, not the bounds.
-
-    generative-recommenders' arithmetic (`_get_valid_attn_mask`), with c = contextual_seq_len,
-    W = max_attn_len, M = min_full_attn_seq_len, n = lengths, t = num_targets:
-      id(p) = max(p - c + 1, 0) when c > 0 (the c context tokens share id 0, the first history token
-              has id 1), else p;
-      m     = n - (c - 1 if c > 0 else 0) - t, the history's end in ids (the id of the first target);
-      with targets, id(p) = min(id(p), m): every target has the id m;
-      d     = id(i) - id(j), or |id(i) - id(j)| when not causal;
-      valid = (i == j) or d > 0                      (the diagonal by position, not by id)
-      W > 0: valid and= d <= W, or id(i) >= m - M when M > 0 (lifted for the last M history rows and
-              for every target);
-      c > 0: valid or= id(i) == 0 and id(j) < m      (the context rows see every context and history
-              token, after the window: so the window, not this, decides which rows see the context).
-    So equal ids never see each other off the diagonal: the targets see the history and themselves, and
-    with c > 1 the context tokens see each other only through the last rule.
-    """
-    query_pos, key_pos, lengths = (jnp.asarray(x, jnp.int32) for x in (query_pos, key_pos, lengths))
-    max_id = lengths
-    if contextual_seq_len > 0:
-        max_id = max_id - contextual_seq_len + 1
-    if num_targets is not None:
-        max_id = max_id - jnp.asarray(num_targets, jnp.int32)
-
-    def ids(pos):
-        if contextual_seq_len > 0:
-            pos = jnp.maximum(pos - contextual_seq_len + 1, 0)
-        return jnp.minimum(pos, max_id[..., None]) if num_targets is not None else pos
-
-    row, col = ids(query_pos)[..., :, None], ids(key_pos)[..., None, :]
-    max_id = max_id[..., None, None]
-    distance = row - col
-    if not causal:
-        distance = jnp.abs(distance)
-    valid = (query_pos[..., :, None] == key_pos[..., None, :]) | (distance > 0)
-    if max_attn_len > 0:
-        near = distance <= max_attn_len
-        if min_full_attn_seq_len > 0:
-            near |= row >= max_id - min_full_attn_seq_len
-        valid &= near
-    if contextual_seq_len > 0:
-        valid |= (row == 0) & (col < max_id)
-    return valid
 
 
 def hstu_attention_reference(q, k, v, offsets, max_seq_len: int, *, alpha: float, causal: bool = True,

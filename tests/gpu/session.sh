@@ -44,9 +44,9 @@ site36=/tmp/site:$PWD
 site39=/tmp/site39:/tmp/site:$PWD
 case $call in
   1) stage .t39a
-     memcheck 3.6 "$site36" 280 &
-     LIMIT=280 bash tests/gpu/run.sh demo > /dev/null 2>&1 &
-     LIMIT=290 bash tests/gpu/run.sh suite > /dev/null 2>&1
+     memcheck 3.6 "$site36" 250 &
+     LIMIT=250 bash tests/gpu/run.sh demo > /dev/null 2>&1 &
+     LIMIT=260 bash tests/gpu/run.sh suite > /dev/null 2>&1
      wait; elapsed "call 1"; summary ;;
   2) stage .t39b
      PYTHONPATH=$site36 timeout 100 python3 -m benchmarks.hstu_run --out /tmp/hstu36 --no-long \
@@ -62,9 +62,9 @@ case $call in
   4) stage .t39d ;;
   5) stage .t39e && bash tests/gpu/install_triton39.sh > "$out/install-triton3.9.log" 2>&1
      echo "rc=$?" >> "$out/install-triton3.9.log"; tail -4 "$out/install-triton3.9.log"
-     memcheck 3.9 "$site39" 280 &
-     TRITON=3.9 LIMIT=280 bash tests/gpu/run.sh demo > /dev/null 2>&1 &
-     TRITON=3.9 LIMIT=290 bash tests/gpu/run.sh suite > /dev/null 2>&1
+     memcheck 3.9 "$site39" 250 &
+     TRITON=3.9 LIMIT=250 bash tests/gpu/run.sh demo > /dev/null 2>&1 &
+     TRITON=3.9 LIMIT=260 bash tests/gpu/run.sh suite > /dev/null 2>&1
      wait; elapsed "call 5"; summary ;;
   6) softmax_bench triton3.9 long,L4096-D256,long-causal,rec-long,L4096-softcap50,L4096-D64 110 "$site39"
      elapsed "softmax"

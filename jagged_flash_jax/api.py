@@ -128,10 +128,8 @@ def _user_lse(lse, q_offsets, problem: Problem):
     return jnp.swapaxes(lse, 0, 1).reshape(problem.num_heads, -1)
 
 
-def _plan(problem: Problem, backend, implementation, backward_implementation, block_sizes,
-          deterministic) -> Plan:
-    request = select.request(backend, implementation, backward_implementation, block_sizes,
-                             deterministic=checks.static_bool(deterministic, "deterministic"))
+def _plan(problem: Problem, backend, implementation, backward_implementation, block_sizes) -> Plan:
+    request = select.request(backend, implementation, backward_implementation, block_sizes)
     return select.choose(problem, request)
 
 
@@ -162,7 +160,6 @@ def jagged_attention(
     return_lse: bool = False,
     implementation: str | tuple[str, ...] | None = None,
     backward_implementation: str | tuple[str, ...] | None = None,
-    deterministic: bool = True,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Variable-length (jagged) multi-head attention with the standard semantics.
 
@@ -226,10 +223,6 @@ def jagged_attention(
         the problem raises ValueError saying why. Also the backward's, unless
         `backward_implementation` names the backward's.
       backward_implementation: the backward's, as `implementation`.
-      deterministic: True (the default): bitwise-reproducible gradients (every element written once, no
-        atomics). False lets the Hopper backward add dq from its dk/dv kernel by float32 atomics (one
-        launch and five matrix products per tile instead of seven; dq's last bits then vary run to run),
-        as FlashAttention's deterministic=False. The other implementations are deterministic either way.
 
     Returns:
       The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v; forward
@@ -256,7 +249,7 @@ def jagged_attention(
         allow_tf32=checks.static_bool(allow_tf32, "allow_tf32"), self_attention=self_attention,
         validate=checks.static_bool(validate, "validate"), window=window,
         softcap=checks.static_softcap(softcap, scale), alibi=slopes is not None)
-    plan = _plan(problem, backend, implementation, backward_implementation, block_sizes, deterministic)
+    plan = _plan(problem, backend, implementation, backward_implementation, block_sizes)
     o, lse = _call(q, k, v, offsets, kv_offsets, problem, plan, slopes)
     if return_lse:
         return o, _user_lse(lse, offsets, problem)
@@ -324,7 +317,6 @@ def multi_head_jagged_flash_attention(
     validate: bool = False,
     implementation: str | tuple[str, ...] | None = None,
     backward_implementation: str | tuple[str, ...] | None = None,
-    deterministic: bool = True,
 ) -> jax.Array:
     """FBGEMM's multi-head jagged flash attention: softmax(q k^T) v / max_seq_len, no scale.
 
@@ -341,8 +333,8 @@ def multi_head_jagged_flash_attention(
       offsets: [B+1] int32 or int64, non-decreasing, within [0, T]: checked as for `jagged_attention`
         (malformed traced offsets are clamped, never unsafe).
       max_seq_len: static Python int >= 1.
-      allow_tf32, backend, layout, block_sizes, validate, implementation, backward_implementation,
-        deterministic: as for `jagged_attention`.
+      allow_tf32, backend, layout, block_sizes, validate, implementation, backward_implementation: as for
+        `jagged_attention`.
 
     Returns:
       The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v.
@@ -360,5 +352,5 @@ def multi_head_jagged_flash_attention(
         out_scale=1.0 / max_seq_len, causal=False, layout=layout,
         allow_tf32=checks.static_bool(allow_tf32, "allow_tf32"), self_attention=True,
         validate=checks.static_bool(validate, "validate"))
-    plan = _plan(problem, backend, implementation, backward_implementation, block_sizes, deterministic)
+    plan = _plan(problem, backend, implementation, backward_implementation, block_sizes)
     return _call(q, k, v, offsets, offsets, problem, plan)[0]

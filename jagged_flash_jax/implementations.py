@@ -62,7 +62,6 @@ class Context:
     table: dict = dataclasses.field(hash=False, compare=False)
     table_path: str | None = None  # what `table` was loaded from (its identity in hashes)
     block_sizes: BlockSizes | None = None
-    deterministic: bool = True  # False: the caller waives bitwise-reproducible gradients
 
 
 class Implementation:
@@ -204,10 +203,7 @@ class Hopper(Implementation):
             return None
         # The backward's preprocess is the portable kernel: its row block is the portable table's.
         portable = PORTABLE.config(p, dataclasses.replace(context, block_sizes=None), backward)
-        # Without determinism, the backward adds dq from the dk/dv kernel by atomics (one launch, five
-        # products per tile instead of seven).
-        return HopperConfig(tiles, context.device.sms, portable.tiles.preprocess_block_m,
-                            fused_dq=backward and not context.deterministic)
+        return HopperConfig(tiles, context.device.sms, portable.tiles.preprocess_block_m)
 
     def supports(self, p, context, config, backward):
         if config is None:

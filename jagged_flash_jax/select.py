@@ -54,7 +54,6 @@ class Request:
     prefer_backward: bool
     block_sizes: BlockSizes | None = None
     table_path: str | None = None
-    deterministic: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +138,7 @@ def _implementations(value, argument: str, registry: dict) -> tuple[Implementati
 
 
 def request(backend: str = "auto", implementation=None, backward_implementation=None,
-            block_sizes: BlockSizes | None = None, registry: dict = IMPLEMENTATIONS,
-            deterministic: bool = True) -> Request:
+            block_sizes: BlockSizes | None = None, registry: dict = IMPLEMENTATIONS) -> Request:
     """The request of a call's arguments and of the environment: `implementation` (and
     `backward_implementation`) as given, else `backend`'s candidates, which $JAGGED_FLASH_JAX_FORWARD
     and $JAGGED_FLASH_JAX_BACKWARD narrow ("portable": no Hopper kernels; "hopper": the Hopper kernels
@@ -161,7 +159,7 @@ def request(backend: str = "auto", implementation=None, backward_implementation=
         forward = _implementations(implementation, "implementation", registry)
         backward = forward if backward_implementation is None else _implementations(
             backward_implementation, "backward_implementation", registry)
-        return Request(forward, backward, False, False, block_sizes, table_path, deterministic)
+        return Request(forward, backward, False, False, block_sizes, table_path)
     if backend == "auto" and not _kernels_run_here():
         backend = "xla"
     if backend == "triton":
@@ -178,8 +176,7 @@ def request(backend: str = "auto", implementation=None, backward_implementation=
     if backward_implementation is not None:
         backward = _implementations(backward_implementation, "backward_implementation", registry)
         prefer_backward = False
-    return Request(forward, backward, prefer_forward, prefer_backward, block_sizes, table_path,
-                   deterministic)
+    return Request(forward, backward, prefer_forward, prefer_backward, block_sizes, table_path)
 
 
 def default_backend() -> str:
@@ -244,8 +241,7 @@ def _choose_pass(p: Problem, context: Context, candidates: tuple[Implementation,
 def choose(p: Problem, req: Request, device: Device | None = None) -> Plan:
     """The plan of problem `p` for request `req` on `device` (default: `current_device()`)."""
     device = device or current_device()
-    context = Context(device, configs.load_table(req.table_path), req.table_path, req.block_sizes,
-                      req.deterministic)
+    context = Context(device, configs.load_table(req.table_path), req.table_path, req.block_sizes)
     forward, forward_config = _choose_pass(p, context, req.forward, req.prefer_forward, backward=False)
     backward, backward_config = _choose_pass(p, context, req.backward, req.prefer_backward, backward=True)
     return Plan(req, device, forward, forward_config, backward, backward_config)

@@ -987,8 +987,7 @@ def _backward_kernels(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_hea
 
     fake.reset()
     jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv)
-    names = {getattr(kernels, name): name for name in (*HOPPER_BACKWARD, *PORTABLE_BACKWARD,
-                                                       "hopper_attention_bwd_dkdv_dq_kernel")}
+    names = {getattr(kernels, name): name for name in (*HOPPER_BACKWARD, *PORTABLE_BACKWARD)}
     # (the portable backward launches once or twice: dq and dk/dv apart when their tiles differ)
     return tuple(dict.fromkeys(names[call["kernel"]] for call in fake.calls if call["kernel"] in names))
 
@@ -1004,16 +1003,6 @@ def test_hopper_gpus_take_the_hopper_backward(hopper_backward_gpu, case):
     """Windows, soft caps (causal too, which the forward leaves portable under "auto") and ALiBi
     included."""
     assert _backward_kernels(hopper_backward_gpu, **case) == HOPPER_BACKWARD
-
-
-@pytest.mark.parametrize("case", [dict(), dict(causal=True, layout="HTD"), dict(dim=64, window=(8, None))],
-                         ids=str)
-def test_deterministic_false_fuses_dq_into_the_hopper_dkdv_kernel(hopper_backward_gpu, case):
-    """deterministic=False: the Hopper backward is the dq-fused dk/dv kernel alone; the default keeps
-    the two kernels (every element written once)."""
-    assert _backward_kernels(hopper_backward_gpu, **case) == HOPPER_BACKWARD
-    assert (_backward_kernels(hopper_backward_gpu, deterministic=False, **case)
-            == ("hopper_attention_bwd_dkdv_dq_kernel",))
 
 
 @pytest.mark.parametrize("case", [

@@ -40,19 +40,20 @@ def _packed(s: InputSet) -> tuple:
     return s.q, s.k, s.v, s.do, (s.offsets, s.kv_offsets)
 
 
-def jfa(case: Case, backend: str, block_sizes=None, allow_tf32: bool = True, deterministic: bool = True):
+def jfa(case: Case, backend: str, block_sizes=None, allow_tf32: bool = True, backward_implementation=None):
     """This library; the fbgemm cases through multi_head_jagged_flash_attention."""
     options = {} if case.fbgemm else _options(case)
+    if backward_implementation is not None:
+        options["backward_implementation"] = backward_implementation
 
     def attend(q, k, v, offsets, kv_offsets):
         if case.fbgemm:
             return multi_head_jagged_flash_attention(q, k, v, offsets, case.max_seq_len, layout="THD",
                                                      backend=backend, block_sizes=block_sizes,
-                                                     allow_tf32=allow_tf32, deterministic=deterministic)
+                                                     allow_tf32=allow_tf32, **options)
         return jagged_attention(q, k, v, offsets, case.max_seq_len, kv_offsets=kv_offsets,
                                 kv_max_seq_len=case.kv_max_seq_len, causal=case.causal, **options,
-                                backend=backend, block_sizes=block_sizes, allow_tf32=allow_tf32,
-                                deterministic=deterministic)
+                                backend=backend, block_sizes=block_sizes, allow_tf32=allow_tf32)
     return attend, _packed
 
 
@@ -118,8 +119,9 @@ def cudnn_packed(case: Case):
 
 IMPLS = {  # name -> (make(case), needs a GPU)
     "jfa-triton": (lambda case: jfa(case, "triton"), True),
-    # deterministic=False: the Hopper backward with dq fused into dk/dv by atomics
-    "jfa-triton-nondet": (lambda case: jfa(case, "triton", deterministic=False), True),
+    # the Hopper backward with dq fused into dk/dv by atomics, where it runs
+    "jfa-triton-fused-dq": (lambda case: jfa(case, "triton", backward_implementation=(
+        "hopper-fused-dq", "portable", "xla")), True),
     "jfa-xla": (lambda case: jfa(case, "xla"), False),
     "cudnn-packed": (cudnn_packed, True),
     "cudnn-padded": (cudnn_padded, True),

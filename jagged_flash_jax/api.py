@@ -222,7 +222,10 @@ def jagged_attention(
         first that supports the problem running (jagged_flash_jax.select); one name that cannot run
         the problem raises ValueError saying why. Also the backward's, unless
         `backward_implementation` names the backward's.
-      backward_implementation: the backward's, as `implementation`.
+      backward_implementation: the backward's, as `implementation`; also "hopper-fused-dq", the Hopper
+        backward with dq added from the dk/dv kernel by float32 atomics (one launch instead of two; dq's
+        last bits vary run to run). The default backward writes every gradient element once (bitwise
+        reproducible) and measured faster on the H200 (docs/performance.md).
 
     Returns:
       The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v; forward

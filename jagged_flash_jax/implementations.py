@@ -5,6 +5,7 @@ not), chooses its configuration, and runs the forward and the backward. select.p
 - "portable": the portable Triton kernels (kernels/portable/) on a GPU, through jax-triton.
 - "interpret": the same kernels in Triton's interpreter on the CPU.
 - "hopper": the Hopper kernels in Gluon (kernels/hopper/), sm_90a.
+- "hopper-fused-dq": the same, whose backward adds dq from the dk/dv kernel by atomics (named only).
 
 All four share one residual convention (the log-sum-exp in units of the unscaled scores, launch/calls.py),
 so a forward of one and a backward of another compose.
@@ -189,6 +190,10 @@ class Hopper(Implementation):
     "hopper" entries (each pass its own)."""
 
     name: str = "hopper"
+    # The backward adds dq from the dk/dv kernel by float32 atomics (one launch and five products per
+    # tile instead of seven) instead of its own dq kernel: not bitwise reproducible, and on the H200 it
+    # measured slower on every row (docs/performance.md), so only a caller who names it gets it.
+    fused_dq: bool = False
 
     def _kernels(self, backward: bool) -> tuple[str, ...]:
         return ("dkdv", "dq") if backward else ("fwd",)
@@ -203,7 +208,8 @@ class Hopper(Implementation):
             return None
         # The backward's preprocess is the portable kernel: its row block is the portable table's.
         portable = PORTABLE.config(p, dataclasses.replace(context, block_sizes=None), backward)
-        return HopperConfig(tiles, context.device.sms, portable.tiles.preprocess_block_m)
+        return HopperConfig(tiles, context.device.sms, portable.tiles.preprocess_block_m,
+                            fused_dq=backward and self.fused_dq)
 
     def supports(self, p, context, config, backward):
         if config is None:
@@ -264,7 +270,8 @@ XLA = Xla()
 PORTABLE = Portable()
 INTERPRET = Portable("interpret", "interpret")
 HOPPER = Hopper()
-IMPLEMENTATIONS = {impl.name: impl for impl in (HOPPER, PORTABLE, INTERPRET, XLA)}
+HOPPER_FUSED_DQ = Hopper("hopper-fused-dq", fused_dq=True)
+IMPLEMENTATIONS = {impl.name: impl for impl in (HOPPER, HOPPER_FUSED_DQ, PORTABLE, INTERPRET, XLA)}
 
 
 # ---------------------------------------------------------------------------------------------------

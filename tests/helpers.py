@@ -60,15 +60,11 @@ class Spy(Implementation):
 
 
 class FusedDq(Spy):
-    """A spy of the Hopper implementation whose backward configuration fuses dq into the dk/dv kernel
-    (HopperConfig.fused_dq): the backward a caller who waives bitwise determinism will get."""
+    """A spy of "hopper-fused-dq", the Hopper implementation whose backward fuses dq into the dk/dv
+    kernel (HopperConfig.fused_dq)."""
 
     def __init__(self, calls: list | None = None):
-        super().__init__("hopper", calls)
-
-    def config(self, p, context, backward):
-        config = self.inner.config(p, context, backward)
-        return dataclasses.replace(config, fused_dq=True) if backward and config is not None else config
+        super().__init__("hopper-fused-dq", calls)
 
 
 def implementation_of(backend: str):

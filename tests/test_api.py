@@ -59,7 +59,8 @@ def bad_calls():
                                        r"alibi_slopes / scale must be finite.*alibi_slopes\[1\] = "
                                        r"10000000000.0"),
         "implementation": (lambda: std(q, k, v, OFFSETS, 8, implementation="cudnn"), ValueError,
-                           r"implementation must be one of \('hopper', 'portable', 'interpret', 'xla'\)"),
+                           r"implementation must be one of \('hopper', 'hopper-fused-dq', 'portable', "
+                           r"'interpret', 'xla'\)"),
         "implementation and backend": (lambda: std(q, k, v, OFFSETS, 8, backend="xla", implementation="xla"),
                                        ValueError, "pass either backend .* or implementation"),
         "implementation unsupported": (lambda: std(q, k, v, OFFSETS, 8, implementation="hopper"),

@@ -978,7 +978,7 @@ def _backward_kernels(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_hea
     def loss(q, k, v):
         if fbgemm:
             o = jfa.multi_head_jagged_flash_attention(q, k, v, offsets, max_seq_len, layout=layout,
-                                                      backend="triton")
+                                                      backend="triton", **options)
         else:
             o = jfa.jagged_attention(q, k, v, offsets, max_seq_len, layout=layout, backend="triton",
                                      **options)
@@ -987,7 +987,8 @@ def _backward_kernels(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_hea
 
     fake.reset()
     jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv)
-    names = {getattr(kernels, name): name for name in (*HOPPER_BACKWARD, *PORTABLE_BACKWARD)}
+    names = {getattr(kernels, name): name for name in (*HOPPER_BACKWARD, *PORTABLE_BACKWARD,
+                                                       "hopper_attention_bwd_dkdv_dq_kernel")}
     # (the portable backward launches once or twice: dq and dk/dv apart when their tiles differ)
     return tuple(dict.fromkeys(names[call["kernel"]] for call in fake.calls if call["kernel"] in names))
 
@@ -1003,6 +1004,16 @@ def test_hopper_gpus_take_the_hopper_backward(hopper_backward_gpu, case):
     """Windows, soft caps (causal too, which the forward leaves portable under "auto") and ALiBi
     included."""
     assert _backward_kernels(hopper_backward_gpu, **case) == HOPPER_BACKWARD
+
+
+@pytest.mark.parametrize("case", [dict(), dict(causal=True, layout="HTD"), dict(dim=64, window=(8, None)),
+                                  dict(fbgemm=True)], ids=str)
+def test_hopper_fused_dq_is_the_dq_fused_dkdv_kernel_alone(hopper_backward_gpu, case):
+    """backward_implementation="hopper-fused-dq": the dq-fused dk/dv kernel alone; auto keeps the two
+    kernels (every element written once)."""
+    assert _backward_kernels(hopper_backward_gpu, **case) == HOPPER_BACKWARD
+    assert (_backward_kernels(hopper_backward_gpu, backward_implementation="hopper-fused-dq", **case)
+            == ("hopper_attention_bwd_dkdv_dq_kernel",))
 
 
 @pytest.mark.parametrize("case", [

@@ -220,18 +220,19 @@ def _check_offsets_case(offsets, int64: bool, where, hopper: bool, variant: str)
                                               f"{np.flatnonzero(~mask)}")
 
 
-def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False) -> None:
+def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False, only=None) -> None:
     """Every case (offsets, int64) under each variant, in this process; prints `start CASE VARIANT`
     before and `ok CASE VARIANT` after each, so that a crash names its case. The variants: the kernels
     as chosen, then the portable ones with key-major operands forced (which float32 inputs with TF32 and
     D >= 64 take: their transposes, and key and query windows that start before their sequence). With
     `hopper` (a Hopper GPU), bfloat16 at D = 128 on the Hopper kernels alone (a spy says they ran), whose
     tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens, then with
-    dq fused into dk/dv by atomics."""
+    dq fused into dk/dv by atomics ("hopper-fused-dq"). `only`: the names of the variants to run (default
+    all)."""
     spy = Spy("hopper")
-    # (and the backward with dq fused by atomics, deterministic=False's)
     variants = ({"hopper": spy, "hopper fused dq": FusedDq(spy.calls)} if hopper
                 else {"as chosen": backend, "key-major": variant(backend, key_major=True)})
+    variants = {name: where for name, where in variants.items() if only is None or name in only}
     for name, where in variants.items():
         # Each variant traces its own programs: the last one's may go (memory).
         jax.clear_caches()
@@ -241,7 +242,7 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False)
             print("start", case, name, flush=True)
             _check_offsets_case(offsets, int64, where, hopper, name)
             print("ok", case, name, flush=True)
-    if hopper:  # the four ops (the window, soft cap and ALiBi one too), forward and backward
+    if hopper and only is None:  # the four ops (the window, soft cap and ALiBi one too), forward and backward
         kinds = [kind for kind, *_ in spy.calls]
         assert kinds.count("forward") >= 4 and kinds.count("backward") >= 4, kinds
     print("all ok", flush=True)

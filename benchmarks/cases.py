@@ -100,6 +100,10 @@ CASES = (  # name, group, B, H, D, L, min_len
     _sweep("causal", 16384, "L16384-causal", causal=True),
     _sweep("gqa", 4096, "gqa-16x2", heads=16, kv_heads=2),
     _sweep("gqa", 4096, "gqa-16x4", heads=16, kv_heads=4),
+    # Shorter sequences, recommender-sized: where launch and tail costs weigh more.
+    Case("rec-long-causal", "causal", 64, 8, 128, 1024, 1, causal=True),
+    Case("gqa-16x4-L512-D64", "gqa", 256, 16, 64, 512, 256, kv_heads=4),
+    Case("gqa-16x4-L512-D64-causal", "gqa", 256, 16, 64, 512, 256, kv_heads=4, causal=True),
     # Recommendation-style cross-attention: 1-8 candidates per user against histories of 512-4096 events.
     Case("cross", "cross", 64, 4, 128, 8, 1, kv_len=(512, 4096)),
     # Local attention: each query sees itself and the w keys before it.

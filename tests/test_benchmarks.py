@@ -72,3 +72,24 @@ def test_quick_run_measures_the_xla_backend_and_writes_the_report(tmp_path):
         assert row["flops"] == case.flops(row["mode"]) and row["tokens"] == case.lengths().sum()
     assert "| L256 | bfloat16 | fwd |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "lsweep.png").stat().st_size > 0
+
+
+def test_merge_replaces_rows_by_their_key_and_records_the_run():
+    """benchmarks.merge: a new run's rows replace those of the same (case, impl, dtype, mode), renamed
+    where asked, the others stay, and the run's commit, date, command and triton are recorded."""
+    from benchmarks import merge
+
+    def row(case, impl, ms, status="ok"):
+        return dict(case=case, impl=impl, dtype="bfloat16", mode="fwd", ms=ms, status=status)
+
+    into = dict(metadata=dict(runs=[dict(commit="old")]),
+                rows=[row("long", "jfa-triton", 1.0), row("long", "cudnn-packed", 2.0),
+                      row("long", "jfa-triton-3.9", 9.0), row("L4096", "jfa-triton", 3.0)])
+    new = dict(metadata=dict(commit="abc", date="d", command="c", versions=dict(triton="3.9.0")),
+               rows=[row("long", "jfa-triton", 1.5), row("long", "cudnn-packed", 2.5),
+                     row("L4096", "jfa-triton", 0.0, "skipped")])
+    assert merge.merge(into, new, rename={"jfa-triton": "jfa-triton-3.9"}, impls={"jfa-triton"}) == 1
+    got = {(r["case"], r["impl"]): (r["ms"], r.get("from_run")) for r in into["rows"]}
+    assert got == {("long", "jfa-triton"): (1.0, None), ("long", "cudnn-packed"): (2.0, None),
+                   ("long", "jfa-triton-3.9"): (1.5, "d abc triton 3.9.0"), ("L4096", "jfa-triton"): (3.0, None)}
+    assert into["metadata"]["runs"][-1] == dict(commit="abc", date="d", command="c", triton="3.9.0", jax=None)

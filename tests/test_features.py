@@ -146,11 +146,12 @@ def test_softcap_at_large_logits(logits, backend):
 
 
 @pytest.mark.parametrize("backend", backend_params())
-@pytest.mark.parametrize("softcap", [1e4, 1e8, 1e30])
+@pytest.mark.parametrize("softcap", [64.0, 65.0, 1e4, 1e8, 1e30])
 def test_a_softcap_far_above_the_scores(softcap, backend):
     """A soft cap far above the scores (tanh's argument s / softcap tiny): the cap barely acts, and the
     output and gradients match float64 as closely as without a cap (a tanh written as (1 - e) / (1 + e)
-    cancels there: 1e8 gave 0.33 relative, 1e30 uniform attention)."""
+    cancels there: 1e8 gave 0.33 relative, 1e30 uniform attention). 64 is the largest cap whose tanh the
+    kernels take as that quotient (shared.SERIES_CAP_LOG2), 65 the smallest with the series."""
     batch = Batch.make([9, 4, 13], 2, 16, seed=int(np.log10(softcap)))
     results = run_vjp(jfa.jagged_attention, batch, jnp.float32, max_seq_len=16, backend=backend,
                       allow_tf32=False, softcap=softcap, scale=0.25)

@@ -21,7 +21,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHARED = "jagged_flash_jax/kernels/shared.py"
 # The body of `tanh` after its docstring, through its return.
-BODY = re.compile(r"(def tanh\(y\):\n    \"\"\"(?:.|\n)*?\"\"\"\n)((?:.|\n)*?return [^\n]*\n)")
+BODY = re.compile(r"(def tanh\(y[^)]*\):\n    \"\"\"(?:.|\n)*?\"\"\"\n)((?:.|\n)*?return [^\n]*\n)")
 EXP = "    e = tl.math.exp2(tl.abs(y) * -2.8853900817779268)  # exp(-2|y|), in [0, 1]\n" \
       "    t = (1.0 - e) / (1.0 + e)\n"
 VARIANTS = {

@@ -6,7 +6,7 @@
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..shared import INF, tanh
+from ..shared import INF, SERIES_CAP_LOG2, tanh
 from .pipeline import CONSUMER_ROWS
 
 
@@ -31,7 +31,7 @@ def capped_biased(s, offset, slope, SCORES: gl.constexpr, ROWS: gl.constexpr, CO
     SOFTCAP: gl.constexpr = SCORES[0]
     t = s
     if SOFTCAP > 0:
-        t = tanh(s * (1.0 / SOFTCAP))
+        t = tanh(s * (1.0 / SOFTCAP), SOFTCAP * SCORES[2] > SERIES_CAP_LOG2)
         s = t * SOFTCAP
     if SCORES[1]:
         # In float32: the column offsets within the tile are constants of each thread, the distances

@@ -332,6 +332,9 @@ CASES = {
                                      max_seq_len=192, causal=True, window=(8, None)),
     "cross-narrow-window-both": dict(lengths=[130, 5, 0, 250], kv_lengths=[140, 9, 3, 200], heads=2, dim=128,
                                      max_seq_len=256, window=(6, 5)),
+    # A soft cap above 64 (its tanh takes the series near 0: shared.SERIES_CAP_LOG2), scores far below it.
+    "softcap-above-64": dict(lengths=[300, 0, 129, 64], heads=2, dim=128, max_seq_len=256, scale=1.0,
+                             softcap=200.0),
     # Everything at once, causal with n_q > n_k (whole query blocks see no key), GQA.
     "cross-causal-all-options-gqa": dict(lengths=[200, 9, 130], kv_lengths=[60, 9, 300], heads=4, kv_heads=2,
                                          dim=128, max_seq_len=256, kv_max_seq_len=100, causal=True,
@@ -650,6 +653,8 @@ BACKWARD_CASES = {
     "cross-narrow-window-both": CASES["cross-narrow-window-both"],
     # A soft cap alone, D = 64, at scores large enough against it that its derivative matters.
     "softcap-D64": dict(lengths=[300, 0, 129, 64], heads=2, dim=64, max_seq_len=256, scale=1.0, softcap=3.0),
+    # The soft cap's series (the forward's case).
+    "softcap-above-64": CASES["softcap-above-64"],
     # ALiBi alone (`slopes_for`'s slopes, one steep); cross both ways, GQA, keys truncated.
     "cross-alibi-gqa": dict(lengths=[200, 9, 130, 0], kv_lengths=[60, 9, 300, 40], heads=4, kv_heads=2,
                             dim=128, max_seq_len=256, kv_max_seq_len=256, alibi=True),

@@ -76,7 +76,7 @@ PY
     memcheck)
       command -v compute-sanitizer >/dev/null || { echo "compute-sanitizer is not on PATH"; false; } &&
       (cd tests && XLA_PYTHON_CLIENT_ALLOCATOR=platform "${limit[@]}" compute-sanitizer --tool memcheck \
-         --error-exitcode 99 --print-limit 20 "$python" -c "$memcheck") ;;
+         --target-processes application-only --error-exitcode 99 --print-limit 20 "$python" -c "$memcheck") ;;
     demo) "${limit[@]}" "$python" -m jagged_flash_jax demo ;;
   esac
   echo "rc=$?"

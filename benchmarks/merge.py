@@ -3,7 +3,7 @@
 to metadata.runs. Then `python -m benchmarks.report --results benchmarks/results` rewrites results.md.
 
     python -m benchmarks.merge NEW.json [--into benchmarks/results/results.json]
-        [--rename jfa-triton=jfa-triton-3.9] [--impls jfa-triton,cudnn-packed] [--note TEXT]
+        [--rename jfa-triton=jfa-triton-3.9] [--impls jfa-triton,cudnn-packed] [--note TEXT] [--commit C]
 
 --rename files a run's rows under another implementation's name (the same kernels under another Triton,
 as a column of their own); --impls keeps only those implementations' rows (before renaming)."""
@@ -22,11 +22,12 @@ def _key(row: dict) -> tuple:
 
 
 def merge(into: dict, new: dict, rename: dict[str, str] | None = None, impls: set[str] | None = None,
-          note: str | None = None) -> int:
-    """Merges `new`'s measured rows into `into` (both benchmarks.run results); returns how many."""
+          note: str | None = None, commit: str | None = None) -> int:
+    """Merges `new`'s measured rows into `into` (both benchmarks.run results); returns how many. `commit`:
+    the code's, where the run could not tell (a copy without git)."""
     meta = new["metadata"]
     versions = meta.get("versions", {})
-    run = dict(commit=meta.get("commit"), date=meta.get("date"), command=meta.get("command"),
+    run = dict(commit=meta.get("commit") or commit, date=meta.get("date"), command=meta.get("command"),
                triton=versions.get("triton"), jax=versions.get("jax"))
     if note:
         run["note"] = note
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--rename", action="append", default=[], metavar="OLD=NEW")
     p.add_argument("--impls", help="comma-separated implementations to take (default: all)")
     p.add_argument("--note")
+    p.add_argument("--commit", help="the code's commit, where the run has none")
     args = p.parse_args(argv)
     try:
         rename = dict(item.split("=", 1) for item in args.rename)
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
         p.error(f"--rename takes OLD=NEW, got {args.rename}")
     into = json.loads(args.into.read_text())
     count = merge(into, json.loads(args.new.read_text()), rename,
-                  set(args.impls.split(",")) if args.impls else None, args.note)
+                  set(args.impls.split(",")) if args.impls else None, args.note, args.commit)
     args.into.write_text(json.dumps(into, indent=1, default=str) + "\n")
     print(f"{count} rows of {args.new} merged into {args.into}")
     return 0

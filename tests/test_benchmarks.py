@@ -91,5 +91,6 @@ def test_merge_replaces_rows_by_their_key_and_records_the_run():
     assert merge.merge(into, new, rename={"jfa-triton": "jfa-triton-3.9"}, impls={"jfa-triton"}) == 1
     got = {(r["case"], r["impl"]): (r["ms"], r.get("from_run")) for r in into["rows"]}
     assert got == {("long", "jfa-triton"): (1.0, None), ("long", "cudnn-packed"): (2.0, None),
-                   ("long", "jfa-triton-3.9"): (1.5, "d abc triton 3.9.0"), ("L4096", "jfa-triton"): (3.0, None)}
+                   ("long", "jfa-triton-3.9"): (1.5, "d abc triton 3.9.0"),
+                   ("L4096", "jfa-triton"): (3.0, None)}
     assert into["metadata"]["runs"][-1] == dict(commit="abc", date="d", command="c", triton="3.9.0", jax=None)

@@ -180,7 +180,12 @@ def _ops(where):
     options_op = jax.jit(lambda q, k, v, o, kv_o, slopes: jfa.jagged_attention(
         q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, window=(5, 3),
         softcap=2.0, alibi_slopes=slopes, **where))
-    return self_op, cross_op, fbgemm_op, options_op
+    # HSTU attention (its own implementations: on a backend's name only), every mask option on: targets
+    # read per sequence, a window and a context prefix.
+    hstu_op = jax.jit(lambda q, k, v, o, targets: jfa.hstu_attention(
+        q, k, v, o, MAX_SEQ_LEN, alpha=0.5, num_targets=targets, max_attn_len=4, contextual_seq_len=1,
+        **where)) if "backend" in where else None
+    return self_op, cross_op, fbgemm_op, options_op, hstu_op
 
 
 def _check_offsets_case(offsets, int64: bool, where, hopper: bool, variant: str) -> None:
@@ -191,7 +196,7 @@ def _check_offsets_case(offsets, int64: bool, where, hopper: bool, variant: str)
     q = jnp.asarray(rng.standard_normal((TOKENS, HEADS, dim)), dtype)
     kv = jnp.asarray(rng.standard_normal((KV_TOKENS, HEADS, dim)), dtype)
     kv_offsets = offsets[::-1]
-    self_op, cross_op, fbgemm_op, options_op = _ops(where)
+    self_op, cross_op, fbgemm_op, options_op, hstu_op = _ops(where)
     with jax.enable_x64(int64):
         dtype = jnp.int64 if int64 else jnp.int32
         # Offsets as jit arguments (traced): concrete malformed offsets are rejected before any kernel.
@@ -207,6 +212,10 @@ def _check_offsets_case(offsets, int64: bool, where, hopper: bool, variant: str)
             "jagged_attention cross window softcap alibi": (
                 lambda q, k, v: options_op(q, k, v, q_offsets, kv_offsets, slopes), (q, kv, kv), "THD", True),
         }
+        if hstu_op is not None:
+            targets = jnp.ones(len(offsets) - 1, dtype)
+            cases["hstu_attention targets window context"] = (
+                lambda q, k, v: hstu_op(q, k, v, q_offsets, targets), (q, q, q), "THD", False)
         q_mask = attended_mask(offsets, TOKENS, MAX_SEQ_LEN)
         for name, (op, args, layout, cross) in cases.items():
             o, vjp = jax.vjp(op, *args)
@@ -264,10 +273,10 @@ def _child_env(**variables) -> dict:
 
 def test_adversarial_offsets_are_memory_safe():
     """Forward and backward of both ops, self- and cross-attention, causal, a window with a soft cap and
-    ALiBi, for every case of CASES: see `check_offsets_cases`, run in a process of its own (a crash
-    fails this test with the case it was in; the cases share their compilations there).
-    The guards raise if a kernel wrote outside its arrays; a read outside, or an output element left
-    unwritten, would be a NaN."""
+    ALiBi, and HSTU attention with targets, a window and a context prefix, for every case of CASES: see
+    `check_offsets_cases`, run in a process of its own (a crash fails this test with the case it was in;
+    the cases share their compilations there). The guards raise if a kernel wrote outside its arrays; a
+    read outside, or an output element left unwritten, would be a NaN."""
     call = f"import test_memory_safety as t; t.check_offsets_cases({CASES!r})"
     result = subprocess.run([sys.executable, "-c", call], env=_child_env(JAX_PLATFORMS="cpu"),
                             capture_output=True, text=True, timeout=600, cwd=TESTS)

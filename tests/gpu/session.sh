@@ -22,15 +22,18 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/
 start=$(date +%s)
 elapsed() { echo "[$1 at $(( $(date +%s) - start )) s]"; }
 stage() { bash tests/gpu/stage_triton39.sh "$1" 2>&1 | tee -a "$out/stage.log"; }
-# memcheck on the Hopper kernels ($4: the variants, e.g. "['hopper fused dq']", or None for all). Only the
+# memcheck on the portable kernels and the Hopper ones ($4: the Hopper variants alone, e.g. "['hopper fused
+# dq']", or None for all). Only the
 # application is checked: jaxlib runs ptxas as a child process when it loads a kernel, and the sanitizer
 # crashed (SIGSEGV) following it on triton 3.9 and on an int64 case's new compilation on 3.6.
 memcheck() {
   local triton=$1 path=$2 limit=$3 only=$4
   (cd tests && PYTHONPATH="$path" XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout "$limit" compute-sanitizer \
      --tool memcheck --target-processes application-only --error-exitcode 99 --print-limit 20 python3 -c \
-     "import test_memory_safety as t; t.check_offsets_cases(t.CASES, backend='triton', hopper=True, only=$only)" \
-     > "$out/memcheck-hopper-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/memcheck-hopper-triton$triton.log")
+     "import test_memory_safety as t
+for hopper in ([False] if $only is None else []) + [True]:  # the portable kernels (HSTU's too), then Hopper's
+    t.check_offsets_cases(t.CASES, backend='triton', hopper=hopper, only=$only if hopper else None)" \
+     > "$out/memcheck-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/memcheck-triton$triton.log")
 }
 summary() {
   for f in "$out"/*.log; do echo "== $(basename "$f"): $(grep -E "passed|failed|ERROR SUMMARY|all ok|rc=" "$f" | tail -3 | tr '\n' ' ')"; done

@@ -51,7 +51,10 @@ for hopper in [False, True] if (_compat.cuda_capability(jax.devices()[0]) or (0,
 limit=(timeout "${LIMIT:-540}")
 
 {
+  # The device tool copies the working tree; the copy's git HEAD may lag it (seen on 2026-12-03), so say
+  # how many tracked files differ from the commit named.
   commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  [ -z "${COMMIT:-}" ] && commit="$commit ($(git status --porcelain --untracked-files=no 2>/dev/null | wc -l) tracked files differ from it)"
   echo "stage $stage, triton $triton, commit $commit, $(date -u +%FT%TZ);" \
        "PTXAS39_ON_PATH=${PTXAS39_ON_PATH:-0}, ptxas on PATH: $(command -v ptxas || echo none)"
   "$python" - <<'PY'

@@ -256,6 +256,20 @@ def tanh(y, SERIES: tl.constexpr):
 
 
 @triton.jit
+def soft_cap(s, SCORES: tl.constexpr):
+    """(x, t): x = SOFTCAP * tanh(s / SOFTCAP) and t that tanh (both s without a cap), SOFTCAP = SCORES[0]
+    the cap divided by the scale (0: none); the tanh's series near 0 where the cap needs it
+    (SERIES_CAP_LOG2; SCORES[2] = QK_SCALE). Any layout: the portable and the Hopper kernels' tiles."""
+    SOFTCAP: tl.constexpr = SCORES[0]
+    t = s
+    x = s
+    if SOFTCAP > 0:
+        t = tanh(s * (1.0 / SOFTCAP), SOFTCAP * SCORES[2] > SERIES_CAP_LOG2)
+        x = t * SOFTCAP
+    return x, t
+
+
+@triton.jit
 def probability(x):
     """exp2(x) bounded by 1, for the backward's probabilities exp2((s - lse) * QK_SCALE): it forms the
     scores s again, and where its rounding differs from the forward's (large logits, other tiles or
@@ -269,12 +283,7 @@ def transform_scores(dots, query_rows, key_rows, shift, slope, SCORES: tl.conste
     the log-sum-exp and delta keep theirs), and the tanh of the soft cap (its derivative is 1 - t^2).
     SOFTCAP is the cap divided by the scale (0: none): x = SOFTCAP * tanh(dots / SOFTCAP). With ALIBI,
     x -= slope * |i + shift - j|, the slope (of this head) divided by the scale."""
-    SOFTCAP: tl.constexpr = SCORES[0]
-    t = dots
-    x = dots
-    if SOFTCAP > 0:
-        t = tanh(dots * (1.0 / SOFTCAP), SOFTCAP * SCORES[2] > SERIES_CAP_LOG2)
-        x = t * SOFTCAP
+    x, t = soft_cap(dots, SCORES)
     if SCORES[1]:
         x = x - slope * tl.abs(query_rows + shift - key_rows).to(tl.float32)
     return x, t

@@ -6,7 +6,7 @@
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..shared import INF, SERIES_CAP_LOG2, tanh
+from ..shared import INF, soft_cap
 from .pipeline import CONSUMER_ROWS
 
 
@@ -28,11 +28,7 @@ def capped_biased(s, offset, slope, SCORES: gl.constexpr, ROWS: gl.constexpr, CO
     without a cap). The ALiBi bias is slope * |offset + r - c| at row r and column c of the tile: offset =
     row0 + shift - key0 on a [queries, keys] tile (rows from row0, keys from key0), key0 - (row0 + shift)
     on a [keys, queries] one, so that |offset + r - c| = |i + shift - j| either way."""
-    SOFTCAP: gl.constexpr = SCORES[0]
-    t = s
-    if SOFTCAP > 0:
-        t = tanh(s * (1.0 / SOFTCAP), SOFTCAP * SCORES[2] > SERIES_CAP_LOG2)
-        s = t * SOFTCAP
+    s, t = soft_cap(s, SCORES)
     if SCORES[1]:
         # In float32: the column offsets within the tile are constants of each thread, the distances
         # exact integers (below 2**24).

@@ -115,13 +115,21 @@ def attention_fwd_kernel(
 
 @gluon.jit
 def _produce(buffers, q_origin, kv_origin, num_key_blocks, t, qp, TILES: gl.constexpr):
-    """The producer's work for one query block (`producer_loop`'s `produce`): both query tiles (once the
-    consumers have freed the last block's, q_free's phase qp ^ 1), then K_j and V_j (j < num_key_blocks,
-    from kv_origin: the first key block of the band) into the ring from its position t as slots free."""
+    """The producer's work for one query block (`producer_loop`'s `produce`): `load_block`, k and v
+    from one origin (kv_origin: the first key of the band)."""
+    load_block(buffers, q_origin, kv_origin, kv_origin, num_key_blocks, t, qp, TILES)
+
+
+@gluon.jit
+def load_block(buffers, q_origin, k_origin, v_origin, num_key_blocks, t, qp, TILES: gl.constexpr):
+    """Both query tiles of a block (once the consumers have freed the last block's, q_free's phase
+    qp ^ 1), then K_j and V_j (j < num_key_blocks, from k_origin and v_origin: the first key block of
+    the band in k's and v's views) into the ring from its position t as slots free."""
     q_desc, k_desc, v_desc, pipe = buffers
     q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, _ = pipe
     q_row, q_col = q_origin
-    kv_row, kv_col = kv_origin
+    k_row, k_col = k_origin
+    v_row, v_col = v_origin
     BLOCK_N: gl.constexpr = TILES[1]
     STAGES: gl.constexpr = TILES[2]
     for w in gl.static_range(2):
@@ -131,11 +139,12 @@ def _produce(buffers, q_origin, kv_origin, num_key_blocks, t, qp, TILES: gl.cons
     for j in range(num_key_blocks):
         slot = (t + j) % STAGES
         phase = ((t + j) // STAGES) & 1
-        row = kv_row + j * BLOCK_N
+        k_tile_row = k_row + j * BLOCK_N
+        v_tile_row = v_row + j * BLOCK_N
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
-        _issue_kv(k_desc, k_ready.index(slot), k_smem.index(slot), row, kv_col)
+        _issue_kv(k_desc, k_ready.index(slot), k_smem.index(slot), k_tile_row, k_col)
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
-        _issue_kv(v_desc, v_ready.index(slot), v_smem.index(slot), row, kv_col)
+        _issue_kv(v_desc, v_ready.index(slot), v_smem.index(slot), v_tile_row, v_col)
 
 
 @gluon.jit

@@ -143,24 +143,36 @@ def _block_origins(sequences, item, blocks, layouts, SHAPE: gl.constexpr, LENGTH
 def producer_loop(produce: gl.constexpr, buffers, schedule, sequences, q_layout, params_ptr,
                   SHAPE: gl.constexpr, LENGTHS: gl.constexpr, BAND: gl.constexpr, TILES: gl.constexpr,
                   STRIDE_ALIGN: gl.constexpr):
-    """The load partition of the forward and of dq: the query blocks `fetch` takes from the counter, each
-    handed out to the consumers, then loaded by `produce(buffers, q_origin, kv_origin, num_key_blocks,
-    t, phase, TILES)` (the block's query tiles, then its band's key tiles from the ring's position t),
-    the ring's position and the query tiles' phase running on; then `end`, which ends the consumers."""
+    """The load partition of the forward and of dq: `produce_items` of the query blocks `query_block`
+    describes, their keys and values at k's and v's layout (kv_layout, from the runtime parameters)."""
+    q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens = sequences
+    kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
+    kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
+    produce_items(produce, gl.constexpr(_block_origins), buffers, schedule, sequences,
+                  (q_layout, (kv_tokens, kv_token_stride, kv_head_stride)), SHAPE, LENGTHS, BAND, TILES)
+
+
+@gluon.jit
+def produce_items(produce: gl.constexpr, origins: gl.constexpr, buffers, schedule, sequences, layouts,
+                  SHAPE: gl.constexpr, LENGTHS: gl.constexpr, BAND: gl.constexpr, TILES: gl.constexpr):
+    """The load partition's loop: the query blocks `fetch` takes from the counter (sequences[0] the
+    queries' offsets, sequences[2] their tokens, LENGTHS[0] their MAX_LEN), each handed out to the
+    consumers, placed by `origins(sequences, item, blocks, layouts, SHAPE, LENGTHS, BAND, BLOCK_M,
+    BLOCK_N)` -> (q_origin, kv_origin, num_key_blocks) (`_block_origins`: the softmax kernels'), then
+    loaded by `produce(buffers, q_origin, kv_origin, num_key_blocks, t, phase, TILES)` (the block's
+    query tiles, then its band's key tiles from the ring's position t), the ring's position and the
+    query tiles' phase running on; then `end`, which ends the consumers."""
     q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens = sequences
     counter_ptr, end, blocks, ring = schedule
     BLOCK_M: gl.constexpr = TILES[0]
     BLOCK_N: gl.constexpr = TILES[1]
-    kv_token_stride = gl.load(params_ptr + PARAM_KV_TOKEN_STRIDE) * STRIDE_ALIGN
-    kv_head_stride = gl.load(params_ptr + PARAM_KV_HEAD_STRIDE) * STRIDE_ALIGN
     t = 0
     i = 0
     item = fetch(schedule, q_offsets_ptr, q_tokens, SHAPE[0], LENGTHS[0], BLOCK_M, LAST_FIRST=True)
     while item < end:
         hand_out(ring, i, item)
-        q_origin, kv_origin, num_key_blocks = _block_origins(
-            sequences, item, blocks, (q_layout, (kv_tokens, kv_token_stride, kv_head_stride)), SHAPE,
-            LENGTHS, BAND, BLOCK_M, BLOCK_N)
+        q_origin, kv_origin, num_key_blocks = origins(sequences, item, blocks, layouts, SHAPE, LENGTHS, BAND,
+                                                      BLOCK_M, BLOCK_N)
         produce(buffers, q_origin, kv_origin, num_key_blocks, t, i & 1, TILES)
         t += num_key_blocks
         i += 1
@@ -172,9 +184,20 @@ def producer_loop(produce: gl.constexpr, buffers, schedule, sequences, q_layout,
 def consumer_loop(consume: gl.constexpr, pipe, schedule, sequences, arrays, SHAPE: gl.constexpr,
                   LENGTHS: gl.constexpr, BAND: gl.constexpr, SCORES: gl.constexpr, SCALE: gl.constexpr,
                   TILES: gl.constexpr, WG: gl.constexpr):
-    """Consumer warpgroup WG of the forward or dq: for each query block the producer hands out, until
-    `end`, `consume(pipe, arrays, block, position, D, BAND, SCORES, SCALE, TILES, WG)` (block:
-    `query_block`'s tuple; position: (t, i, tails), the ring's position, the block's index among this
+    """Consumer warpgroup WG of the forward or dq: `consume_items` of the query blocks `query_block`
+    describes."""
+    consume_items(consume, gl.constexpr(query_block), pipe, schedule, sequences, arrays, SHAPE, LENGTHS, BAND,
+                  SCORES, SCALE, TILES, WG)
+
+
+@gluon.jit
+def consume_items(consume: gl.constexpr, describe: gl.constexpr, pipe, schedule, sequences, arrays,
+                  SHAPE: gl.constexpr, LENGTHS: gl.constexpr, BAND: gl.constexpr, SCORES: gl.constexpr,
+                  SCALE: gl.constexpr, TILES: gl.constexpr, WG: gl.constexpr):
+    """A consumer warpgroup's loop: for each query block the producer hands out, until `end`,
+    `consume(pipe, arrays, block, position, SHAPE[2], BAND, SCORES, SCALE, TILES, WG)` (block:
+    `describe(sequences, item, blocks, SHAPE[0], LENGTHS, BAND, BLOCK_M, BLOCK_N)`, `query_block`'s tuple
+    for the softmax kernels; position: (t, i, tails), the ring's position, the block's index among this
     consumer's and the count of tail hand-overs), which returns t and tails after the block."""
     counter_ptr, end, blocks, ring = schedule  # (names, not `_`: a name reassigned in the loop is carried)
     t = 0
@@ -182,7 +205,7 @@ def consumer_loop(consume: gl.constexpr, pipe, schedule, sequences, arrays, SHAP
     i = 0
     item = receive(ring, i)
     while item < end:
-        block = query_block(sequences, item, blocks, SHAPE[0], LENGTHS, BAND, TILES[0], TILES[1])
+        block = describe(sequences, item, blocks, SHAPE[0], LENGTHS, BAND, TILES[0], TILES[1])
         t, tails = consume(pipe, arrays, block, (t, i, tails), SHAPE[2], BAND, SCORES, SCALE, TILES, WG)
         i += 1
         item = receive(ring, i)

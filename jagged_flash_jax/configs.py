@@ -109,6 +109,13 @@ HOPPER_SMS = 132
 HOPPER_BACKWARD_MIN_LENGTH = 512
 HOPPER_BACKWARD_AUTO_HEAD_DIMS = (128,)
 
+# HSTU's Hopper forward (kernels/hopper/hstu_forward.py, implementation "hstu-hopper"): its fixed tile,
+# 128 queries (two consumer warpgroups) by 64 keys in a 2-deep ring, the softmax forward's register
+# split. Not measured: the softmax Hopper forward's narrow-band tile, a first choice until a GPU run
+# tunes it. Its head dimensions (D of q and k, V of v), each its own (not padded).
+HSTU_HOPPER_FWD_TILE = KernelConfig(128, 64, num_warps=4, num_stages=2, max_registers=168)
+HSTU_HOPPER_HEAD_DIMS = (64, 128)
+
 INTERPRET_BLOCK_SIZES = BlockSizes(
     fwd=KernelConfig(16, 32),
     dkdv=KernelConfig(block_m=16, block_n=32),

@@ -176,5 +176,18 @@ HSTU_BWD = KernelSpec(
     constants=(*_HSTU_PROBLEM, "DKDV_BLOCK_M", "DKDV_BLOCK_N", "DQ_BLOCK_M", "DQ_BLOCK_N", "STRIDE_ALIGN",
                "FILL_BLOCK", "DQ_PROGRAMS", "DKDV_PROGRAMS"))
 
+# HSTU's Hopper forward (kernels/hopper/hstu_forward.py), persistent as the softmax one: the portable
+# forward's slots up to fill_chunk (one offsets segment: the row strides are 0), then, in the place of
+# its slots, the query blocks of each (sequence, head); its constants without the padded dimensions and
+# the precision (16-bit inputs, D and V the tiles' own), with the Hopper kernels'.
+HOPPER_HSTU_PARAMS = HSTU_PARAMS[:HSTU_PARAMS.index("slots")] + ("blocks",)
+
+HOPPER_HSTU_FWD = KernelSpec(
+    "hopper_hstu_fwd_kernel", inputs=("q", "k", "v", *_HSTU_ROWS), outputs=("o", "counter"),
+    params=HOPPER_HSTU_PARAMS,
+    constants=(*(c for c in _HSTU_PROBLEM if c not in ("BLOCK_D", "BLOCK_V", "INPUT_PRECISION")),
+               *_HOPPER_CONSTANTS),
+    descriptors=("q", "k", "v"), zeroed=("counter",))
+
 SPECS = (KEY_MAJOR, ATTENTION_FWD, ATTENTION_BWD_PREPROCESS, ATTENTION_BWD, HOPPER_FWD, HOPPER_BWD_DKDV,
-         HOPPER_BWD_DKDV_DQ, HOPPER_BWD_DQ, HSTU_FWD, HSTU_BWD)
+         HOPPER_BWD_DKDV_DQ, HOPPER_BWD_DQ, HSTU_FWD, HSTU_BWD, HOPPER_HSTU_FWD)

@@ -7,6 +7,9 @@ not), chooses its configuration, and runs the forward and the backward. select.p
 - "hopper": the Hopper kernels in Gluon (kernels/hopper/), sm_90a.
 - "hopper-fused-dq": the same, whose backward adds dq from the dk/dv kernel by atomics (named only).
 
+HSTU attention's (HSTU_IMPLEMENTATIONS, below): "portable", "interpret", "xla", and "hstu-hopper", its
+Hopper forward (named only; its backward the portable one's).
+
 All four share one residual convention (the log-sum-exp in units of the unscaled scores, launch/calls.py),
 so a forward of one and a backward of another compose.
 """
@@ -321,4 +324,74 @@ class HstuPortable(Implementation):
 HSTU_XLA = HstuXla()
 HSTU_PORTABLE = HstuPortable()
 HSTU_INTERPRET = HstuPortable("interpret", "interpret")
-HSTU_IMPLEMENTATIONS = {impl.name: impl for impl in (HSTU_PORTABLE, HSTU_INTERPRET, HSTU_XLA)}
+
+# The most rows a TMA coordinate (int32) and the persistent kernels' item counter (int32) reach.
+_INT32_LIMIT = 2**31 - 1
+
+
+@functools.cache
+def hstu_gluon_available() -> bool:
+    """Whether this Triton has Gluon's Hopper module and HSTU's Hopper forward imports with it."""
+    try:
+        from .kernels.hopper import hstu_forward  # noqa: F401
+    except Exception:  # ImportError, or an API the kernel module needs that this Triton lacks
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class HstuHopper(Implementation):
+    """HSTU's Hopper forward (kernels/hopper/hstu_forward.py): 16-bit inputs, D and V among
+    configs.HSTU_HOPPER_HEAD_DIMS, one offsets segment, sm_90a; its fixed tile (configs.HSTU_HOPPER_FWD_TILE,
+    not the caller's block_sizes). Its backward is the portable HSTU backward's (HSTU_PORTABLE: config,
+    supports and run), which needs nothing the forward saves. Named only ("hstu-hopper"): not among
+    backend="auto"'s candidates (select.py), until a GPU run has validated and measured it."""
+
+    name: str = "hstu-hopper"
+
+    def config(self, p, context, backward):
+        if backward:
+            return HSTU_PORTABLE.config(p, context, backward)
+        return launch_hstu.HopperHstuConfig(configs.HSTU_HOPPER_FWD_TILE, context.device.sms)
+
+    def supports(self, p, context, config, backward):
+        if backward:
+            return HSTU_PORTABLE.supports(p, context, config, backward)
+        if reason := gpu_reason(context.device):
+            return reason
+        capability = context.device.capability
+        if capability is None or capability[0] != 9:
+            return f"compute capability {capability} (Hopper's wgmma needs 9.x)"
+        if configs.table_bits(p.dtype) != HOPPER_BITS:
+            return f"{p.dtype} inputs (the Hopper HSTU forward takes {HOPPER_BITS}-bit inputs only)"
+        dims = configs.HSTU_HOPPER_HEAD_DIMS
+        if p.head_dim not in dims or p.value_dim not in dims:
+            return (f"head dimensions D={p.head_dim}, V={p.value_dim} (the Hopper HSTU forward takes each "
+                    f"in {dims})")
+        if p.num_segments != 1:
+            return (f"{p.num_segments} offsets segments (it takes one: vmap and data-parallel packing make "
+                    f"more)")
+        itemsize = np.dtype(p.dtype).itemsize
+        strides = (*p.strides(p.head_dim), *p.strides(p.value_dim))
+        if any(stride * itemsize % TMA_ALIGN for stride in strides):
+            return f"strides {strides} not {TMA_ALIGN}-byte aligned (TMA)"
+        view_rows = p.tokens * (1 if p.layout == "THD" else p.num_heads)
+        items = p.batch * p.num_heads * calls.blocks(config.tile.block_m, p.tokens, p.max_seq_len)
+        if max(view_rows, items) > _INT32_LIMIT:
+            return (f"{view_rows} rows of the TMA views and {items} query blocks (each at most "
+                    f"{_INT32_LIMIT}: int32 coordinates and counter)")
+        if reason := launch_hstu.addressing_error(p):
+            return reason
+        if not hstu_gluon_available():
+            return "no triton.experimental.gluon with Hopper support"
+        return None
+
+    def forward(self, p, config, q, k, v, offsets, num_targets, scale):
+        return (launch_hstu.hopper_forward(_runner("gpu"), p, config, q, k, v, offsets, num_targets, scale),)
+
+    def backward(self, p, config, q, k, v, offsets, num_targets, scale, do):
+        return HSTU_PORTABLE.backward(p, config, q, k, v, offsets, num_targets, scale, do)
+
+
+HSTU_HOPPER = HstuHopper()
+HSTU_IMPLEMENTATIONS = {impl.name: impl for impl in (HSTU_PORTABLE, HSTU_INTERPRET, HSTU_XLA, HSTU_HOPPER)}

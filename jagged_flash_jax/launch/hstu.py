@@ -1,15 +1,29 @@
-"""HSTU attention's kernel launches (kernels/portable/hstu.py), built as calls.py builds the softmax ones:
-each checked against its spec (kernels/spec.py's HSTU_FWD, HSTU_BWD), runtime sizes in the params array
-by slot name, constants by keyword, a program per (segment, sequence or zero fill, head, slot). `run` is a
-launcher (gpu.run, interpret.run). Semantics and array layouts: problem.HstuProblem.
+"""HSTU attention's kernel launches (kernels/portable/hstu.py, and the Hopper forward of
+kernels/hopper/hstu_forward.py), built as calls.py builds the softmax ones: each checked against its spec
+(kernels/spec.py's HSTU_FWD, HSTU_BWD, HOPPER_HSTU_FWD), runtime sizes in the params array by slot name,
+constants by keyword; the portable kernels a program per (segment, sequence or zero fill, head, slot),
+the Hopper forward a persistent grid. `run` is a launcher (gpu.run, interpret.run). Semantics and array
+layouts: problem.HstuProblem.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from ..configs import INTERPRET_BLOCK_SIZES, MAX_HEAD_DIM, BlockSizes, default_block_sizes, head_block
+from ..configs import (
+    HOPPER_CONSUMER_REGS,
+    HOPPER_FWD_TRITON_STAGES,
+    HOPPER_PRODUCER_REGS,
+    INTERPRET_BLOCK_SIZES,
+    MAX_HEAD_DIM,
+    BlockSizes,
+    KernelConfig,
+    default_block_sizes,
+    head_block,
+)
 from ..kernels import spec
 from ..problem import HstuProblem
 from . import calls
@@ -159,3 +173,52 @@ def backward(run: Runner, p: HstuProblem, tiles: BlockSizes, q, k, v, offsets, n
     if token_scale:  # [Z*T, H] -> [Z, H, T], as the other implementations give it
         d_scale = jnp.swapaxes(grads["dscale"].reshape(p.num_segments, p.tokens, p.num_heads), 1, 2)
     return grads["dq"], grads["dk"], grads["dv"], d_scale
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Hopper forward (kernels/hopper/hstu_forward.py): persistent, TMA descriptors, one offsets segment
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperHstuConfig:
+    """The Hopper forward's configuration: its tile (configs.HSTU_HOPPER_FWD_TILE: BLOCK_M = 128 queries,
+    two consumer warpgroups', BLOCK_N keys, num_stages the depth of its key and value ring,
+    max_registers the cap setmaxnreg redistributes) and the persistent grid's programs (one per SM)."""
+
+    tile: KernelConfig
+    programs: int
+
+
+def hopper_forward(run: Runner, p: HstuProblem, config: HopperHstuConfig, q, k, v, offsets, num_targets,
+                   scale_tokens):
+    """o (p.shape(V), q's dtype, zero where no query is attended) by kernels.hopper_hstu_fwd_kernel: q,
+    k, v as TMA descriptors over 2-D views whose rows are one token stride long (calls.py's Hopper
+    launches'), the query blocks of the portable forward (`blocks` per (sequence, head)) on a persistent
+    grid, with the portable forward's parameters and constants (`_common`) for one offsets segment.
+    Operands as `forward`'s."""
+    if p.empty:
+        return jnp.zeros(p.shape(p.value_dim), q.dtype)
+    if p.num_segments != 1:
+        raise ValueError(f"the Hopper HSTU forward takes one offsets segment, got {p.num_segments}")
+    rows = _rows(p, offsets, num_targets, scale_tokens)
+    tile = config.tile
+    blocks_ = calls.blocks(tile.block_m, p.tokens, p.max_seq_len)
+    params, constants = _common(p, blocks_, blocks_ + 1)
+    kernel_spec = spec.HOPPER_HSTU_FWD
+    call = calls.kernel_call(
+        kernel_spec, grid=(config.programs,),
+        outputs=dict(o=jax.ShapeDtypeStruct(p.shape(p.value_dim), q.dtype),
+                     counter=jax.ShapeDtypeStruct((1,), jnp.int32)),
+        params={name: blocks_ if name == "blocks" else params[name] for name in kernel_spec.params},
+        constants=dict({name: constants[name] for name in kernel_spec.constants if name in constants},
+                       BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=tile.num_stages,
+                       CONSUMER_REGS=HOPPER_CONSUMER_REGS, PRODUCER_REGS=HOPPER_PRODUCER_REGS),
+        config=tile, num_stages=HOPPER_FWD_TRITON_STAGES,
+        # The query tile is one consumer warpgroup's 64 rows.
+        blocks=dict(q=(tile.block_m // 2, p.head_dim), k=(tile.block_n, p.head_dim),
+                    v=(tile.block_n, p.value_dim)))
+    qk_token_stride, v_token_stride = p.strides(p.head_dim)[0], p.strides(p.value_dim)[0]
+    o, _ = calls.launch(run, call, q=q.reshape(-1, qk_token_stride), k=k.reshape(-1, qk_token_stride),
+                        v=v.reshape(-1, v_token_stride), **rows)
+    return o

@@ -1,0 +1,303 @@
+"""HSTU attention's Hopper forward (kernels/hopper/hstu_forward.py; implementation "hstu-hopper", named
+only): compiled here for sm_90a with the launcher's constants (no GPU needed): D = V = 128 with every mask
+option on (causal, targets, a window lifted for the last rows, a context prefix), D = V = 64 causal with a
+per-token scale, D = 64 against V = 128 with every option but causal; and on a Hopper GPU against the
+float64 reference (helpers.hstu_reference): every mask combination, bfloat16 and float16, both layouts,
+D = V = 64 and 128 and V != D, attn_scale none, static, a scalar array and one per token, empty, 1-token
+and truncated sequences (targets straddling max_seq_len), sequences of many query blocks on few persistent
+programs, nan and inf in every token no query attends, and adversarial offsets (against the portable
+forward). Its backward is the portable one's, run after it in every GPU test (the gradients against float64
+too). Its launch's exact arguments, its reasons, and that backend="auto" never takes it: test_launchers.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import Spy, attended_mask, relative_error, to_numpy
+from test_hopper import check_compiled, compile_for_sm90, products_in_flight
+from test_hstu import HstuBatch, assert_close, expected_of
+
+from jagged_flash_jax import configs, hstu_attention, implementations, select
+from jagged_flash_jax.launch import hstu as launch_hstu
+from jagged_flash_jax.problem import HstuProblem
+
+# ---------------------------------------------------------------------------------------------------
+# Compiled for sm_90a, without a GPU
+# ---------------------------------------------------------------------------------------------------
+
+
+def hstu_hopper_call(dim: int, value_dim: int, layout: str, dtype, token_scale: bool = False, **mask):
+    """The Hopper HSTU forward's KernelCall and arrays, as launch/hstu.hopper_forward makes them: 2 heads,
+    64 tokens in 2 sequences (offsets [[0, 10, 64]]), max_seq_len 40, alpha 0.5; targets [[2, 3]] with
+    has_targets; the scale 1/40, or one per token with `token_scale`."""
+    p = HstuProblem(layout=layout, num_heads=2, head_dim=dim, value_dim=value_dim, batch=2, num_segments=1,
+                    tokens=64, offsets_rows=1, max_seq_len=40, alpha=0.5,
+                    scale=None if token_scale else 1 / 40, dtype=jnp.dtype(dtype).name, **mask)
+    shape = lambda d: (64, 2, d) if layout == "THD" else (2, 64, d)  # noqa: E731
+    qk, v = jnp.zeros(shape(dim), dtype), jnp.zeros(shape(value_dim), dtype)
+    recorded = []
+
+    def run(call, arrays):
+        recorded.append((call, arrays))
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
+
+    config = launch_hstu.HopperHstuConfig(configs.HSTU_HOPPER_FWD_TILE, configs.HOPPER_SMS)
+    launch_hstu.hopper_forward(run, p, config, qk, qk, v, jnp.asarray([[0, 10, 64]], jnp.int32),
+                               jnp.asarray([[2, 3]], jnp.int32) if p.has_targets else None,
+                               jnp.ones(64, jnp.float32) if token_scale else None)
+    (one,) = recorded
+    return one
+
+
+ALL_OPTIONS = dict(has_targets=True, max_attn_len=16, contextual_seq_len=3, min_full_attn_seq_len=8)
+# (dim, value_dim, layout, dtype, token_scale, mask options): every mask option's constexpr on at
+# D = V = 128 (the code the mask adds to each score tile: the ids' clamps, the window and its lift, the
+# context rows), causal; the plain causal kernel at D = V = 64 with the per-token scale's epilogue; V != D
+# (v's tiles and o's columns apart from q's and k's) not causal, with the options.
+COMPILE_CASES = [(128, 128, "THD", jnp.bfloat16, False, dict(causal=True, **ALL_OPTIONS)),
+                 (64, 64, "HTD", jnp.float16, True, dict(causal=True)),
+                 (64, 128, "THD", jnp.bfloat16, True, dict(causal=False, **ALL_OPTIONS))]
+
+
+def _compile_id(case) -> str:
+    dim, value_dim, layout, dtype, token_scale, mask = case
+    options = "-".join(f"{k}={v}" for k, v in mask.items())
+    scale = "token" if token_scale else "static"
+    return f"D{dim}-V{value_dim}-{layout}-{jnp.dtype(dtype).name}-{scale}-{options}"
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=_compile_id)
+def test_the_hstu_hopper_forward_compiles_for_sm90a(case):
+    """Through jax-triton's pipeline (test_hopper.compile_for_sm90): 384 threads, setmaxnreg's split,
+    wgmma and TMA, shared memory within the H200's; and its waits as written (no Triton pipeliner): the
+    next tile's S in flight beside P V."""
+    if not implementations.hstu_gluon_available():
+        pytest.skip("this Triton has no triton.experimental.gluon (the Hopper forward is unavailable)")
+    dim, value_dim, layout, dtype, token_scale, mask = case
+    ptx, metadata = compile_for_sm90(*hstu_hopper_call(dim, value_dim, layout, dtype, token_scale, **mask))
+    check_compiled(ptx, metadata)
+    assert products_in_flight(ptx) == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# On a Hopper GPU, against float64
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hstu_hopper():
+    """A spy of "hstu-hopper" (helpers.Spy: it records each pass it runs), on a Hopper GPU."""
+    device = select.current_device()
+    if device.capability is None or device.capability[0] != 9:
+        pytest.skip(f"needs a Hopper GPU (compute capability 9.x), not {device.capability}")
+    return Spy(implementations.HSTU_HOPPER)
+
+
+@functools.cache
+def _program(implementation, layout, max_seq_len, alpha, options):
+    """One jitted forward and vjp of hstu_attention on `implementation` (its backward: the portable
+    one's for "hstu-hopper"), kept for the runs of one problem (clean and poisoned compile once)."""
+    op = functools.partial(hstu_attention, implementation=implementation, **dict(options))
+
+    def forward_backward(q, k, v, scale, do, offsets, targets):
+        # (scale None: the options' static attn_scale, or none)
+        o, vjp = jax.vjp(lambda q, k, v, scale: op(q, k, v, offsets, max_seq_len, alpha=alpha,
+                                                    num_targets=targets, layout=layout,
+                                                    **({} if scale is None else dict(attn_scale=scale))),
+                         q, k, v, scale)
+        return o, *vjp(do)
+
+    return jax.jit(forward_backward)
+
+
+def run(implementation, b: HstuBatch, *, max_seq_len, alpha, dtype, layout, poison=False, **options):
+    """(q, k, v, do as rounded to dtype, then o, dq, dk, dv, d_attn_scale), float64 token-major, as
+    test_hstu.run gives them, of `implementation`. `poison`: every token no query attends holds nan in q,
+    k, do and a per-token attn_scale, and inf in v. A static attn_scale goes in `options`."""
+    arrays = [b.q, b.k, b.v, b.do]
+    scale = b.attn_scale
+    if poison:
+        outside = ~attended_mask(b.offsets, b.q.shape[0], max_seq_len)
+        arrays = [np.where(outside[:, None, None], bad, x)
+                  for x, bad in zip(arrays, (np.nan, np.nan, np.inf, np.nan))]
+        if b.scale_kind == "jagged":
+            scale = np.where(outside, np.nan, scale)
+    q, k, v, do = (jnp.asarray(np.swapaxes(x, 0, 1) if layout == "HTD" else x, dtype) for x in arrays)
+    scale = None if scale is None else jnp.asarray(scale, jnp.float32)
+    offsets = jnp.asarray(b.offsets, jnp.int32)
+    targets = None if b.num_targets is None else jnp.asarray(b.num_targets, jnp.int32)
+    program = _program(implementation, layout, max_seq_len, alpha, tuple(sorted(options.items())))
+    o, dq, dk, dv, d_scale = program(q, k, v, scale, do, offsets, targets)
+    assert o.dtype == q.dtype and o.shape == v.shape
+
+    def numpy(x):
+        x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+        return np.swapaxes(x, 0, 1) if layout == "HTD" and x.ndim == 3 else x
+
+    return [numpy(x) for x in (q, k, v, do, o, dq, dk, dv)] + [None if d_scale is None else numpy(d_scale)]
+
+
+# Sequences of 5, 0, 1, 300 (cut at max_seq_len = 260: three 128-query blocks, the last of 4 rows, a key
+# range ending 4 keys into a 64-key tile), 130 (two blocks, warpgroup 1 of the last one without a row) and
+# 64 tokens (one block, warpgroup 1 without a row), one token before the first and two after the last.
+# Targets: none in the 5-token and the empty one, the whole 1-token and 64-token ones, 50 of the 300 (of
+# which positions 250-259 are computed: gr counts them from the sequence's true end), 30 of the 130.
+LENGTHS, MAX_SEQ_LEN, ALPHA = [5, 0, 1, 300, 130, 64], 260, 0.35
+TARGETS = [0, 0, 1, 50, 30, 64]
+CASES = {
+    "causal": {},
+    "noncausal": dict(causal=False),
+    "targets": dict(targets=TARGETS),
+    "targets-noncausal": dict(targets=TARGETS, causal=False),
+    "window": dict(max_attn_len=4),
+    # A window wider than a query block: key ranges starting past 0, several tiles each.
+    "window-wide": dict(max_attn_len=150),
+    "window-wide-noncausal": dict(max_attn_len=150, causal=False),
+    "window-min-full": dict(max_attn_len=4, min_full_attn_seq_len=6),
+    "context": dict(contextual_seq_len=3),
+    "context-window": dict(contextual_seq_len=3, max_attn_len=4),
+    "all": dict(targets=TARGETS, contextual_seq_len=3, max_attn_len=4, min_full_attn_seq_len=6),
+    "all-noncausal": dict(targets=TARGETS, contextual_seq_len=3, max_attn_len=4, min_full_attn_seq_len=6,
+                          causal=False),
+    "all-wide": dict(targets=TARGETS, contextual_seq_len=70, max_attn_len=100, min_full_attn_seq_len=40),
+}
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+TOLERANCE = 1e-2  # 16-bit inputs, the weights rounded to them before P V (as the portable forward's)
+
+
+def check(spy, case, *, dtype="bf16", layout="THD", dim=128, value_dim=128, attn_scale="none", seed=0,
+          lengths=LENGTHS, max_seq_len=MAX_SEQ_LEN, **extra):
+    """The forward on "hstu-hopper" (the spy) and the portable backward after it, against float64: o,
+    dq, dk, dv (and the scale's gradient) within TOLERANCE in norm, finite, zero on unattended tokens."""
+    options = dict(CASES[case], **extra)
+    targets = options.pop("targets", None)
+    static_scale = None
+    if attn_scale == "static":  # a Python float: a constant of the kernel (SCALE), no operand
+        static_scale, attn_scale = 0.04, "none"
+    b = HstuBatch.make(lengths, heads=2, dim=dim, value_dim=value_dim, targets=targets, attn_scale=attn_scale,
+                       lead=1, extra=2, seed=seed + len(case))
+    run_options = dict(options, **({} if static_scale is None else dict(attn_scale=static_scale)))
+    results = run(spy, b, max_seq_len=max_seq_len, alpha=ALPHA, dtype=DTYPES[dtype], layout=layout,
+                  **run_options)
+    if static_scale is not None:  # the reference's scalar scale, without a gradient (none is asked)
+        expected = expected_of(results, dataclasses.replace(b, attn_scale=static_scale),
+                               max_seq_len=max_seq_len, alpha=ALPHA, **options)
+        expected = (*expected[:4], None)
+    else:
+        expected = expected_of(results, b, max_seq_len=max_seq_len, alpha=ALPHA, **options)
+    assert_close(results, expected, TOLERANCE, attended_mask(b.offsets, b.q.shape[0], max_seq_len))
+    assert [(kind, name) for kind, name, *_ in spy.calls][-2:] == [("forward", "hstu-hopper"),
+                                                                  ("backward", "hstu-hopper")]
+    forward_config = [config for kind, _, _, config in spy.calls if kind == "forward"][-1]
+    assert isinstance(forward_config, launch_hstu.HopperHstuConfig)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64(case, hstu_hopper):
+    check(hstu_hopper, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal", "targets-noncausal", "window-wide", "all", "all-noncausal"])
+def test_float16_htd(case, hstu_hopper):
+    check(hstu_hopper, case, dtype="fp16", layout="HTD")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim,value_dim", [(64, 64), (64, 128), (128, 64)])
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_head_dimensions(dim, value_dim, layout, hstu_hopper):
+    check(hstu_hopper, "all", layout=layout, dim=dim, value_dim=value_dim, attn_scale="jagged")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn_scale", ["static", "scalar", "jagged"])
+@pytest.mark.parametrize("case", ["all", "noncausal"])
+def test_attn_scale(case, attn_scale, hstu_hopper):
+    """A static float (the kernel's SCALE), a scalar array and one per token (the TOKEN_SCALE operand,
+    its gradient from the portable backward)."""
+    check(hstu_hopper, case, attn_scale=attn_scale, dtype="fp16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("case", ["causal", "all-wide"])
+def test_many_blocks_on_few_programs(case, programs, hstu_hopper):
+    """Sequences of 1000 and 700 tokens (cut at 900) on 1 and 3 persistent programs: each program takes
+    many query blocks, the ring's positions, the query tiles' phases and the tail hand-overs' phases
+    running on from block to block."""
+    with select.use_device(dataclasses.replace(select.current_device(), sms=programs)):
+        check(hstu_hopper, case, lengths=[1000, 3, 700], max_seq_len=900,
+              **({"targets": [40, 3, 0]} if "targets" in CASES[case] else {}))
+    assert hstu_hopper.calls[0][3].programs == programs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+@pytest.mark.parametrize("case", ["causal", "all"])
+def test_poisoned_tokens_stay_out(case, layout, hstu_hopper):
+    """nan (q, k, do, a per-token scale) and inf (v) in every token no query attends (before the first
+    sequence, past max_seq_len, after the last; the truncated sequence's last key tile reads some: zeroed
+    in shared memory before P V) leave every result exactly that of finite values there, and zero on
+    those tokens."""
+    options = dict(CASES[case])
+    b = HstuBatch.make([5, 300, 0, 3, 64], heads=2, dim=128, value_dim=128,
+                       targets=[1, 40, 0, 3, 10] if "targets" in options else None, attn_scale="jagged",
+                       lead=2, extra=3, seed=7)
+    options.pop("targets", None)
+    kwargs = dict(max_seq_len=MAX_SEQ_LEN, alpha=ALPHA, dtype=jnp.bfloat16, layout=layout, **options)
+    clean = run(hstu_hopper, b, **kwargs)
+    poisoned = run(hstu_hopper, b, poison=True, **kwargs)
+    outside = ~attended_mask(b.offsets, b.q.shape[0], MAX_SEQ_LEN)
+    for name, got, want in zip(("o", "dq", "dk", "dv", "d_attn_scale"), poisoned[4:], clean[4:]):
+        assert np.all(got[outside] == 0), f"{name} is not zero outside"
+        np.testing.assert_array_equal(got, want, err_msg=f"{name} differs with nan and inf outside")
+
+
+# The adversarial offsets of test_memory_safety.py (a token axis of 24): negative, decreasing, past the
+# end, overlapping; and int64 ones far past int32.
+TOKENS = 24
+ADVERSARIAL_OFFSETS = [[-5, 3, 10], [10, 3, 20], [0, 2**31 - 1, 5], [-(2**31), 0, 24], [20, 30, 40],
+                       [24, 24, 0], [0, 24, 24, -1, 12], [0, 1, 2, 24], [0]]
+ADVERSARIAL_INT64_OFFSETS = [[-(2**62), 7, 2**62, 3], [2**32 + 3, 10, 2**32 - 1]]
+
+
+@functools.cache
+def _offsets_op(implementation):
+    """hstu_attention with every mask option on, the offsets and targets traced (concrete malformed
+    offsets are refused before any kernel)."""
+    return jax.jit(lambda q, k, v, offsets, targets: hstu_attention(
+        q, k, v, offsets, 16, alpha=0.5, num_targets=targets, max_attn_len=4, contextual_seq_len=2,
+        implementation=implementation))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offsets,int64", [(o, False) for o in ADVERSARIAL_OFFSETS]
+                         + [(o, True) for o in ADVERSARIAL_INT64_OFFSETS], ids=str)
+def test_adversarial_offsets(offsets, int64, hstu_hopper):
+    """Any offsets content: o finite, zero on the tokens no sequence attends (offsets clamped into
+    [0, T], each end to at least its start), and the portable forward's elsewhere (within TOLERANCE);
+    its own zero fill does the tokens outside (no memset)."""
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.standard_normal((TOKENS, 2, 128)), jnp.bfloat16) for _ in range(3))
+    with jax.enable_x64(int64):
+        dtype = jnp.int64 if int64 else jnp.int32
+        traced = jnp.asarray(offsets, dtype)
+        targets = jnp.ones(len(offsets) - 1, dtype)
+        got = to_numpy(_offsets_op(hstu_hopper)(q, k, v, traced, targets))
+        want = to_numpy(_offsets_op("portable")(q, k, v, traced, targets))
+    assert np.all(np.isfinite(got))
+    attended = attended_mask(offsets, TOKENS, 16)
+    assert not np.any(got[~attended]), f"o is not zero on tokens {np.flatnonzero(~attended)}"
+    if np.any(want):
+        assert relative_error(got, want) <= TOLERANCE
+    if len(offsets) > 1:
+        assert hstu_hopper.calls and hstu_hopper.calls[-1][:2] == ("forward", "hstu-hopper")

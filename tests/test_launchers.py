@@ -1620,3 +1620,126 @@ def test_a_ptxas_too_old_for_the_kernels_is_refused_and_auto_falls_back(fake_jax
     with pytest.warns(RuntimeWarning, match="'xla'.*PTX up to 8.4"):
         assert select.default_backend() == "xla"
     assert fake_jax_triton.calls == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# HSTU's Hopper forward ("hstu-hopper"): named only, which problems it takes, and its launch
+# ---------------------------------------------------------------------------------------------------
+
+
+def _hstu_call(*, dim=128, value_dim=64, layout="THD", dtype=jnp.bfloat16, grad=False, **options):
+    """hstu_attention (or its gradient in q, k, v) on 40 tokens of 4 heads in 2 sequences (offsets
+    [0, 15, 40]), max_seq_len 600, alpha 0.5; q, k of `dim`, v of `value_dim`."""
+    shape = lambda d: (40, 4, d) if layout == "THD" else (4, 40, d)  # noqa: E731
+    q, v = jnp.ones(shape(dim), dtype), jnp.ones(shape(value_dim), dtype)
+    op = lambda q, k, v: jfa.hstu_attention(  # noqa: E731
+        q, k, v, jnp.asarray([0, 15, 40], jnp.int32), 600, alpha=0.5, layout=layout, **options)
+    if grad:
+        return jax.grad(lambda q, k, v: jnp.sum(op(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))(q, q, v)
+    return op(q, q, v)
+
+
+@pytest.mark.parametrize("token_scale", [False, True], ids=["static-scale", "token-scale"])
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_gpu_launcher_arguments_of_the_hstu_hopper_forward(fake_jax_triton, layout, token_scale):
+    """q, k [40, 4, 128] bfloat16, v [40, 4, 64], 2 sequences, targets, a window lifted for the last
+    rows, a context prefix, the scale static or per token: one launch of a persistent grid, one program
+    per SM (78 here), q, k, v as TMA descriptors over 2-D views one token stride wide (v's narrower), the
+    offsets, targets and scale (or its one-element placeholder) as kernels/spec.py's HOPPER_HSTU_FWD
+    names them, o and the programs' int32 counter of query blocks (which alone the launch zeroes), 4 warps
+    asked (the launch takes the compiled 12 from the PTX) and a register cap of 168."""
+    from triton.experimental.gluon import language as gl
+
+    bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
+    scale = jnp.full((40,), 0.25, jnp.float32) if token_scale else 0.25
+    with select.use_device(gpu_device((9, 0), sms=78)):
+        o = _hstu_call(layout=layout, num_targets=jnp.asarray([1, 2], jnp.int32), max_attn_len=8,
+                       contextual_seq_len=2, min_full_attn_seq_len=4, attn_scale=scale,
+                       implementation="hstu-hopper")
+    assert o.shape == ((40, 4, 64) if layout == "THD" else (4, 40, 64))
+    (call,) = fake_jax_triton.calls
+    call = dict(call)
+    assert call.pop("kernel") is kernels.hopper_hstu_fwd_kernel
+    assert call.pop("grid") == (78,)
+    args = call.pop("args")
+    views = ((40, 512), (40, 512), (40, 256)) if layout == "THD" else ((160, 128), (160, 128), (160, 64))
+    blocks = ((64, 128), (64, 128), (64, 64))
+    for desc, view, block in zip(args[:3], views, blocks):
+        assert isinstance(desc, fake_jax_triton.TensorDescriptor)
+        assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
+        assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+    # The offsets and targets as [1, ...] rows, the per-token scale (or the placeholder of a static one).
+    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 2), i32),
+                                                        ((40,) if token_scale else (1,), f32)]
+    # batch, tokens, q/k token and head strides, v's (in units of 16 elements), the row strides of the
+    # offsets and targets, the tokens per zero-fill chunk (40 over 2), the query blocks per (sequence, head).
+    strides = (32, 8, 16, 4) if layout == "THD" else (8, 320, 4, 160)
+    assert fake_jax_triton.params[id(args[-1])] == (2, 40, *strides, 0, 0, 20, 1)
+    assert spec.HOPPER_HSTU_FWD.params[-1] == "blocks"
+    assert tuple(call.pop("out_type")) == (_sds(o.shape, bf16), _sds((1,), i32))
+    options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
+    assert options == (4, configs.HOPPER_FWD_TRITON_STAGES, {"maxnreg": 168})
+    assert call.pop("zeroed_outputs") == (1,)
+    assert call == dict(NUM_HEADS=4, D=128, V=64, MAX_LEN=600, ALPHA=0.5, SCALE=1.0 if token_scale else 0.25,
+                        TOKEN_SCALE=token_scale, CAUSAL=True, MAX_ATTN_LEN=8, CONTEXT_LEN=2, MIN_FULL_LEN=4,
+                        HAS_TARGETS=True, BLOCK_M=128, BLOCK_N=64, STAGES=2, STRIDE_ALIGN=16,
+                        FILL_BLOCK=calls.FILL_BLOCK, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
+                        PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS)
+
+
+def test_hstu_hopper_backward_is_the_portable_one(fake_jax_triton):
+    """Named for both passes, "hstu-hopper" runs its forward, then the portable HSTU backward."""
+    with select.use_device(gpu_device((9, 0))):
+        _hstu_call(implementation="hstu-hopper", grad=True)
+    launched = [call["kernel"] for call in fake_jax_triton.calls]
+    assert launched[0] is kernels.hopper_hstu_fwd_kernel
+    assert set(launched[1:]) == {kernels.hstu_bwd_kernel}
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_hstu_hopper_is_named_only(fake_jax_triton, monkeypatch, backend):
+    """On a Hopper GPU, backend="auto" and "triton" run the portable HSTU forward, even where the
+    environment asks for the Hopper kernels: "hstu-hopper" is not among their candidates (until a GPU
+    run validates it)."""
+    monkeypatch.setenv(select.FORWARD_ENV, "hopper")
+    with select.use_device(gpu_device((9, 0))):
+        _hstu_call(backend=backend, grad=True)
+    launched = {call["kernel"] for call in fake_jax_triton.calls}
+    assert launched == {kernels.hstu_fwd_kernel, kernels.hstu_bwd_kernel}
+
+
+@pytest.mark.parametrize("options,device,reason", [
+    (dict(dtype=jnp.float32), gpu_device((9, 0)), "float32 inputs"),
+    (dict(dim=96, value_dim=96), gpu_device((9, 0)), "head dimensions D=96, V=96"),
+    (dict(value_dim=32), gpu_device((9, 0)), "head dimensions D=128, V=32"),
+    (dict(), gpu_device((8, 0)), "compute capability \\(8, 0\\)"),
+    (dict(), gpu_device(None), "compute capability None"),
+    (dict(), Device("cpu", "cpu"), "it needs a GPU"),
+], ids=["float32", "D96", "V32", "ampere", "no-capability", "cpu"])
+def test_hstu_hopper_says_why_it_cannot_run(fake_jax_triton, options, device, reason):
+    """Named alone, "hstu-hopper" refuses with its reason; named first of a sequence, the next runs."""
+    with select.use_device(device):
+        with pytest.raises(ValueError, match=f"'hstu-hopper': {reason}"):
+            _hstu_call(implementation="hstu-hopper", **options)
+        if device.gpu:
+            fake_jax_triton.reset()
+            _hstu_call(implementation=("hstu-hopper", "portable"), **options)
+            assert fake_jax_triton.calls[0]["kernel"] is kernels.hstu_fwd_kernel
+
+
+def test_hstu_hopper_takes_one_offsets_segment(fake_jax_triton):
+    """vmap with batched offsets folds the problems into offsets segments, which the Hopper HSTU forward
+    does not take: the portable one runs them, falling through."""
+    q = jnp.ones((2, 40, 4, 128), jnp.bfloat16)
+    offsets = jnp.asarray([[0, 15, 40], [0, 30, 40]], jnp.int32)
+
+    def op(implementation):
+        return jax.vmap(lambda q, o: jfa.hstu_attention(q, q, q, o, 600, alpha=0.5,
+                                                        implementation=implementation))
+
+    with select.use_device(gpu_device((9, 0))):
+        with pytest.raises(ValueError, match="'hstu-hopper': 2 offsets segments"):
+            op("hstu-hopper")(q, offsets)
+        fake_jax_triton.reset()
+        op(("hstu-hopper", "portable"))(q, offsets)
+    assert fake_jax_triton.calls[-1]["kernel"] is kernels.hstu_fwd_kernel

@@ -187,6 +187,22 @@ def gluon_available() -> bool:
     return True
 
 
+def _tma_reason(strides: tuple[int, ...], dtype) -> str | None:
+    """Why TMA descriptors cannot cover arrays of these strides (in elements of `dtype`), or None."""
+    itemsize = np.dtype(dtype).itemsize
+    if any(stride * itemsize % TMA_ALIGN for stride in strides):
+        return f"strides {strides} not {TMA_ALIGN}-byte aligned (TMA)"
+    return None
+
+
+def _wgmma_reason(device: Device) -> str | None:
+    """Why the Hopper kernels' wgmma cannot run on `device`, or None."""
+    capability = device.capability
+    if capability is None or capability[0] != 9:
+        return f"compute capability {capability} (Hopper's wgmma needs 9.x)"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Hopper(Implementation):
     """The Hopper kernels: 16-bit inputs, one offsets segment, the head dimensions of the tile table's
@@ -231,13 +247,9 @@ class Hopper(Implementation):
                     f"more)")
         if p.kv_tokens == 0:
             return "no key tokens (no TMA descriptor over an empty array)"
-        itemsize = np.dtype(p.dtype).itemsize
         strides = (*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))
-        if any(stride * itemsize % TMA_ALIGN for stride in strides):
-            return f"strides {strides} not {TMA_ALIGN}-byte aligned (TMA)"
-        capability = context.device.capability
-        if capability is None or capability[0] != 9:
-            return f"compute capability {capability} (Hopper's wgmma needs 9.x)"
+        if reason := _tma_reason(strides, p.dtype) or _wgmma_reason(context.device):
+            return reason
         if not gluon_available():
             return "no triton.experimental.gluon with Hopper support"
         return None
@@ -357,11 +369,8 @@ class HstuHopper(Implementation):
     def supports(self, p, context, config, backward):
         if backward:
             return HSTU_PORTABLE.supports(p, context, config, backward)
-        if reason := gpu_reason(context.device):
+        if reason := gpu_reason(context.device) or _wgmma_reason(context.device):
             return reason
-        capability = context.device.capability
-        if capability is None or capability[0] != 9:
-            return f"compute capability {capability} (Hopper's wgmma needs 9.x)"
         if configs.table_bits(p.dtype) != HOPPER_BITS:
             return f"{p.dtype} inputs (the Hopper HSTU forward takes {HOPPER_BITS}-bit inputs only)"
         dims = configs.HSTU_HOPPER_HEAD_DIMS
@@ -371,10 +380,8 @@ class HstuHopper(Implementation):
         if p.num_segments != 1:
             return (f"{p.num_segments} offsets segments (it takes one: vmap and data-parallel packing make "
                     f"more)")
-        itemsize = np.dtype(p.dtype).itemsize
-        strides = (*p.strides(p.head_dim), *p.strides(p.value_dim))
-        if any(stride * itemsize % TMA_ALIGN for stride in strides):
-            return f"strides {strides} not {TMA_ALIGN}-byte aligned (TMA)"
+        if reason := _tma_reason((*p.strides(p.head_dim), *p.strides(p.value_dim)), p.dtype):
+            return reason
         view_rows = p.tokens * (1 if p.layout == "THD" else p.num_heads)
         items = p.batch * p.num_heads * calls.blocks(config.tile.block_m, p.tokens, p.max_seq_len)
         if max(view_rows, items) > _INT32_LIMIT:

@@ -127,16 +127,20 @@ class HstuBatch:
 def _program(impl, layout, max_seq_len, alpha, options):
     """One jitted forward and backward, kept for the runs of the same problem (a clean and a poisoned
     one compile once): JAX's vjp of the dense reference ("reference") or of hstu_attention on the
-    backend `impl`."""
+    backend `impl` (or the implementation, a value: test_hstu_hopper.py's)."""
     options = dict(options)
     if impl == "reference":
         op = functools.partial(hstu_attention_reference, **options)
-    else:
+    elif isinstance(impl, str):
         op = functools.partial(hstu_attention, backend=impl, allow_tf32=False, **options)
+    else:
+        op = functools.partial(hstu_attention, implementation=impl, **options)
 
     def forward_backward(q, k, v, scale, do, offsets, targets):
+        # (scale None: the options' static attn_scale, or none)
         o, vjp = jax.vjp(lambda q, k, v, scale: op(q, k, v, offsets, max_seq_len, alpha=alpha,
-                                                    num_targets=targets, attn_scale=scale, layout=layout),
+                                                    num_targets=targets, layout=layout,
+                                                    **({} if scale is None else dict(attn_scale=scale))),
                          q, k, v, scale)
         return o, *vjp(do)
 
@@ -146,8 +150,8 @@ def _program(impl, layout, max_seq_len, alpha, options):
 def run(impl, b: HstuBatch, *, max_seq_len, alpha, dtype=jnp.float32, layout="THD", poison=False, **options):
     """(q, k, v, do as rounded to dtype, then o, dq, dk, dv, d_attn_scale), float64 token-major, of one
     jitted forward and backward of `impl` ("reference": JAX's vjp of the dense reference; a backend's
-    name: hstu_attention's). `poison`: every token no query attends holds nan in q, k, do and a
-    jagged attn_scale, and inf in v."""
+    name, or an implementation: hstu_attention's). `poison`: every token no query attends holds nan in
+    q, k, do and a jagged attn_scale, and inf in v. A static attn_scale (a float) goes in `options`."""
     arrays = [b.q, b.k, b.v, b.do]
     scale = b.attn_scale
     if poison:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from helpers import Spy, attended_mask, relative_error, to_numpy
 from test_hopper import check_compiled, compile_for_sm90, products_in_flight
-from test_hstu import HstuBatch, assert_close, expected_of
+from test_hstu import HstuBatch, assert_close, expected_of, run
 
 from jagged_flash_jax import configs, hstu_attention, implementations, select
 from jagged_flash_jax.launch import hstu as launch_hstu
@@ -98,50 +98,6 @@ def hstu_hopper():
     if device.capability is None or device.capability[0] != 9:
         pytest.skip(f"needs a Hopper GPU (compute capability 9.x), not {device.capability}")
     return Spy(implementations.HSTU_HOPPER)
-
-
-@functools.cache
-def _program(implementation, layout, max_seq_len, alpha, options):
-    """One jitted forward and vjp of hstu_attention on `implementation` (its backward: the portable
-    one's for "hstu-hopper"), kept for the runs of one problem (clean and poisoned compile once)."""
-    op = functools.partial(hstu_attention, implementation=implementation, **dict(options))
-
-    def forward_backward(q, k, v, scale, do, offsets, targets):
-        # (scale None: the options' static attn_scale, or none)
-        o, vjp = jax.vjp(lambda q, k, v, scale: op(q, k, v, offsets, max_seq_len, alpha=alpha,
-                                                    num_targets=targets, layout=layout,
-                                                    **({} if scale is None else dict(attn_scale=scale))),
-                         q, k, v, scale)
-        return o, *vjp(do)
-
-    return jax.jit(forward_backward)
-
-
-def run(implementation, b: HstuBatch, *, max_seq_len, alpha, dtype, layout, poison=False, **options):
-    """(q, k, v, do as rounded to dtype, then o, dq, dk, dv, d_attn_scale), float64 token-major, as
-    test_hstu.run gives them, of `implementation`. `poison`: every token no query attends holds nan in q,
-    k, do and a per-token attn_scale, and inf in v. A static attn_scale goes in `options`."""
-    arrays = [b.q, b.k, b.v, b.do]
-    scale = b.attn_scale
-    if poison:
-        outside = ~attended_mask(b.offsets, b.q.shape[0], max_seq_len)
-        arrays = [np.where(outside[:, None, None], bad, x)
-                  for x, bad in zip(arrays, (np.nan, np.nan, np.inf, np.nan))]
-        if b.scale_kind == "jagged":
-            scale = np.where(outside, np.nan, scale)
-    q, k, v, do = (jnp.asarray(np.swapaxes(x, 0, 1) if layout == "HTD" else x, dtype) for x in arrays)
-    scale = None if scale is None else jnp.asarray(scale, jnp.float32)
-    offsets = jnp.asarray(b.offsets, jnp.int32)
-    targets = None if b.num_targets is None else jnp.asarray(b.num_targets, jnp.int32)
-    program = _program(implementation, layout, max_seq_len, alpha, tuple(sorted(options.items())))
-    o, dq, dk, dv, d_scale = program(q, k, v, scale, do, offsets, targets)
-    assert o.dtype == q.dtype and o.shape == v.shape
-
-    def numpy(x):
-        x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-        return np.swapaxes(x, 0, 1) if layout == "HTD" and x.ndim == 3 else x
-
-    return [numpy(x) for x in (q, k, v, do, o, dq, dk, dv)] + [None if d_scale is None else numpy(d_scale)]
 
 
 # Sequences of 5, 0, 1, 300 (cut at max_seq_len = 260: three 128-query blocks, the last of 4 rows, a key

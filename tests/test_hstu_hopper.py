@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_hstu
 from helpers import Spy, attended_mask, relative_error, to_numpy
 from test_hopper import check_compiled, compile_for_sm90, products_in_flight
 from test_hstu import HstuBatch, assert_close, expected_of, run
@@ -107,23 +108,15 @@ def hstu_hopper():
 # which positions 250-259 are computed: gr counts them from the sequence's true end), 30 of the 130.
 LENGTHS, MAX_SEQ_LEN, ALPHA = [5, 0, 1, 300, 130, 64], 260, 0.35
 TARGETS = [0, 0, 1, 50, 30, 64]
-CASES = {
-    "causal": {},
-    "noncausal": dict(causal=False),
-    "targets": dict(targets=TARGETS),
-    "targets-noncausal": dict(targets=TARGETS, causal=False),
-    "window": dict(max_attn_len=4),
+# test_hstu.py's mask combinations (its targets replaced by these), and wider ones.
+CASES = {name: dict(options, **({"targets": TARGETS} if "targets" in options else {}))
+         for name, options in test_hstu.CASES.items()}
+CASES.update({
     # A window wider than a query block: key ranges starting past 0, several tiles each.
     "window-wide": dict(max_attn_len=150),
     "window-wide-noncausal": dict(max_attn_len=150, causal=False),
-    "window-min-full": dict(max_attn_len=4, min_full_attn_seq_len=6),
-    "context": dict(contextual_seq_len=3),
-    "context-window": dict(contextual_seq_len=3, max_attn_len=4),
-    "all": dict(targets=TARGETS, contextual_seq_len=3, max_attn_len=4, min_full_attn_seq_len=6),
-    "all-noncausal": dict(targets=TARGETS, contextual_seq_len=3, max_attn_len=4, min_full_attn_seq_len=6,
-                          causal=False),
     "all-wide": dict(targets=TARGETS, contextual_seq_len=70, max_attn_len=100, min_full_attn_seq_len=40),
-}
+})
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 TOLERANCE = 1e-2  # 16-bit inputs, the weights rounded to them before P V (as the portable forward's)
 

@@ -72,25 +72,7 @@ def attention_fwd_kernel(
                (D, FILL_BLOCK, FILL_LSE))
     end = batch * NUM_HEADS * blocks
 
-    # The shared memory and barriers of the warp-specialized region, set up once.
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    q_bars = mbarriers(2)
-    q_free = mbarriers(2)
-    tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = mbarriers(STAGES)
-    v_ready = mbarriers(STAGES)
-    k_empty = mbarriers(STAGES)
-    v_empty = mbarriers(STAGES)
-    ring = item_ring()
-    init_barriers((q_bars, q_free), (1, 1), 2)
-    mbarrier.init(tail_bar, count=1)
-    init_barriers((k_ready, v_ready, k_empty, v_empty), (1, 1, 2, 2), STAGES)  # one arrival per consumer
-    fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
-
-    pipe = (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar)
+    pipe, ring = forward_pipe((q_desc, k_desc, v_desc), D, D, BLOCK_N, STAGES)
     schedule = (counter_ptr, end, blocks, ring)
     sequences = (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens)
     SHAPE: gl.constexpr = (NUM_HEADS, KV_GROUP, D)
@@ -111,6 +93,33 @@ def attention_fwd_kernel(
         (producer_loop, (gl.constexpr(_produce), (q_desc, k_desc, v_desc, pipe), schedule, sequences,
                          q_layout, params_ptr, SHAPE, LENGTHS, BAND, TILES, STRIDE_ALIGN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def forward_pipe(descriptors, D: gl.constexpr, V: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """The shared memory and barriers of a forward's warp-specialized region (this one's, HSTU's), set
+    up once: (pipe, ring), pipe = (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty,
+    v_empty, tail_bar), the query tiles two warpgroups' [64, D], the ring STAGES tiles of BLOCK_N keys
+    (k's of D, v's of V), and the item ring (`item_ring`). descriptors = (q_desc, k_desc, v_desc)."""
+    q_desc, k_desc, v_desc = descriptors
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, V], v_desc.layout)
+    q_bars = mbarriers(2)
+    q_free = mbarriers(2)
+    tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = mbarriers(STAGES)
+    v_ready = mbarriers(STAGES)
+    k_empty = mbarriers(STAGES)
+    v_empty = mbarriers(STAGES)
+    ring = item_ring()
+    init_barriers((q_bars, q_free), (1, 1), 2)
+    mbarrier.init(tail_bar, count=1)
+    init_barriers((k_ready, v_ready, k_empty, v_empty), (1, 1, 2, 2), STAGES)  # one arrival per consumer
+    fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
+    return (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar), ring
 
 
 @gluon.jit

@@ -15,7 +15,6 @@ not taken here: a window's tiles past one warpgroup's rows are computed and mask
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -38,16 +37,14 @@ from ..shared_hstu import (
 from ..spec import HOPPER_HSTU_FWD
 from .addressing import store_rows, tile_origin
 from .fills import FILL_NONE, zero_fills
-from .forward import load_block
+from .forward import forward_pipe, load_block
 from .pipeline import (
     CONSUMER_ROWS,
-    init_barriers,
-    mbarriers,
     publish,
     wgmma_layout,
     zero_rows,
 )
-from .scheduler import consume_items, item_position, item_ring, produce_items
+from .scheduler import consume_items, item_position, produce_items
 
 # The slot of the query blocks of each (sequence, head) (kernels/spec.py's HOPPER_HSTU_PARAMS).
 PARAM_HSTU_BLOCKS: gl.constexpr = gl.constexpr(HOPPER_HSTU_FWD.slot("blocks"))
@@ -89,25 +86,7 @@ def hstu_fwd_kernel(
                (V, FILL_BLOCK, FILL_NONE))
     end = batch * NUM_HEADS * blocks
 
-    # The shared memory and barriers of the warp-specialized region, set up once (forward.py's).
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, V], v_desc.layout)
-    q_bars = mbarriers(2)
-    q_free = mbarriers(2)
-    tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = mbarriers(STAGES)
-    v_ready = mbarriers(STAGES)
-    k_empty = mbarriers(STAGES)
-    v_empty = mbarriers(STAGES)
-    ring = item_ring()
-    init_barriers((q_bars, q_free), (1, 1), 2)
-    mbarrier.init(tail_bar, count=1)
-    init_barriers((k_ready, v_ready, k_empty, v_empty), (1, 1, 2, 2), STAGES)  # one arrival per consumer
-    fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
-
-    pipe = (q_smem, k_smem, v_smem, q_bars, q_free, k_ready, v_ready, k_empty, v_empty, tail_bar)
+    pipe, ring = forward_pipe((q_desc, k_desc, v_desc), D, V, BLOCK_N, STAGES)  # forward.py's
     schedule = (counter_ptr, end, blocks, ring)
     # The scheduler's bundles, HSTU's way: the queries' offsets and tokens first (what `fetch` reads),
     # num_targets in the place of the keys' offsets; SHAPE = (NUM_HEADS, D, V), the last the output's

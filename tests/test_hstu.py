@@ -466,8 +466,9 @@ def bad_calls():
         "offsets past T": (lambda: op(q, k, v, [0, 5, 40]), ValueError, r"offsets\[-1\] = 40 is past"),
         "triton on the CPU": (lambda: op(q, k, v, offsets, backend="triton"), ValueError,
                               "backend='triton' needs a GPU"),
-        "implementation": (lambda: op(q, k, v, offsets, implementation="hopper"), ValueError,
-                           r"implementation must be one of \('portable', 'interpret', 'xla'\)"),
+        "implementation": (
+            lambda: op(q, k, v, offsets, implementation="hopper"), ValueError,
+            r"implementation must be one of \('portable', 'interpret', 'xla', 'hstu-hopper'\)"),
     }
 
 

@@ -1,8 +1,9 @@
-"""HSTU attention on the JAX side: the library's op (`hstu_attention`, on the triton or xla backend)
-and the padded-JAX baseline (hstu_padded.py), on the cases of hstu_cases.py, forward and forward +
-backward, timed as benchmarks/run.py times the softmax ops (benchmarks/timing.py: CUPTI device time,
-rotating over input sets). generative-recommenders' own Triton kernel is timed by hstu_torch_bench.py
-(PyTorch) on the same batches.
+"""HSTU attention on the JAX side: the library's op (`hstu_attention`, on the triton or xla backend, or
+"jfa-hstu-hopper": its Hopper forward, named, not in the default list) and the padded-JAX baseline
+(hstu_padded.py), on the cases of hstu_cases.py, forward and forward + backward, timed as
+benchmarks/run.py times the softmax ops (benchmarks/timing.py: CUPTI device time, rotating over input
+sets). generative-recommenders' own Triton kernel is timed by hstu_torch_bench.py (PyTorch) on the same
+batches.
 
     python -m benchmarks.hstu_run --out DIR [--cases NAME ...] [--impls jfa-triton,jfa-xla,padded]
         [--no-long] [--dtype bfloat16] [--seconds 0.5]
@@ -28,10 +29,13 @@ IMPLS = ("jfa-triton", "jfa-xla", "padded")
 
 
 def _library_step(case: HstuCase, mode: str, backend: str):
+    # "hstu-hopper" is an implementation, which backend="auto" does not choose: named.
+    where = dict(implementation=backend) if backend == "hstu-hopper" else dict(backend=backend)
+
     def op(q, k, v, offsets, targets):
         return hstu_attention(q, k, v, offsets, case.max_seq_len, alpha=case.alpha, num_targets=targets,
                               max_attn_len=case.max_attn_len, contextual_seq_len=case.contextual_seq_len,
-                              backend=backend)
+                              **where)
 
     if mode == "fwd":
         return lambda q, k, v, do, offsets, targets: op(q, k, v, offsets, targets)

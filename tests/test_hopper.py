@@ -118,8 +118,10 @@ def compile_for_sm90(call, arrays):
     blocks = dict(call.descriptors)
     described = lambda i, a: dict(dtype=jnp.dtype(a.dtype).name, **({"block": list(blocks[i])}  # noqa: E731
                                                                    if i in blocks else {}))
+    # (the kernel has no argument for the results of the inputs it updates in place: after its outputs)
+    outputs = call.out_shapes[:len(call.spec.outputs)]
     launch = dict(constants=call.constants, arrays=[described(i, a) for i, a in enumerate(arrays)],
-                  out=[dict(dtype=jnp.dtype(s.dtype).name) for s in call.out_shapes])
+                  out=[dict(dtype=jnp.dtype(s.dtype).name) for s in outputs])
     signature, attrs = ptx.kernel_signature(call.kernel, launch)
     text, metadata = ptx.compile_for_sm90(call.kernel, signature, call.constants, attrs, call.num_warps,
                                           call.num_stages, dict(maxnreg=call.max_registers))

@@ -97,7 +97,7 @@ def _fake_jax_triton(calls: list):
                 arrays.append(dict(dtype=str(a.dtype), shape=list(a.shape)))
         options = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, tuple) else v)
                    for k, v in kwargs.items() if k in ("num_warps", "num_stages", "backend_options",
-                                                        "zeroed_outputs")}
+                                                        "zeroed_outputs", "input_output_aliases")}
         constants = {k: v for k, v in kwargs.items() if k not in options}
         calls.append(dict(kernel=_exported_name(kernel), arrays=arrays,
                           out=[dict(dtype=str(s.dtype), shape=list(s.shape)) for s in out_type],
@@ -304,7 +304,10 @@ def normalized(ptx: str) -> str:
 def _launch_key(launch: dict) -> str:
     keep = {k: launch[k] for k in ("kernel", "constants", "num_warps", "num_stages", "backend_options")
             if k in launch}
-    keep["types"] = [(a["dtype"], a.get("block")) for a in launch["arrays"] + launch["out"]]
+    # (the results of inputs updated in place, jax-triton's input_output_aliases, have no argument)
+    aliased = {int(result) for result in launch.get("input_output_aliases", {}).values()}
+    outputs = [out for i, out in enumerate(launch["out"]) if i not in aliased]
+    keep["types"] = [(a["dtype"], a.get("block")) for a in launch["arrays"] + outputs]
     return json.dumps(keep, sort_keys=True)
 
 

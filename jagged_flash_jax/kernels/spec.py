@@ -26,12 +26,15 @@ class KernelSpec:
     constants: tuple[str, ...]
     descriptors: tuple[str, ...] = ()  # inputs passed as TMA descriptors (2-D, over a view)
     zeroed: tuple[str, ...] = ()  # outputs the launcher zeroes before the kernel runs
+    # Inputs the kernel updates in place (jax-triton's input_output_aliases), returned after the outputs,
+    # in this order; the kernel has no output argument of theirs.
+    updated: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.inputs[-1:] != ("params",):
             raise ValueError(f"{self.name}: the runtime parameters must be the last input")
-        for group in ("descriptors", "zeroed"):
-            names = self.inputs if group == "descriptors" else self.outputs
+        for group in ("descriptors", "zeroed", "updated"):
+            names = self.outputs if group == "zeroed" else self.inputs
             if not set(getattr(self, group)) <= set(names):
                 raise ValueError(f"{self.name}: {group} {getattr(self, group)} not among {names}")
 
@@ -63,6 +66,17 @@ class KernelSpec:
     def index(self, name: str) -> int:
         """The position of an input or output among the kernel's arrays (inputs, then outputs)."""
         return (self.inputs + self.outputs).index(name)
+
+    @property
+    def results(self) -> tuple[str, ...]:
+        """What a launch returns, in order: the outputs, then the inputs it updates in place."""
+        return self.outputs + self.updated
+
+    @property
+    def aliases(self) -> tuple[tuple[int, int], ...]:
+        """(input index, result index) of each input updated in place (jax-triton's input_output_aliases):
+        after the outputs, so that the outputs' kernel arguments keep their places."""
+        return tuple((self.inputs.index(name), len(self.outputs) + i) for i, name in enumerate(self.updated))
 
     @property
     def arg_names(self) -> tuple[str, ...]:

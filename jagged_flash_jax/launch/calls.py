@@ -86,7 +86,7 @@ class HopperConfig:
 class KernelCall:
     kernel: Any  # a kernel of the kernels package (the one spec.name names)
     grid: tuple[int, ...]
-    out_shapes: tuple[jax.ShapeDtypeStruct, ...]  # in spec.outputs' order
+    out_shapes: tuple[jax.ShapeDtypeStruct, ...]  # in spec.results' order (outputs, then updated inputs)
     params: tuple[int, ...]  # the runtime parameters, in spec.params' order
     constants: dict[str, Any]
     num_warps: int = 4
@@ -97,6 +97,9 @@ class KernelCall:
     descriptors: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # Outputs the launcher zeroes before the kernel runs (jax-triton's zeroed_outputs).
     zeroed_outputs: tuple[int, ...] = ()
+    # (input index, result index) of the inputs the kernel updates in place (jax-triton's
+    # input_output_aliases; spec.aliases).
+    aliases: tuple[tuple[int, int], ...] = ()
     spec: KernelSpec | None = None  # the contract it was checked against (`kernel_call`)
 
 
@@ -107,11 +110,11 @@ def kernel_call(kernel_spec: KernelSpec, *, grid, outputs: Mapping[str, jax.Shap
                 params: Mapping[str, int], constants: Mapping[str, Any], config: KernelConfig | None = None,
                 num_stages: int | None = None,
                 blocks: Mapping[str, tuple[int, ...]] | None = None) -> KernelCall:
-    """A launch of the kernel `kernel_spec` names, checked against it: exactly its outputs, runtime
-    parameters, constants and descriptors' blocks. `config` gives warps, stages (unless `num_stages`)
-    and the register cap."""
-    if tuple(outputs) != kernel_spec.outputs:
-        raise ValueError(f"{kernel_spec.name}: outputs {tuple(outputs)}, expected {kernel_spec.outputs}")
+    """A launch of the kernel `kernel_spec` names, checked against it: exactly its results (outputs, then
+    the inputs it updates), runtime parameters, constants and descriptors' blocks. `config` gives warps,
+    stages (unless `num_stages`) and the register cap."""
+    if tuple(outputs) != kernel_spec.results:
+        raise ValueError(f"{kernel_spec.name}: outputs {tuple(outputs)}, expected {kernel_spec.results}")
     blocks = dict(blocks or {})
     if set(blocks) != set(kernel_spec.descriptors):
         raise ValueError(f"{kernel_spec.name}: descriptor blocks for {sorted(blocks)}, expected "
@@ -124,11 +127,12 @@ def kernel_call(kernel_spec: KernelSpec, *, grid, outputs: Mapping[str, jax.Shap
         num_stages=config.num_stages if num_stages is None else num_stages,
         max_registers=config.max_registers,
         descriptors=tuple((kernel_spec.index(name), tuple(block)) for name, block in blocks.items()),
-        zeroed_outputs=tuple(kernel_spec.outputs.index(name) for name in kernel_spec.zeroed))
+        zeroed_outputs=tuple(kernel_spec.outputs.index(name) for name in kernel_spec.zeroed),
+        aliases=kernel_spec.aliases)
 
 
 def launch(run: Runner, call: KernelCall, **arrays) -> tuple[jax.Array, ...]:
-    """Run `call` on its inputs by name (the runtime parameters added), outputs in the spec's order."""
+    """Run `call` on its inputs by name (the runtime parameters added), results in the spec's order."""
     return tuple(run(call, call.spec.arrays(dict(arrays, params=_params(call)))))
 
 

@@ -103,7 +103,8 @@ def _tensor_descriptor(jax_triton, x: jax.Array, block: tuple[int, ...]):
     and wgmma take (the kernel allocates its buffers with the descriptor's layout)."""
     from triton.experimental.gluon import language as gl
 
-    dtype = {jnp.dtype(jnp.bfloat16): gl.bfloat16, jnp.dtype(jnp.float16): gl.float16}[jnp.dtype(x.dtype)]
+    dtype = {jnp.dtype(jnp.bfloat16): gl.bfloat16, jnp.dtype(jnp.float16): gl.float16,
+             jnp.dtype(jnp.float32): gl.float32}[jnp.dtype(x.dtype)]
     layout = gl.NVMMASharedLayout.get_default_for(list(block), dtype)
     return jax_triton.TensorDescriptor.from_array(x, block, layout=layout)
 
@@ -116,13 +117,16 @@ def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     options = {"backend_options": backend_options} if backend_options else {}
     if call.zeroed_outputs:
         options["zeroed_outputs"] = call.zeroed_outputs
+    if call.aliases:
+        options["input_output_aliases"] = dict(call.aliases)
     arrays = list(arrays)
     for index, block in call.descriptors:
         arrays[index] = _tensor_descriptor(jax_triton, arrays[index], block)
     with warnings.catch_warnings():
-        # jax-triton 0.4 deprecates zeroed_outputs (for Refs, which need a newer jax) and still takes
-        # it; pyproject pins jax-triton below 0.5.
+        # jax-triton 0.4 deprecates zeroed_outputs and input_output_aliases (for Refs, which need a newer
+        # jax) and still takes them; pyproject pins jax-triton below 0.5.
         warnings.filterwarnings("ignore", "zeroed_outputs is deprecated", DeprecationWarning)
+        warnings.filterwarnings("ignore", "input_output_aliases is deprecated", DeprecationWarning)
         outputs = jax_triton.triton_call(
             *arrays,
             kernel=call.kernel, out_type=call.out_shapes, grid=call.grid,

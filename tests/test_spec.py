@@ -45,3 +45,16 @@ def test_packing_takes_exactly_the_specs_parameters():
         spec.KEY_MAJOR.pack(values | {"extra": 2})
     with pytest.raises(ValueError, match="constants missing"):
         spec.KEY_MAJOR.check_constants({"D": 8})
+
+
+def test_an_input_updated_in_place_is_returned_after_the_outputs():
+    """The TMA dq-fused kernel's dq_acc: an input (a descriptor) that jax-triton aliases to a result
+    after the kernel's outputs, so that their arguments keep their places; the kernel has no output
+    argument of its own for it."""
+    tma = spec.HOPPER_BWD_DKDV_DQ_TMA
+    assert tma.results == ("dk", "dv", "counter", "dq_acc") and tma.aliases == ((9, 3),)
+    assert tma.inputs[tma.aliases[0][0]] == "dq_acc" and "dq_acc_desc" in tma.arg_names
+    assert "dq_acc_ptr" not in tma.arg_names and tma.zeroed == ("counter",)
+    assert spec.HOPPER_BWD_DKDV_DQ.aliases == () and spec.HOPPER_BWD_DKDV_DQ.results[2] == "dq_acc"
+    with pytest.raises(ValueError, match="updated"):
+        spec.KernelSpec("k", inputs=("x", "params"), outputs=("y",), params=(), constants=(), updated=("y",))

@@ -11,9 +11,9 @@ import importlib
 
 __all__ = [
     "attention_bwd_kernel", "attention_bwd_preprocess_kernel", "attention_fwd_kernel",
-    "hopper_attention_bwd_dkdv_dq_kernel", "hopper_attention_bwd_dkdv_kernel",
-    "hopper_attention_bwd_dq_kernel", "hopper_attention_fwd_kernel", "hopper_hstu_fwd_kernel",
-    "hstu_bwd_kernel", "hstu_fwd_kernel", "key_major_kernel",
+    "hopper_attention_bwd_dkdv_dq_kernel", "hopper_attention_bwd_dkdv_dq_tma_kernel",
+    "hopper_attention_bwd_dkdv_kernel", "hopper_attention_bwd_dq_kernel", "hopper_attention_fwd_kernel",
+    "hopper_hstu_fwd_kernel", "hstu_bwd_kernel", "hstu_fwd_kernel", "key_major_kernel",
 ]
 
 # Each kernel's module; a Hopper kernel's function is named as its portable counterpart (without
@@ -26,6 +26,7 @@ _MODULES = {
     "hopper_attention_fwd_kernel": ".hopper.forward",
     "hopper_attention_bwd_dkdv_kernel": ".hopper.dkdv",
     "hopper_attention_bwd_dkdv_dq_kernel": ".hopper.dkdv",
+    "hopper_attention_bwd_dkdv_dq_tma_kernel": ".hopper.dkdv",
     "hopper_attention_bwd_dq_kernel": ".hopper.dq",
     "hstu_fwd_kernel": ".portable.hstu",
     "hstu_bwd_kernel": ".portable.hstu",

@@ -156,6 +156,15 @@ HOPPER_BWD_DKDV_DQ = KernelSpec(
     params=_HOPPER_PARAMS, constants=HOPPER_BWD_DKDV.constants, descriptors=HOPPER_BWD_DKDV.descriptors,
     zeroed=("dq_acc", "counter"))
 
+# The same with dq added by TMA reduce-adds from shared memory (`attention_bwd_dkdv_dq_tma_kernel`, where
+# Triton's Gluon has them: 3.7 on): dq_acc, float32 of q's 2-D view, is an input passed as a TMA
+# descriptor that the kernel updates in place (jax-triton makes descriptors over inputs only), zeros made
+# by the launcher, which casts the result to q's dtype.
+HOPPER_BWD_DKDV_DQ_TMA = KernelSpec(
+    "hopper_attention_bwd_dkdv_dq_tma_kernel", inputs=_HOPPER_BWD_INPUTS[:-1] + ("dq_acc", "params"),
+    outputs=("dk", "dv", "counter"), params=_HOPPER_PARAMS, constants=HOPPER_BWD_DKDV.constants,
+    descriptors=HOPPER_BWD_DKDV.descriptors + ("dq_acc",), zeroed=("counter",), updated=("dq_acc",))
+
 HOPPER_BWD_DQ = KernelSpec(
     "hopper_attention_bwd_dq_kernel", inputs=_HOPPER_BWD_INPUTS, outputs=("dq", "counter"),
     params=_HOPPER_PARAMS,
@@ -204,4 +213,4 @@ HOPPER_HSTU_FWD = KernelSpec(
     descriptors=("q", "k", "v"), zeroed=("counter",))
 
 SPECS = (KEY_MAJOR, ATTENTION_FWD, ATTENTION_BWD_PREPROCESS, ATTENTION_BWD, HOPPER_FWD, HOPPER_BWD_DKDV,
-         HOPPER_BWD_DKDV_DQ, HOPPER_BWD_DQ, HSTU_FWD, HSTU_BWD, HOPPER_HSTU_FWD)
+         HOPPER_BWD_DKDV_DQ, HOPPER_BWD_DKDV_DQ_TMA, HOPPER_BWD_DQ, HSTU_FWD, HSTU_BWD, HOPPER_HSTU_FWD)

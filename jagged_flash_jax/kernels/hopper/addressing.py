@@ -1,7 +1,7 @@
 """Where a Hopper kernel's tiles are in global memory: the layouts of its arrays, a sequence's first token
 in the TMA descriptors' 2-D views, a query's float32 statistics, the masked row stores of the epilogues
-and the masked atomic adds of fused dq. A layout is (tokens, token_stride, head_stride), the strides in
-elements.
+and fused dq's adds (masked atomics, or TMA reduce-adds of whole tiles). A layout is (tokens,
+token_stride, head_stride), the strides in elements.
 
 The descriptors view each array as 2-D [elements / token_stride, token_stride] (one row per token in
 "THD", one per (head, token) in "HTD"): token t of head h is at row t + (h * head_stride) // token_stride
@@ -11,6 +11,7 @@ and column (h * head_stride) % token_stride. A tile that runs past a sequence re
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
 from ..shared import (
     PARAM_KV_HEAD_STRIDE,
@@ -21,7 +22,7 @@ from ..shared import (
     PARAM_Q_TOKENS,
 )
 from ..spec import HOPPER_FWD
-from .pipeline import CONSUMER_ROWS, partition_barrier
+from .pipeline import CONSUMER_ROWS, partition_barrier, tma_reduce_add
 
 # The slots the Hopper kernels' runtime parameters add to the attention kernels' (the same in the three
 # specs): the blocks of each (sequence, head) and the tokens of a fill chunk.
@@ -114,3 +115,21 @@ def add_columns(base, token_stride, acc_t, stage, col0, n):
         values = stage.slice(c * CHUNK, CHUNK, dim=1).load(chunk_layout)
         gl.atomic_add(ptrs, values, mask=gl.expand_dims(rows < left - c * CHUNK, 0), sem="relaxed")
         ptrs += CHUNK * token_stride
+
+
+@gluon.jit
+def reduce_columns(desc, origin, acc_t, stage, col0, D0: gl.constexpr):
+    """acc_t, a float32 [64, COLS] wgmma accumulator of 64 columns d of rows transposed, added into the
+    rows col0 + [0, COLS), columns D0 + [0, 64) of a sequence's head from origin (`tile_origin`) in the
+    2-D view of `desc` (float32, blocks [COLS, 64]) by one asynchronous TMA reduce-add (`tma_reduce_add`,
+    triton >= 3.7), through `stage` (a [COLS, 64] buffer of one warpgroup's, desc's layout), once
+    the warpgroup's last reduce-add has read it. Nothing is masked: acc_t's columns past the sequence
+    must be 0 (they add to other tokens' rows; the copy engine clips the tile at the array's end). The
+    warpgroup waits for its last reduce-add (tma.store_wait(0)) before the kernel ends."""
+    row, col = origin
+    tma.store_wait(0)  # the last reduce-add has read `stage` (issued by one thread: then the barrier)
+    partition_barrier()
+    stage.permute((1, 0)).store(acc_t)
+    fence_async_shared()  # the generic-proxy writes visible to the copy engine, from every warp's rows
+    partition_barrier()
+    tma_reduce_add(desc, [row + col0, col + D0], stage)

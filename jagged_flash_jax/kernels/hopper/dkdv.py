@@ -13,6 +13,9 @@ do: five products per tile instead of the dk/dv and dq kernels' seven, dq accumu
 atomic adds (so not deterministic). dS^T goes to shared memory, where dK's product and the tile's dQ^T =
 K^T dS^T over the block's 128 keys read it; each warpgroup adds 64 columns of dQ (at D = 64 one
 warpgroup the whole tile, in turn), never holding a third accumulator of D columns beside dK and dV.
+`attention_bwd_dkdv_dq_tma_kernel` adds them as FlashAttention-3 does, by an asynchronous TMA reduce-add
+of the tile from shared memory (Gluon's tma.async_atomic_add, triton >= 3.7), where
+`attention_bwd_dkdv_dq_kernel` adds them from registers by relaxed vector atomics.
 """
 
 from triton.experimental import gluon
@@ -20,6 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -31,6 +35,7 @@ from .addressing import (
     STAGE_LAYOUT,
     add_columns,
     read_layout,
+    reduce_columns,
     row_base,
     stat_origin,
     store_rows,
@@ -49,6 +54,10 @@ from .pipeline import (
 )
 from .scheduler import fetch, hand_out, item_ring, key_block, receive
 from .scores import alibi_slope, capped_biased
+
+# The dq-fused program's ways of adding a tile's dQ into dq_acc (its FUSED_DQ; 0: dq is not fused).
+DQ_ATOMIC_ADDS: gl.constexpr = gl.constexpr(1)  # relaxed vector atomics from registers, masked
+DQ_TMA_REDUCE: gl.constexpr = gl.constexpr(2)  # a TMA reduce-add of the tile from shared memory
 
 
 @gluon.jit
@@ -77,7 +86,7 @@ def attention_bwd_dkdv_kernel(
     _dkdv_program((q_desc, do_desc, k_desc, v_desc),
                   (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr),
                   (dk_ptr, dv_ptr, None, counter_ptr), SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
-                  BUILD, FUSED_DQ=False)
+                  BUILD, FUSED_DQ=0)
 
 
 @gluon.jit
@@ -106,22 +115,51 @@ def attention_bwd_dkdv_dq_kernel(
     _dkdv_program((q_desc, do_desc, k_desc, v_desc),
                   (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr),
                   (dk_ptr, dv_ptr, dq_acc_ptr, counter_ptr), SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
-                  BUILD, FUSED_DQ=True)
+                  BUILD, FUSED_DQ=DQ_ATOMIC_ADDS)
+
+
+@gluon.jit
+def attention_bwd_dkdv_dq_tma_kernel(
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+    dq_acc_desc, params_ptr, dk_ptr, dv_ptr, counter_ptr,
+    NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
+    KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
+    OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    STRIDE_ALIGN: gl.constexpr, FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    """`attention_bwd_dkdv_dq_kernel` with each warpgroup's dQ tile added by a TMA reduce-add from shared
+    memory (triton >= 3.7): dq_acc_desc a descriptor of [BLOCK_M, 64] float32 blocks over dq_acc (q's 2-D
+    view, zeroed by the launcher), which the kernel updates in place. A tile's rows past n_q add zeros
+    (dS^T is 0 there, and K's rows past n_k are zeroed) to whatever tokens follow; not deterministic."""
+    SHAPE: gl.constexpr = (NUM_KV_HEADS, KV_GROUP, D)
+    LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)
+    BAND: gl.constexpr = (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
+    SCORES: gl.constexpr = (SOFTCAP, ALIBI, QK_SCALE)
+    SCALES: gl.constexpr = (DS_SCALE, OUT_SCALE)
+    TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
+    BUILD: gl.constexpr = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS)
+    _dkdv_program((q_desc, do_desc, k_desc, v_desc),
+                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr),
+                  (dk_ptr, dv_ptr, dq_acc_desc, counter_ptr), SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
+                  BUILD, FUSED_DQ=DQ_TMA_REDUCE)
 
 
 @gluon.jit
 def _dkdv_program(descs, inputs, outputs, SHAPE: gl.constexpr, LENGTHS: gl.constexpr, BAND: gl.constexpr,
                   SCORES: gl.constexpr, SCALES: gl.constexpr, TILES: gl.constexpr, BUILD: gl.constexpr,
                   FUSED_DQ: gl.constexpr):
-    """Either entry's program: the zero fills of dk and dv, then the warp-specialized region. descs =
+    """Any entry's program: the zero fills of dk and dv, then the warp-specialized region. descs =
     (q_desc, do_desc, k_desc, v_desc); inputs = (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr,
-    slopes_ptr, params_ptr); outputs = (dk_ptr, dv_ptr, dq_acc_ptr, counter_ptr), dq_acc_ptr None unless
-    FUSED_DQ; BUILD = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS). Without FUSED_DQ nothing of
-    dq's reaches the partitions (None is a constant, which they do not capture), so the unfused kernel
-    compiles as if the option did not exist."""
+    slopes_ptr, params_ptr); outputs = (dk_ptr, dv_ptr, dq_acc, counter_ptr), dq_acc None unless FUSED_DQ
+    (DQ_ATOMIC_ADDS: a pointer; DQ_TMA_REDUCE: a descriptor); BUILD = (STRIDE_ALIGN, FILL_BLOCK,
+    CONSUMER_REGS, PRODUCER_REGS). Without FUSED_DQ nothing of dq's reaches the partitions (None is a
+    constant, which they do not capture), so the unfused kernel compiles as if the option did not
+    exist."""
     q_desc, do_desc, k_desc, v_desc = descs
     lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr = inputs
-    dk_ptr, dv_ptr, dq_acc_ptr, counter_ptr = outputs
+    dk_ptr, dv_ptr, dq_acc, counter_ptr = outputs
     NUM_KV_HEADS: gl.constexpr = SHAPE[0]
     D: gl.constexpr = SHAPE[2]
     BLOCK_M: gl.constexpr = TILES[0]
@@ -173,9 +211,13 @@ def _dkdv_program(descs, inputs, outputs, SHAPE: gl.constexpr, LENGTHS: gl.const
         ds_full = mbarriers(STAGES)
         init_barriers((ds_full, ), (2, ), STAGES)
         fence_async_shared()
-        # Each consumer's [64, BLOCK_M] float32 of dQ^T on its way to the atomic adds (`add_columns`).
-        stage = gl.allocate_shared_memory(gl.float32, [2, CONSUMER_ROWS, BLOCK_M], STAGE_LAYOUT)
-        arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, (dq_acc_ptr, q_layout, ds_smem, ds_full, stage))
+        if FUSED_DQ == DQ_TMA_REDUCE:
+            # Each consumer's [BLOCK_M, 64] float32 tile of dQ for its TMA reduce-add (`reduce_columns`).
+            stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, CONSUMER_ROWS], dq_acc.layout)
+        else:
+            # Each consumer's [64, BLOCK_M] float32 of dQ^T on its way to the atomic adds (`add_columns`).
+            stage = gl.allocate_shared_memory(gl.float32, [2, CONSUMER_ROWS, BLOCK_M], STAGE_LAYOUT)
+        arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, (dq_acc, q_layout, ds_smem, ds_full, stage))
     else:
         arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, None)
     # The forward's partitions, their computed scalars in the same order (see forward.py).
@@ -311,6 +353,8 @@ def _dkdv_consumer_loop(pipe, schedule, sequences, arrays, SHAPE: gl.constexpr, 
                                        SCORES, SCALES, WG, FUSED_DQ)
         i += 1
         item = receive(ring, i)
+    if FUSED_DQ == DQ_TMA_REDUCE:
+        tma.store_wait(0)  # the last reduce-add has read its tile before the program's shared memory goes
 
 
 @gluon.jit
@@ -321,7 +365,7 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
     (the block's K and V behind kv_bar at phase kvp), stored (rows < n_k; zero where no query sees them)
     at the end; arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, fused), SCALES = (DS_SCALE, OUT_SCALE). A
     tile is masked unless every query of it sees every key of this warpgroup's and it has no row past n_q.
-    With FUSED_DQ (fused = (dq_acc_ptr, q_layout, ds_smem, ds_full, stage), else None) also each tile's
+    With FUSED_DQ (fused = (dq_acc, q_layout, ds_smem, ds_full, stage), else None) also each tile's
     DS_SCALE * dS K into dq_acc (`_dq_tile`): this warpgroup's dS^T rows, masked past n_k (where K's rows,
     zeroed here, are other tokens), go to the slot's ds_smem tile, which dK's product then reads.
     position = (t, kvp, tail_phases), tail_phases the per-slot tail barriers' parities (a bit per slot);
@@ -361,7 +405,7 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
         _, clean_start, clean_end, _ = query_ranges(krow0, n_q, n_k, BLOCK_M, CONSUMER_ROWS, BAND)
     mbarrier.wait(kv_bar, kvp)  # always, tiles or none: kv_bar's phase runs on from block to block
     if FUSED_DQ:
-        dq_acc_ptr, q_layout, ds_smem, ds_full, _ = fused
+        dq_acc, q_layout, ds_smem, ds_full, _ = fused
         if krow0 + CONSUMER_ROWS > n_k:
             # K's rows past n_k (other tokens, maybe NaN), which dS K reads: zeroed by the warpgroup whose
             # half they are, before its first dS^T is published to the other (ds_full). The proxy fence
@@ -371,8 +415,10 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
     for g in range(KV_GROUP):
         head = kv_head * KV_GROUP + g
         slope = alibi_slope(slopes_ptr, head, SCORES[1])
-        if FUSED_DQ:
-            dq_base = row_base(dq_acc_ptr, q_start, head, q_layout)
+        if FUSED_DQ == DQ_TMA_REDUCE:
+            dq_base = tile_origin(q_start, head, q_layout)
+        elif FUSED_DQ:
+            dq_base = row_base(dq_acc, q_start, head, q_layout)
         for tile in range(t0, ntiles):
             i = t + g * per_head + (tile - t0)
             slot = i % STAGES
@@ -432,7 +478,7 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
                 mbarrier.arrive(ds_full.index(slot), count=1)
                 dk_tok = warpgroup_mma(ds_tile, q, dk, is_async=True)
                 dv, dk = _dq_tile(fused, (k_smem, ds_smem, empty), (dv_tok, dk_tok, p_op),
-                                  (dq_base, m0, n_q, i), SCALES[0], D, TILES, WG)
+                                  (dq_base, m0, n_q, i), SCALES[0], D, TILES, WG, FUSED_DQ)
             else:
                 ds_op = gl.convert_layout(dst.to(dtype), op_layout)
                 dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
@@ -448,18 +494,20 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
 
 @gluon.jit
 def _dq_tile(fused, smem, products, rows, DS_SCALE: gl.constexpr, D: gl.constexpr, TILES: gl.constexpr,
-             WG: gl.constexpr):
+             WG: gl.constexpr, FUSED_DQ: gl.constexpr):
     """Warpgroup WG's share of the fused dQ of ring tile i, once its dV and dK products (products =
     (dv_tok, dk_tok, p_op)) are issued; returns dV and dK, waited for. rows = (dq_base, m0, n_q, i): the
     tile's rows m0 + [0, BLOCK_M) of dq_acc from dq_base (`row_base`), those at or past n_q masked. The
     tile's dQ over the block's 128 keys is dS K = (K^T dS^T)^T (`_dq_product`), once ds_full says both
     consumers wrote their dS^T rows: at D = 128 each warpgroup takes 64 columns d, at D = 64 one takes
     the whole tile, warpgroup i % 2 (the other only releases the slot). [64, BLOCK_M] float32 of dQ^T in
-    registers, added into dq_acc (`add_columns`) after the ring slot is released. Both warpgroups
+    registers, added into dq_acc after the ring slot is released: by atomics (`add_columns`; dq_base a
+    pointer from `row_base`), or under DQ_TMA_REDUCE by a TMA reduce-add (`reduce_columns`; dq_base the
+    head's (row, column) from `tile_origin`, n_q unused: the rows past it add zeros). Both warpgroups
     release it only after their products that read its dS^T, and write the slot's dS^T again only once
     the producer has loaded its next tile, which waits for both releases: no other barrier guards
     ds_smem."""
-    _, q_layout, _, ds_full, stage = fused
+    dq_acc, q_layout, _, ds_full, stage = fused
     token_stride = q_layout[1]
     k_smem, ds_smem, empty = smem
     dv_tok, dk_tok, p_op = products
@@ -476,7 +524,10 @@ def _dq_tile(fused, smem, products, rows, DS_SCALE: gl.constexpr, D: gl.constexp
         dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op))
         dqt = warpgroup_mma_wait(0, deps=(dqt, ))
         mbarrier.arrive(empty.index(slot), count=1)
-        add_columns(dq_base + D0, token_stride, dqt * DS_SCALE, stage.index(WG), m0, n_q)
+        if FUSED_DQ == DQ_TMA_REDUCE:
+            reduce_columns(dq_acc, dq_base, dqt * DS_SCALE, stage.index(WG), m0, D0)
+        else:
+            add_columns(dq_base + D0, token_stride, dqt * DS_SCALE, stage.index(WG), m0, n_q)
     else:
         dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op))
         if i % 2 == WG:
@@ -484,7 +535,10 @@ def _dq_tile(fused, smem, products, rows, DS_SCALE: gl.constexpr, D: gl.constexp
             dqt = _dq_product(k_smem, ds_smem, slot, 0, D, layout)
             dqt = warpgroup_mma_wait(0, deps=(dqt, ))
             mbarrier.arrive(empty.index(slot), count=1)
-            add_columns(dq_base, token_stride, dqt * DS_SCALE, stage.index(WG), m0, n_q)
+            if FUSED_DQ == DQ_TMA_REDUCE:
+                reduce_columns(dq_acc, dq_base, dqt * DS_SCALE, stage.index(WG), m0, 0)
+            else:
+                add_columns(dq_base, token_stride, dqt * DS_SCALE, stage.index(WG), m0, n_q)
         else:
             mbarrier.arrive(empty.index(slot), count=1)
     return dv, dk

@@ -12,6 +12,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 # (gl.thread_barrier before).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+# The TMA reduce-add, tma.async_atomic_add from 3.7 on, None before: named here so that the kernels that
+# never call it still compile under 3.6 (Triton resolves every name a kernel's source reaches). Only the
+# dq-fused kernel the launcher takes where it exists (`_compat.gluon_tma_reduce`) calls it.
+tma_reduce_add = getattr(tma, "async_atomic_add", None)
 
 # Rows of one consumer warpgroup's tiles (a wgmma's M is 64 per warpgroup): each kernel's blocks are
 # two warpgroups' 64 rows.

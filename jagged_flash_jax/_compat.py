@@ -5,7 +5,7 @@ Versions: the supported ranges and the one version parser. JAX: how an abstract 
 mesh axes it varies over, and a device's CUDA compute capability. jax-triton (0.4.1): four shims, for its
 import under triton 3.6 (before it, and repaired after it), its launch of warp-specialized kernels, and
 the TMA descriptors' metadata of triton < 3.7. jaxlib: which ptxas assembles the kernels' PTX, and the
-PTX version that ptxas accepts.
+PTX version that ptxas accepts. Triton's Gluon: whether it has the TMA reduce-add.
 """
 
 from __future__ import annotations
@@ -75,6 +75,23 @@ def varying_axes(x) -> frozenset:
         mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
         vma = mat.varying if mat is not None else ()
     return frozenset(vma)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton's Gluon
+# ---------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def gluon_tma_reduce() -> bool:
+    """Whether this Triton's Gluon has the TMA reduce-add (tma.async_atomic_add, triton >= 3.7; 3.6 has
+    only its builder call): the dq-fused Hopper backward then adds dq through it
+    (kernels/hopper/dkdv.attention_bwd_dkdv_dq_tma_kernel), else by atomics from registers."""
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import tma
+    except Exception:  # no triton, or no Gluon (ImportError, or whatever a broken install raises)
+        return False
+    return hasattr(tma, "async_atomic_add")
 
 
 # ---------------------------------------------------------------------------------------------------

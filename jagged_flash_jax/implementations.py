@@ -5,7 +5,8 @@ not), chooses its configuration, and runs the forward and the backward. select.p
 - "portable": the portable Triton kernels (kernels/portable/) on a GPU, through jax-triton.
 - "interpret": the same kernels in Triton's interpreter on the CPU.
 - "hopper": the Hopper kernels in Gluon (kernels/hopper/), sm_90a.
-- "hopper-fused-dq": the same, whose backward adds dq from the dk/dv kernel by atomics (named only).
+- "hopper-fused-dq": the same, whose backward adds dq from the dk/dv kernel by float32 atomics (TMA
+  reduce-adds where Triton's Gluon has them, 3.7 on; named only).
 
 HSTU attention's (HSTU_IMPLEMENTATIONS, below): "portable", "interpret", "xla", and "hstu-hopper", its
 Hopper forward (named only; its backward the portable one's).
@@ -210,8 +211,10 @@ class Hopper(Implementation):
 
     name: str = "hopper"
     # The backward adds dq from the dk/dv kernel by float32 atomics (one launch and five products per
-    # tile instead of seven) instead of its own dq kernel: not bitwise reproducible, and on the H200 it
-    # measured slower on every row (docs/performance.md), so only a caller who names it gets it.
+    # tile instead of seven; TMA reduce-adds from shared memory where Triton's Gluon has them, else
+    # atomics from registers: launch/calls.hopper_backward) instead of its own dq kernel: not bitwise
+    # reproducible, and on the H200 it measured slower on every row (docs/performance.md, the atomics
+    # from registers), so only a caller who names it gets it.
     fused_dq: bool = False
 
     def _kernels(self, backward: bool) -> tuple[str, ...]:

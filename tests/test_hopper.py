@@ -245,25 +245,68 @@ def test_dkdv_takes_its_own_waits_only_without_a_band(causal, window, dkdv_stage
     assert configs.HOPPER_DKDV_UNBANDED_TRITON_STAGES != configs.HOPPER_BWD_TRITON_STAGES
 
 
-@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
-@pytest.mark.parametrize("dim,causal,layout,dtype,options,block_m",
-                         [(*case, None) for case in BACKWARD_COMPILE_CASES]
-                         + [(128, True, "THD", jnp.bfloat16, {}, 16)], ids=_compile_id)
-def test_the_fused_dq_hopper_backward_compiles_for_sm90a(dim, causal, layout, dtype, options, block_m):
-    """The dq-fused dk/dv kernel (HopperConfig.fused_dq) with the constants calls.hopper_backward passes,
-    through jax-triton's pipeline and ptxas, as the unfused kernels (D = 64, where one warpgroup takes a
-    tile's whole dQ, and D = 128, where each takes half; the 16-query tiles a tuned table may give):
-    dQ's adds relaxed and four floats wide, its product a wgmma with K^T read transposed from shared
-    memory, and its buffers within the shared memory (at the table's 2 stages of 64-query tiles)."""
-    if not implementations.gluon_available():
-        pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
+# (dim, causal, layout, dtype, options, block_m): the unfused kernels' compile cases (D = 64 causal, where
+# one warpgroup takes a tile's whole dQ; D = 128 with every option on, where each takes half), D = 128
+# causal, and the 16-query tiles a tuned table may give.
+FUSED_DQ_COMPILE_CASES = ([(*case, None) for case in BACKWARD_COMPILE_CASES]
+                          + [(128, True, "THD", jnp.bfloat16, {}, block_m) for block_m in (None, 16)])
+
+
+def fused_dq_call(monkeypatch, tma: bool, dim, causal, layout, dtype, options, block_m):
+    """The dq-fused dk/dv launch as calls.hopper_backward makes it where Triton's Gluon has the TMA
+    reduce-add (`tma`) or not (`_compat.gluon_tma_reduce` pretended so)."""
+    from jagged_flash_jax import _compat
+
+    monkeypatch.setattr(_compat, "gluon_tma_reduce", lambda: tma)
     (call, arrays), = hopper_backward_calls(dim, causal, layout, dtype, dkdv_block_m=block_m, fused_dq=True,
                                             **options)
+    return call, arrays
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
+@pytest.mark.parametrize("dim,causal,layout,dtype,options,block_m", FUSED_DQ_COMPILE_CASES, ids=_compile_id)
+def test_the_fused_dq_hopper_backward_compiles_for_sm90a(dim, causal, layout, dtype, options, block_m,
+                                                         monkeypatch):
+    """The dq-fused dk/dv kernel that adds dq by atomics (HopperConfig.fused_dq where Triton's Gluon has
+    no TMA reduce-add: 3.6), with the constants calls.hopper_backward passes, through jax-triton's
+    pipeline and ptxas, as the unfused kernels: dQ's adds relaxed and four floats wide, its product a
+    wgmma with K^T read transposed from shared memory, and its buffers within the shared memory (at the
+    table's 2 stages of 64-query tiles). Compiled under triton 3.9 too, where the launcher takes the
+    TMA kernel (below)."""
+    if not implementations.gluon_available():
+        pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
+    call, arrays = fused_dq_call(monkeypatch, False, dim, causal, layout, dtype, options, block_m)
     assert call.kernel.__name__ == "attention_bwd_dkdv_dq_kernel" and call.zeroed_outputs == (2, 3)
+    assert call.aliases == ()
     ptx, metadata = compile_for_sm90(call, arrays)
     check_compiled(ptx, metadata)
     assert re.search(r"(red|atom)\.global\.gpu\.relaxed\.add\.v4\.f32", ptx)
+    assert "cp.reduce.async.bulk.tensor" not in ptx
     # (both operands descriptors, A transposed: scale-d, scale-a, scale-b, trans-a = 1, trans-b = 1)
+    assert re.search(r"wgmma\.mma_async[^;]*\}, %rd\d+, %rd\d+, [^,]+, 1, 1, 1, 1;", ptx)
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
+@pytest.mark.parametrize("dim,causal,layout,dtype,options,block_m", FUSED_DQ_COMPILE_CASES, ids=_compile_id)
+def test_the_tma_fused_dq_hopper_backward_compiles_for_sm90a(dim, causal, layout, dtype, options, block_m,
+                                                             monkeypatch):
+    """Where Triton's Gluon has the TMA reduce-add (3.7 on), the dq-fused kernel calls.hopper_backward
+    launches adds each warpgroup's dQ tile from shared memory by it: `cp.reduce.async.bulk.tensor ...
+    .add` into dq_acc's descriptor, float32 atomics from registers nowhere (the counter's integer adds
+    stay), the product as in the atomics kernel, within the shared memory."""
+    if not implementations.gluon_available():
+        pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
+    from jagged_flash_jax import _compat
+
+    if not _compat.gluon_tma_reduce():
+        pytest.skip("this Triton's Gluon has no TMA reduce-add (tma.async_atomic_add, triton >= 3.7)")
+    call, arrays = fused_dq_call(monkeypatch, True, dim, causal, layout, dtype, options, block_m)
+    assert call.kernel.__name__ == "attention_bwd_dkdv_dq_tma_kernel" and call.zeroed_outputs == (2,)
+    assert call.aliases == ((9, 3),) and dict(call.descriptors)[9] == (call.constants["BLOCK_M"], 64)
+    ptx, metadata = compile_for_sm90(call, arrays)
+    check_compiled(ptx, metadata)
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", ptx)
+    assert not re.search(r"(red|atom)\.global[.\w]*\.f32", ptx)
     assert re.search(r"wgmma\.mma_async[^;]*\}, %rd\d+, %rd\d+, [^,]+, 1, 1, 1, 1;", ptx)
 
 

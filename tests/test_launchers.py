@@ -959,6 +959,8 @@ def hopper_backward_gpu(fake_jax_triton, monkeypatch):
 
 
 HOPPER_BACKWARD = ("hopper_attention_bwd_dkdv_kernel", "hopper_attention_bwd_dq_kernel")
+# The dq-fused dk/dv kernel, adding dq by atomics, or by TMA reduce-adds where Triton's Gluon has them.
+FUSED_DQ = {False: "hopper_attention_bwd_dkdv_dq_kernel", True: "hopper_attention_bwd_dkdv_dq_tma_kernel"}
 PORTABLE_BACKWARD = ("attention_bwd_kernel",)
 
 
@@ -987,8 +989,8 @@ def _backward_kernels(fake, *, dtype=jnp.bfloat16, dim=128, layout="THD", kv_hea
 
     fake.reset()
     jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv)
-    names = {getattr(kernels, name): name for name in (*HOPPER_BACKWARD, *PORTABLE_BACKWARD,
-                                                       "hopper_attention_bwd_dkdv_dq_kernel")}
+    names = {getattr(kernels, name): name
+             for name in (*HOPPER_BACKWARD, *PORTABLE_BACKWARD, *FUSED_DQ.values())}
     # (the portable backward launches once or twice: dq and dk/dv apart when their tiles differ)
     return tuple(dict.fromkeys(names[call["kernel"]] for call in fake.calls if call["kernel"] in names))
 
@@ -1006,14 +1008,17 @@ def test_hopper_gpus_take_the_hopper_backward(hopper_backward_gpu, case):
     assert _backward_kernels(hopper_backward_gpu, **case) == HOPPER_BACKWARD
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("case", [dict(), dict(causal=True, layout="HTD"), dict(dim=64, window=(8, None)),
                                   dict(fbgemm=True)], ids=str)
-def test_hopper_fused_dq_is_the_dq_fused_dkdv_kernel_alone(hopper_backward_gpu, case):
-    """backward_implementation="hopper-fused-dq": the dq-fused dk/dv kernel alone; auto keeps the two
-    kernels (every element written once)."""
+def test_hopper_fused_dq_is_the_dq_fused_dkdv_kernel_alone(hopper_backward_gpu, monkeypatch, case, tma):
+    """backward_implementation="hopper-fused-dq": the dq-fused dk/dv kernel alone, the one adding dq by
+    TMA reduce-adds where Triton's Gluon has them (`_compat.gluon_tma_reduce`), else by atomics; auto
+    keeps the two kernels (every element written once)."""
+    monkeypatch.setattr(_compat, "gluon_tma_reduce", lambda: tma)
     assert _backward_kernels(hopper_backward_gpu, **case) == HOPPER_BACKWARD
     assert (_backward_kernels(hopper_backward_gpu, backward_implementation="hopper-fused-dq", **case)
-            == ("hopper_attention_bwd_dkdv_dq_kernel",))
+            == (FUSED_DQ[tma],))
 
 
 @pytest.mark.parametrize("case", [
@@ -1164,31 +1169,46 @@ def test_the_hopper_backward_launches_pass_the_options(hopper_backward_gpu):
         assert (call["args"][8].shape, call["args"][8].dtype) == ((1, 4), jnp.float32)
 
 
-@pytest.mark.parametrize("layout", ["THD", "HTD"])
-def test_the_fused_dq_hopper_backward_is_one_launch(hopper_backward_gpu, layout):
-    """HopperConfig.fused_dq (helpers.FusedDq asks for it): after the preprocess, one launch, of the
-    dq-fused dk/dv kernel, and no dq launch. It takes what the unfused dk/dv launch takes (q, do, k, v
-    as the same descriptors, the statistics, offsets and slopes, the same runtime parameters, warps,
-    stages, register cap and constants), and its outputs are dk, dv, a float32 dq_acc of q's shape and
-    strides and the counter, dq_acc zeroed with the counter; the gradient dq is dq_acc cast to q's dtype
-    (the fake launches return zeros: the cast's shape and dtype)."""
-    q_shape, kv_shape = ((40, 4, 128), (50, 2, 128)) if layout == "THD" else ((4, 40, 128), (2, 50, 128))
-    q, kv = jnp.ones(q_shape, jnp.bfloat16), jnp.ones(kv_shape, jnp.bfloat16)
+def _fused_dq_shapes(layout: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """q's and k's shapes in `_fused_dq_launches`."""
+    return ((40, 4, 128), (50, 2, 128)) if layout == "THD" else ((4, 40, 128), (2, 50, 128))
 
-    def launches(backward):
-        hopper_backward_gpu.reset()
-        grads = jax.grad(lambda q, k, v: jnp.sum(jfa.jagged_attention(
+
+def _fused_dq_launches(fake, layout: str) -> tuple[dict, dict, dict, tuple]:
+    """The gradient of a cross-attention (GQA, causal, a left window) through the dq-fused Hopper
+    backward (helpers.FusedDq) and through the unfused one, recorded by the fake jax_triton: the fused
+    one's last launch, the unfused one's dk/dv and dq launches, the fused one's gradients. Both take the
+    same preprocess before."""
+    q_shape, kv_shape = _fused_dq_shapes(layout)
+    q, kv = jnp.ones(q_shape, jnp.bfloat16), jnp.ones(kv_shape, jnp.bfloat16)
+    records = {}
+    for backward in (FusedDq(), "hopper"):
+        fake.reset()
+        grads = jax.grad(lambda q, k, v, backward=backward: jnp.sum(jfa.jagged_attention(
             q, k, v, jnp.asarray([0, 15, 40], jnp.int32), 600, kv_offsets=jnp.asarray([0, 20, 50], jnp.int32),
             kv_max_seq_len=30, scale=0.5, causal=True, window=(8, None), layout=layout,
             implementation="portable", backward_implementation=backward).astype(jnp.float32)),
             argnums=(0, 1, 2))(q, kv, kv)
-        return list(hopper_backward_gpu.calls), grads
-
-    fused = FusedDq()
-    (*_, preprocess, fused_call), grads = launches(fused)
-    (*_, unfused_preprocess, dkdv, dq), _ = launches("hopper")
+        records[backward if isinstance(backward, str) else "fused"] = (list(fake.calls), grads, backward)
+    (*_, preprocess, fused_call), grads, fused = records["fused"]
+    (*_, unfused_preprocess, dkdv, dq), _, _ = records["hopper"]
     assert fused.calls[-1][0] == "backward" and fused.calls[-1][3].fused_dq
     assert preprocess["kernel"] is unfused_preprocess["kernel"] is kernels.attention_bwd_preprocess_kernel
+    return fused_call, dkdv, dq, grads
+
+
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_the_fused_dq_hopper_backward_is_one_launch(hopper_backward_gpu, monkeypatch, layout):
+    """HopperConfig.fused_dq (helpers.FusedDq asks for it) where Triton's Gluon has no TMA reduce-add
+    (3.6): after the preprocess, one launch, of the dq-fused dk/dv kernel that adds dq by atomics, and no
+    dq launch. It takes what the unfused dk/dv launch takes (q, do, k, v as the same descriptors, the
+    statistics, offsets and slopes, the same runtime parameters, warps, stages, register cap and
+    constants), and its outputs are dk, dv, a float32 dq_acc of q's shape and strides and the counter,
+    dq_acc zeroed with the counter; the gradient dq is dq_acc cast to q's dtype (the fake launches return
+    zeros: the cast's shape and dtype)."""
+    monkeypatch.setattr(_compat, "gluon_tma_reduce", lambda: False)
+    q_shape, kv_shape = _fused_dq_shapes(layout)
+    fused_call, dkdv, dq, grads = _fused_dq_launches(hopper_backward_gpu, layout)
     assert dkdv["kernel"] is kernels.hopper_attention_bwd_dkdv_kernel
     assert dq["kernel"] is kernels.hopper_attention_bwd_dq_kernel
     assert fused_call["kernel"] is kernels.hopper_attention_bwd_dkdv_dq_kernel
@@ -1204,8 +1224,76 @@ def test_the_fused_dq_hopper_backward_is_one_launch(hopper_backward_gpu, layout)
     assert (fused_call.pop("zeroed_outputs"), dkdv.pop("zeroed_outputs")) == ((2, 3), (2,))
     dkdv.pop("out_type")
     assert fused_call == dkdv  # warps, stages, backend options and every constant
-    assert [(g.shape, g.dtype) for g in grads] == [(q_shape, q.dtype), (kv_shape, kv.dtype),
-                                                   (kv_shape, kv.dtype)]
+    assert [(g.shape, g.dtype) for g in grads] == [(q_shape, jnp.bfloat16), (kv_shape, jnp.bfloat16),
+                                                   (kv_shape, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_the_tma_fused_dq_hopper_backward_is_one_launch(hopper_backward_gpu, monkeypatch, layout):
+    """Where Triton's Gluon has the TMA reduce-add (`_compat.gluon_tma_reduce`), the one launch after the
+    preprocess is the dq-fused dk/dv kernel that adds dq by it: the unfused dk/dv launch's arguments (q,
+    do, k, v as the same descriptors, the statistics, offsets and slopes, the same runtime parameters,
+    warps, stages, register cap and constants) with dq_acc before the runtime parameters, a descriptor of
+    [dk/dv's query tile, 64] blocks over float32 of q's 2-D view (its rows a token stride long), which
+    the kernel updates in place (jax-triton's input_output_aliases: its result after dk, dv and the
+    counter, the counter alone zeroed); the gradient dq is dq_acc in q's shape, cast to q's dtype."""
+    monkeypatch.setattr(_compat, "gluon_tma_reduce", lambda: True)
+    q_shape, kv_shape = _fused_dq_shapes(layout)
+    view = (40, 512) if layout == "THD" else (160, 128)  # rows of a token stride: H * D, or D
+    fused_call, dkdv, _, grads = _fused_dq_launches(hopper_backward_gpu, layout)
+    assert fused_call["kernel"] is kernels.hopper_attention_bwd_dkdv_dq_tma_kernel
+    fused_call, dkdv = dict(fused_call, kernel=None), dict(dkdv, kernel=None)
+    fused_args, args = fused_call.pop("args"), dkdv.pop("args")
+    dq_acc = fused_args[9]
+    assert [a.block_shape for a in fused_args[:4]] == [a.block_shape for a in args[:4]]
+    assert [a.base.shape for a in fused_args[:4]] == [a.base.shape for a in args[:4]]
+    assert ([(a.shape, a.dtype) for a in fused_args[4:9] + fused_args[10:]]
+            == [(a.shape, a.dtype) for a in args[4:]])
+    assert hopper_backward_gpu.params[id(fused_args[-1])] == hopper_backward_gpu.params[id(args[-1])]
+    assert dq_acc.block_shape == (args[0].block_shape[0], 64)
+    assert (dq_acc.base.shape, dq_acc.base.dtype) == (view, jnp.float32)
+    i32, f32 = jnp.dtype(jnp.int32), jnp.dtype(jnp.float32)
+    assert tuple(fused_call.pop("out_type")) == (_sds(kv_shape, jnp.bfloat16), _sds(kv_shape, jnp.bfloat16),
+                                                 _sds((1,), i32), _sds(view, f32))
+    assert fused_call.pop("input_output_aliases") == {9: 3}
+    assert (fused_call.pop("zeroed_outputs"), dkdv.pop("zeroed_outputs")) == ((2,), (2,))
+    dkdv.pop("out_type")
+    assert fused_call == dkdv  # warps, stages, backend options and every constant
+    assert [(g.shape, g.dtype) for g in grads] == [(q_shape, jnp.bfloat16), (kv_shape, jnp.bfloat16),
+                                                   (kv_shape, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_the_tma_fused_dq_launch_updates_float32_zeros(monkeypatch, layout):
+    """The plan's TMA dq-fused launch, recorded eagerly: dq_acc is float32 zeros of q's 2-D view (the
+    descriptors' rows a token stride long: q's shape flattened to them), an input the call returns
+    updated (spec.HOPPER_BWD_DKDV_DQ_TMA.aliases), which the backward reshapes to q's shape and casts; at
+    D = 64 a block covers a row, [dk/dv's query tile, 64]."""
+    monkeypatch.setattr(_compat, "gluon_tma_reduce", lambda: True)
+    recorded, run = _recorder()
+    for dim in (128, 64):
+        recorded.clear()
+        q_shape = (300, 4, dim) if layout == "THD" else (4, 300, dim)
+        kv_shape = (200, 2, dim) if layout == "THD" else (2, 200, dim)
+        q, kv = jnp.ones(q_shape, jnp.float16), jnp.ones(kv_shape, jnp.float16)
+        p = dataclasses.replace(_hopper_problem(
+            2, num_heads=4, num_kv_heads=2, head_dim=dim, q_tokens=300, kv_tokens=200, max_seq_len=260,
+            kv_max_seq_len=150, causal=True, dtype="float16"), layout=layout)
+        config = HopperConfig(configs.hopper_block_sizes(dim, jnp.float16, 260, 150), programs=7,
+                              preprocess_block_m=64, fused_dq=True)
+        dq, dk, dv = calls.hopper_backward(run, p, config, q, kv, kv, jnp.asarray([[0, 40, 300]], jnp.int32),
+                                           jnp.asarray([[0, 90, 200]], jnp.int32), q,
+                                           jnp.zeros((1, 4, 300), jnp.float32), q)
+        _, (call, arrays) = recorded
+        assert call.spec is spec.HOPPER_BWD_DKDV_DQ_TMA
+        assert call.kernel is kernels.hopper_attention_bwd_dkdv_dq_tma_kernel
+        view = (300, 4 * dim) if layout == "THD" else (1200, dim)
+        dq_acc = arrays[spec.HOPPER_BWD_DKDV_DQ_TMA.index("dq_acc")]
+        assert (dq_acc.shape, dq_acc.dtype) == (view, jnp.float32) and not np.any(np.asarray(dq_acc))
+        assert dict(call.descriptors)[9] == (config.tiles.dkdv.block_m, 64)
+        assert call.aliases == ((9, 3),) and call.zeroed_outputs == (2,)
+        assert [(s.shape, s.dtype) for s in call.out_shapes[2:]] == [((1,), jnp.int32), (view, jnp.float32)]
+        assert (dq.shape, dq.dtype, dk.shape, dv.shape) == (q_shape, jnp.float16, kv_shape, kv_shape)
 
 
 # ---------------------------------------------------------------------------------------------------

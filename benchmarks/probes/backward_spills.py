@@ -1,8 +1,8 @@
 """ptxas's registers and spill bytes per thread of the Hopper backward's kernels (dk/dv and dq, and dk/dv
-with dq fused in), compiled for sm_90a as jax-triton 0.4.1 compiles them (tests/test_hopper.compile_for_sm90),
-in the configurations the tests use; no GPU needed. Run from the repository root: python -m
-benchmarks.probes.backward_spills (triton from PYTHONPATH: the GPU machine's is 3.6; Triton's own ptxas for
-sm_90)."""
+with dq fused in: by atomics, and by TMA reduce-adds where Triton's Gluon has them), compiled for sm_90a
+as jax-triton 0.4.1 compiles them (tests/test_hopper.compile_for_sm90), in the configurations the tests
+use; no GPU needed. Run from the repository root: python -m benchmarks.probes.backward_spills (triton
+from PYTHONPATH: the GPU machine's is 3.6; Triton's own ptxas for sm_90)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from triton.backends.nvidia.compiler import get_ptxas
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 import test_hopper as th  # noqa: E402
+
+from jagged_flash_jax import _compat  # noqa: E402
 
 CONFIGS = [
     ("D128", 128, False, {}),
@@ -46,15 +48,19 @@ def ptxas_report(ptx: str) -> tuple[str, str, str]:
 
 def main() -> None:
     print(f"triton {triton.__version__}, sm_90a, bfloat16, THD")
+    # (fused_dq, TMA reduce-adds): the unfused kernels, then dq fused by atomics, then by TMA (if any)
+    paths = [(False, False), (True, False)] + ([(True, True)] if _compat.gluon_tma_reduce() else [])
     for name, dim, causal, options in CONFIGS:
-        launches = [call for fused_dq in (False, True)
-                    for call in th.hopper_backward_calls(dim, causal, "THD", jnp.bfloat16, fused_dq=fused_dq,
-                                                         **options)]
+        launches = []
+        for fused_dq, tma in paths:
+            _compat.gluon_tma_reduce = lambda tma=tma: tma
+            launches += th.hopper_backward_calls(dim, causal, "THD", jnp.bfloat16, fused_dq=fused_dq,
+                                                 **options)
         for call, arrays in launches:
             with contextlib.redirect_stdout(io.StringIO()):
                 ptx, _ = th.compile_for_sm90(call, arrays)
             regs, stores, loads = ptxas_report(ptx)
-            print(f"{call.kernel.__name__:30s} {name:38s} registers {regs}, spill stores {stores:>5s} B, "
+            print(f"{call.kernel.__name__:34s} {name:38s} registers {regs}, spill stores {stores:>5s} B, "
                   f"loads {loads:>5s} B", flush=True)
 
 

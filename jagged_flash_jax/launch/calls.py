@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import kernels
+from .. import _compat, kernels
 from .._util import cdiv, lse_gradient, slopes_in_score_units
 from ..configs import (
     HOPPER_BWD_TRITON_STAGES,
@@ -79,7 +79,7 @@ class HopperConfig:
     tiles: BlockSizes
     programs: int
     preprocess_block_m: int
-    fused_dq: bool = False
+    fused_dq: bool = False  # (added by a TMA reduce-add where Triton has it: `hopper_backward`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,14 +396,14 @@ def _tma_views(p: Problem, q_like, kv_like) -> tuple:
 
 def _hopper_call(kernel_spec: KernelSpec, p: Problem, config: HopperConfig, tiles: KernelConfig,
                  outputs: dict, blocks_: int, tokens: int, constants: dict, triton_stages: int,
-                 descriptor_blocks: dict) -> KernelCall:
+                 descriptor_blocks: dict, updated: dict | None = None) -> KernelCall:
     """A persistent Hopper launch: config.programs programs, which take the `blocks_` blocks per (sequence,
-    head) from a counter the launch zeroes (the last output), after their share of the zero fills (the
-    tokens no sequence covers in blocks + 1 chunks per head)."""
+    head) from a counter the launch zeroes (the last output, before the `updated` inputs' results), after
+    their share of the zero fills (the tokens no sequence covers in blocks + 1 chunks per head)."""
     params, common = _common(p)
     return kernel_call(
         kernel_spec, grid=(config.programs,),
-        outputs=dict(outputs, counter=jax.ShapeDtypeStruct((1,), jnp.int32)),
+        outputs=dict(outputs, counter=jax.ShapeDtypeStruct((1,), jnp.int32), **(updated or {})),
         params=dict(params, blocks=blocks_, fill_chunk=_fill_chunk(tokens, blocks_ + 1)),
         constants=dict(common, **constants, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                        STAGES=tiles.num_stages, CONSUMER_REGS=HOPPER_CONSUMER_REGS,
@@ -439,8 +439,11 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
     persistent as the Hopper forward (blocks of 128 keys, or of 128 queries), q, do, k, v as TMA
     descriptors over the forward's 2-D views, the window, soft cap and ALiBi slopes as the forward takes
     them. With config.fused_dq, the dk/dv launch alone, of its dq-fused kernel, which adds dq into a
-    float32 array of q's shape that the launch zeroes, then cast to q's dtype: the tokens no sequence
-    attends, and the queries that see no key, stay 0 (nothing adds there)."""
+    float32 array of q's shape, zeroed, then cast to q's dtype: the tokens no sequence attends, and the
+    queries that see no key, stay 0 (nothing, or zeros, add there). Where Triton's Gluon has the TMA
+    reduce-add (`_compat.gluon_tma_reduce`), the kernel adding dq by it from shared memory, dq_acc zeros
+    of q's 2-D view passed as a descriptor of [dk/dv's query tile, 64] blocks (a warpgroup's columns) and
+    updated in place; else the kernel adding it by atomics, dq_acc an output the launch zeroes."""
     if p.empty:
         return _zero_gradients(p, q, k, v)
     delta_ = delta(run, p, config.preprocess_block_m, o, do, lse, dlse)
@@ -451,19 +454,27 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
     scales = dict(DS_SCALE=p.scale * p.out_scale)
     dkdv_outputs = dict(dk=jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
                         dv=jax.ShapeDtypeStruct(p.kv_shape, v.dtype))
-    if config.fused_dq:
-        dkdv_outputs["dq_acc"] = jax.ShapeDtypeStruct(p.q_shape, jnp.float32)
     # Two consumer warpgroups of 64 rows: the dk/dv program's keys, the dq program's queries.
+    dkdv_spec, updated = spec.HOPPER_BWD_DKDV, {}
+    descriptor_blocks = dict(q=(dkdv.block_m, p.head_dim), do=(dkdv.block_m, p.head_dim),
+                             k=(dkdv.block_n // 2, p.head_dim), v=(dkdv.block_n // 2, p.head_dim))
+    if config.fused_dq and _compat.gluon_tma_reduce():
+        dkdv_spec = spec.HOPPER_BWD_DKDV_DQ_TMA
+        (q_view,) = _tma_views(p, (q,), ())
+        inputs["dq_acc"] = jnp.zeros(q_view.shape, jnp.float32)
+        updated["dq_acc"] = jax.ShapeDtypeStruct(q_view.shape, jnp.float32)
+        descriptor_blocks["dq_acc"] = (dkdv.block_m, dkdv.block_n // 2)  # a warpgroup's 64 columns of dQ
+    elif config.fused_dq:
+        dkdv_spec = spec.HOPPER_BWD_DKDV_DQ
+        dkdv_outputs["dq_acc"] = jax.ShapeDtypeStruct(p.q_shape, jnp.float32)
     dkdv_call = _hopper_call(
-        spec.HOPPER_BWD_DKDV_DQ if config.fused_dq else spec.HOPPER_BWD_DKDV, p, config, dkdv, dkdv_outputs,
-        blocks(dkdv.block_n, p.kv_tokens, p.kv_max_seq_len), p.kv_tokens,
-        dict(scales, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale),
-        HOPPER_BWD_TRITON_STAGES if p.banded else HOPPER_DKDV_UNBANDED_TRITON_STAGES,
-        dict(q=(dkdv.block_m, p.head_dim), do=(dkdv.block_m, p.head_dim), k=(dkdv.block_n // 2, p.head_dim),
-             v=(dkdv.block_n // 2, p.head_dim)))
+        dkdv_spec, p, config, dkdv, dkdv_outputs, blocks(dkdv.block_n, p.kv_tokens, p.kv_max_seq_len),
+        p.kv_tokens, dict(scales, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale),
+        HOPPER_BWD_TRITON_STAGES if p.banded else HOPPER_DKDV_UNBANDED_TRITON_STAGES, descriptor_blocks,
+        updated)
     if config.fused_dq:
-        dk, dv, dq_acc, _ = launch(run, dkdv_call, **inputs)
-        return dq_acc.astype(q.dtype), dk, dv
+        results = dict(zip(dkdv_spec.results, launch(run, dkdv_call, **inputs)))
+        return results["dq_acc"].reshape(p.q_shape).astype(q.dtype), results["dk"], results["dv"]
     dk, dv, _ = launch(run, dkdv_call, **inputs)
     dq_call = _hopper_call(
         spec.HOPPER_BWD_DQ, p, config, dq, dict(dq=jax.ShapeDtypeStruct(p.q_shape, q.dtype)),

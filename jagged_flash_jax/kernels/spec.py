@@ -1,8 +1,9 @@
 """The contract between the launch code and each kernel, declared once: a `KernelSpec` per kernel names its
 array inputs and outputs, the slots of its int32 array of runtime parameters, its compile-time constants,
-which inputs are TMA descriptors and which outputs the launcher zeroes. launch/calls.py packs and checks
-by it; the kernels read their parameter slots by it; tests/test_spec.py holds each spec against its
-kernel's own argument names. Plain Python, so that the launch code imports it without Triton.
+which inputs are TMA descriptors, which outputs the launcher zeroes and which inputs the kernel updates in
+place. launch/calls.py packs and checks by it; the kernels read their parameter slots by it;
+tests/test_spec.py holds each spec against its kernel's own argument names. Plain Python, so that the
+launch code imports it without Triton.
 
 A kernel's arguments, in order (jax-triton's): its inputs (`<name>_ptr`, `<name>_desc` for a
 descriptor; the last input is `params`, the runtime parameters), its outputs, then its constants, which

@@ -147,15 +147,22 @@ class Batch:
         return cast(self.q), cast(self.k), cast(self.v), cast(self.do)
 
 
-def attended_mask(offsets, total: int, max_seq_len: int) -> np.ndarray:
-    """Boolean [T]: whether token t is among the first max_seq_len tokens of some sequence, each offset
-    clamped into [0, T] and each end to at least its start, as the kernels do with any offsets."""
-    mask = np.zeros(total, bool)
+def attended_counts(offsets, total: int, max_seq_len: int) -> np.ndarray:
+    """Int [T]: how many sequences have token t among their first max_seq_len tokens, each offset
+    clamped into [0, T] and each end to at least its start, as the kernels do with any offsets (more
+    than one where malformed offsets make sequences overlap)."""
+    counts = np.zeros(total, int)
     for start, end in zip(offsets[:-1], offsets[1:]):
         start = min(max(int(start), 0), total)
         end = min(max(int(end), start), total)
-        mask[start:start + min(end - start, max_seq_len)] = True
-    return mask
+        counts[start:start + min(end - start, max_seq_len)] += 1
+    return counts
+
+
+def attended_mask(offsets, total: int, max_seq_len: int) -> np.ndarray:
+    """Boolean [T]: whether token t is among the first max_seq_len tokens of some sequence (see
+    attended_counts)."""
+    return attended_counts(offsets, total, max_seq_len) > 0
 
 
 def reference(q, k, v, do, offsets, max_seq_len, *, kv_offsets=None, kv_max_seq_len=None, scale=1.0,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_hstu
-from helpers import Spy, attended_mask, relative_error, to_numpy
+from helpers import Spy, attended_counts, attended_mask, relative_error, to_numpy
 from test_hopper import check_compiled, compile_for_sm90, products_in_flight
 from test_hstu import HstuBatch, assert_close, expected_of, run
 
@@ -233,8 +233,8 @@ def _offsets_op(implementation):
                          + [(o, True) for o in ADVERSARIAL_INT64_OFFSETS], ids=str)
 def test_adversarial_offsets(offsets, int64, hstu_hopper):
     """Any offsets content: o finite, zero on the tokens no sequence attends (offsets clamped into
-    [0, T], each end to at least its start), and the portable forward's elsewhere (within TOLERANCE);
-    its own zero fill does the tokens outside (no memset)."""
+    [0, T], each end to at least its start), and the portable forward's on the tokens one sequence
+    attends (within TOLERANCE); its own zero fill does the tokens outside (no memset)."""
     rng = np.random.default_rng(5)
     q, k, v = (jnp.asarray(rng.standard_normal((TOKENS, 2, 128)), jnp.bfloat16) for _ in range(3))
     with jax.enable_x64(int64):
@@ -244,9 +244,12 @@ def test_adversarial_offsets(offsets, int64, hstu_hopper):
         got = to_numpy(_offsets_op(hstu_hopper)(q, k, v, traced, targets))
         want = to_numpy(_offsets_op("portable")(q, k, v, traced, targets))
     assert np.all(np.isfinite(got))
-    attended = attended_mask(offsets, TOKENS, 16)
-    assert not np.any(got[~attended]), f"o is not zero on tokens {np.flatnonzero(~attended)}"
-    if np.any(want):
-        assert relative_error(got, want) <= TOLERANCE
+    counts = attended_counts(offsets, TOKENS, 16)
+    assert not np.any(got[counts == 0]), f"o is not zero on tokens {np.flatnonzero(counts == 0)}"
+    # A token in two (clamped) sequences is written by both, in no set order (each kernel's own): it
+    # is compared where one sequence writes it.
+    once = counts == 1
+    if np.any(want[once]):
+        assert relative_error(got[once], want[once]) <= TOLERANCE
     if len(offsets) > 1:
         assert hstu_hopper.calls and hstu_hopper.calls[-1][:2] == ("forward", "hstu-hopper")

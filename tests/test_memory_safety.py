@@ -169,7 +169,8 @@ def _ops(where):
     """The jitted ops the cases run on `where` (a backend's name, or an implementation), made once per
     process, so that every case of a variant (the offsets are traced arguments) reuses their
     compilations."""
-    where = dict(backend=where) if isinstance(where, str) else dict(implementation=where)
+    hstu_only = where == "hstu-hopper"  # HSTU's own implementation, named: the softmax ops have none
+    where = dict(backend=where) if isinstance(where, str) and not hstu_only else dict(implementation=where)
     self_op = jax.jit(lambda q, k, v, o: jfa.jagged_attention(q, k, v, o, MAX_SEQ_LEN, **where))
     cross_op = jax.jit(lambda q, k, v, o, kv_o: jfa.jagged_attention(
         q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, causal=True, **where))
@@ -180,11 +181,11 @@ def _ops(where):
     options_op = jax.jit(lambda q, k, v, o, kv_o, slopes: jfa.jagged_attention(
         q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, window=(5, 3),
         softcap=2.0, alibi_slopes=slopes, **where))
-    # HSTU attention (its own implementations: on a backend's name only), every mask option on: targets
-    # read per sequence, a window and a context prefix.
+    # HSTU attention (its own implementations: on a backend's name, or its Hopper forward named), every
+    # mask option on: targets read per sequence, a window and a context prefix.
     hstu_op = jax.jit(lambda q, k, v, o, targets: jfa.hstu_attention(
         q, k, v, o, MAX_SEQ_LEN, alpha=0.5, num_targets=targets, max_attn_len=4, contextual_seq_len=1,
-        **where)) if "backend" in where else None
+        **where)) if "backend" in where or hstu_only else None
     return self_op, cross_op, fbgemm_op, options_op, hstu_op
 
 
@@ -212,6 +213,8 @@ def _check_offsets_case(offsets, int64: bool, where, hopper: bool, variant: str)
             "jagged_attention cross window softcap alibi": (
                 lambda q, k, v: options_op(q, k, v, q_offsets, kv_offsets, slopes), (q, kv, kv), "THD", True),
         }
+        if where == "hstu-hopper":  # HSTU's own implementation: the softmax ops have none
+            cases.clear()
         if hstu_op is not None:
             targets = jnp.ones(len(offsets) - 1, dtype)
             cases["hstu_attention targets window context"] = (
@@ -236,10 +239,10 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False,
     D >= 64 take: their transposes, and key and query windows that start before their sequence). With
     `hopper` (a Hopper GPU), bfloat16 at D = 128 on the Hopper kernels alone (a spy says they ran), whose
     tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens, then with
-    dq fused into dk/dv by atomics ("hopper-fused-dq"). `only`: the names of the variants to run (default
-    all)."""
+    dq fused into dk/dv ("hopper-fused-dq"), then HSTU attention on its Hopper forward ("hstu-hopper",
+    named: it is not among auto's candidates). `only`: the names of the variants to run (default all)."""
     spy = Spy("hopper")
-    variants = ({"hopper": spy, "hopper fused dq": FusedDq(spy.calls)} if hopper
+    variants = ({"hopper": spy, "hopper fused dq": FusedDq(spy.calls), "hstu hopper": "hstu-hopper"} if hopper
                 else {"as chosen": backend, "key-major": variant(backend, key_major=True)})
     variants = {name: where for name, where in variants.items() if only is None or name in only}
     for name, where in variants.items():

@@ -1013,6 +1013,44 @@ def test_fused_dq_backward_keeps_inf_and_nan_out_with_the_options(operand, layou
     assert_fused(fused_dq_kernels)
 
 
+def check_a_sequences_inf_key_stays_in_it(layout: str, kernels) -> None:
+    """An inf in an attended key of the first sequence, which ends inside a 64-query tile (n_q = 100)
+    whose rows past it are the next sequence's tokens: there dS is 0, and dQ = dS K is 0 * inf = NaN
+    unless those rows are kept out of dq. The other sequences' o, dq, dk and dv finite and matching
+    float64; the first's not checked (its softmax meets the inf); unattended tokens 0."""
+    max_len, dim = 256, 128
+    batch = Batch.make([100, 150, 37], 4, dim, kv_heads=2, extra=20, seed=9)
+    batch.k = batch.k.copy()
+    batch.k[3, 1] = np.inf
+    results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
+                      **kernels.kwargs)
+    assert kernels.ran == ["hopper"]
+    with np.errstate(invalid="ignore"):  # the first sequence's scores meet the inf
+        expected = reference(*results[:4], batch.offsets, max_len, scale=dim**-0.5)
+    others = attended_mask(batch.offsets[1:], len(batch.q), max_len)
+    attended = attended_mask(batch.offsets, len(batch.q), max_len)
+    for name, got, want in zip(("o", "dq", "dk", "dv"), results[4:], expected):
+        assert np.all(np.isfinite(got[others])), f"{name}: not finite in the other sequences"
+        assert not np.any(got[~attended]), f"{name} is not zero on unattended tokens"
+        err = relative_error(got[others], want[others])
+        assert err <= TOLERANCES["bf16"][2], f"{name}: relative error {err:.2e} in the other sequences"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_backward_keeps_a_sequences_inf_key_in_it(layout, backward_kernels):
+    check_a_sequences_inf_key_stays_in_it(layout, backward_kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_fused_dq_backward_keeps_a_sequences_inf_key_in_it(layout, fused_dq_kernels):
+    """The same with dq fused: under the TMA reduce-add (triton >= 3.7) the whole tile is added, its rows
+    past n_q selected to 0 first."""
+    check_a_sequences_inf_key_stays_in_it(layout, fused_dq_kernels)
+    assert_fused(fused_dq_kernels)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,causal", [("THD", True), ("HTD", False)])
 def test_fused_dq_backward_rows_no_block_computes_are_zero(layout, causal, fused_dq_kernels):

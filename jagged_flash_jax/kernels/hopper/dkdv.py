@@ -131,8 +131,9 @@ def attention_bwd_dkdv_dq_tma_kernel(
 ):
     """`attention_bwd_dkdv_dq_kernel` with each warpgroup's dQ tile added by a TMA reduce-add from shared
     memory (triton >= 3.7): dq_acc_desc a descriptor of [BLOCK_M, 64] float32 blocks over dq_acc (q's 2-D
-    view, zeroed by the launcher), which the kernel updates in place. A tile's rows past n_q add zeros
-    (dS^T is 0 there, and K's rows past n_k are zeroed) to whatever tokens follow; not deterministic."""
+    view, zeroed by the launcher), which the kernel updates in place. A tile's rows past n_q add 0 to
+    whatever tokens follow (selected: a non-finite key of the sequence stays out of them); not
+    deterministic."""
     SHAPE: gl.constexpr = (NUM_KV_HEADS, KV_GROUP, D)
     LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)
     BAND: gl.constexpr = (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
@@ -503,7 +504,7 @@ def _dq_tile(fused, smem, products, rows, DS_SCALE: gl.constexpr, D: gl.constexp
     the whole tile, warpgroup i % 2 (the other only releases the slot). [64, BLOCK_M] float32 of dQ^T in
     registers, added into dq_acc after the ring slot is released: by atomics (`add_columns`; dq_base a
     pointer from `row_base`), or under DQ_TMA_REDUCE by a TMA reduce-add (`reduce_columns`; dq_base the
-    head's (row, column) from `tile_origin`, n_q unused: the rows past it add zeros). Both warpgroups
+    head's (row, column) from `tile_origin`, the rows at or past n_q adding 0). Both warpgroups
     release it only after their products that read its dS^T, and write the slot's dS^T again only once
     the producer has loaded its next tile, which waits for both releases: no other barrier guards
     ds_smem."""
@@ -525,7 +526,7 @@ def _dq_tile(fused, smem, products, rows, DS_SCALE: gl.constexpr, D: gl.constexp
         dqt = warpgroup_mma_wait(0, deps=(dqt, ))
         mbarrier.arrive(empty.index(slot), count=1)
         if FUSED_DQ == DQ_TMA_REDUCE:
-            reduce_columns(dq_acc, dq_base, dqt * DS_SCALE, stage.index(WG), m0, D0)
+            reduce_columns(dq_acc, dq_base, dqt * DS_SCALE, stage.index(WG), m0, n_q, D0)
         else:
             add_columns(dq_base + D0, token_stride, dqt * DS_SCALE, stage.index(WG), m0, n_q)
     else:
@@ -536,7 +537,7 @@ def _dq_tile(fused, smem, products, rows, DS_SCALE: gl.constexpr, D: gl.constexp
             dqt = warpgroup_mma_wait(0, deps=(dqt, ))
             mbarrier.arrive(empty.index(slot), count=1)
             if FUSED_DQ == DQ_TMA_REDUCE:
-                reduce_columns(dq_acc, dq_base, dqt * DS_SCALE, stage.index(WG), m0, 0)
+                reduce_columns(dq_acc, dq_base, dqt * DS_SCALE, stage.index(WG), m0, n_q, 0)
             else:
                 add_columns(dq_base, token_stride, dqt * DS_SCALE, stage.index(WG), m0, n_q)
         else:

@@ -6,8 +6,8 @@
 # Logs go to $OUT, each ending with `rc=`; a call returns at most 8 files, so end a call's command with
 # `cd $OUT && tar czf callN.tgz --remove-files $(ls)`. BUDGET (s) bounds a call's benchmark run.
 #
-#   1  triton 3.6: the GPU suite under auto, beside memcheck on every Hopper variant and the demo
-#   2  triton 3.6: the GPU suite with the portable kernels forced
+#   1  triton 3.6: the GPU suite under auto, beside memcheck (portable, Hopper) and the demo
+#   2  triton 3.6: the GPU suite with the portable kernels forced, beside memcheck (dq fused, HSTU Hopper)
 #   3  triton 3.6: the softmax rows against cuDNN (the groups the last session's budget left out first)
 #   4  triton 3.6: HSTU's long cases; gr's Triton kernel in PyTorch, one process per case and mode
 #   5  triton 3.9: installed, then the GPU suite under auto beside memcheck
@@ -22,18 +22,20 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/
 start=$(date +%s)
 elapsed() { echo "[$1 at $(( $(date +%s) - start )) s]"; }
 stage() { bash tests/gpu/stage_triton39.sh "$1" 2>&1 | tee -a "$out/stage.log"; }
-# memcheck on the portable kernels and the Hopper ones ($4: the Hopper variants alone, e.g. "['hopper fused
-# dq']", or None for all). Only the
-# application is checked: jaxlib runs ptxas as a child process when it loads a kernel, and the sanitizer
-# crashed (SIGSEGV) following it on triton 3.9 and on an int64 case's new compilation on 3.6.
+# memcheck: $4 the Hopper variants to check (check_offsets_cases' `only`, e.g. "['hopper']"), $5 whether
+# the portable kernels (HSTU's too) go first (True/False), $6 the log's tag. One call's limit covers
+# about 30 cases, so calls 1 and 5 check the portable kernels and the default Hopper ones, 2 and 6 (beside
+# the portable suite) the dq-fused backward and HSTU's Hopper forward. Only the application is checked:
+# jaxlib runs ptxas as a child process when it loads a kernel, and the sanitizer crashed (SIGSEGV)
+# following it on triton 3.9 and on an int64 case's new compilation on 3.6.
 memcheck() {
-  local triton=$1 path=$2 limit=$3 only=$4
+  local triton=$1 path=$2 limit=$3 only=$4 portable=$5 log="$out/memcheck$6-triton$1.log"
   (cd tests && PYTHONPATH="$path" XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout "$limit" compute-sanitizer \
      --tool memcheck --target-processes application-only --error-exitcode 99 --print-limit 20 python3 -c \
      "import test_memory_safety as t
-for hopper in ([False] if $only is None else []) + [True]:  # the portable kernels (HSTU's too), then Hopper's
+for hopper in ([False] if $portable else []) + [True]:
     t.check_offsets_cases(t.CASES, backend='triton', hopper=hopper, only=$only if hopper else None)" \
-     > "$out/memcheck-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/memcheck-triton$triton.log")
+     > "$log" 2>&1; echo "rc=$?" >> "$log")
 }
 summary() {
   for f in "$out"/*.log; do echo "== $(basename "$f"): $(grep -E "passed|failed|ERROR SUMMARY|all ok|rc=" "$f" | tail -3 | tr '\n' ' ')"; done
@@ -58,12 +60,13 @@ rows=fbgemm,L-sweep,D-sweep,causal,gqa,cross,window,softcap
 long_hstu=(b32-l4096-random-targets b32-l8192-random-targets b32-l8192-uniform)
 case $call in
   1) stage .t39a
-     memcheck 3.6 "$site36" 250 None &
+     memcheck 3.6 "$site36" 250 "['hopper']" True "" &
      LIMIT=250 bash tests/gpu/run.sh demo > /dev/null 2>&1 &
      LIMIT=260 bash tests/gpu/run.sh suite > /dev/null 2>&1
      wait; elapsed "call 1"; summary ;;
   2) stage .t39b
-     LIMIT=260 bash tests/gpu/run.sh suite-portable > /dev/null 2>&1; elapsed "call 2"; summary ;;
+     memcheck 3.6 "$site36" 250 "['hopper fused dq', 'hstu hopper']" False "-fused-dq-hstu" &
+     LIMIT=260 bash tests/gpu/run.sh suite-portable > /dev/null 2>&1; wait; elapsed "call 2"; summary ;;
   3) stage .t39c
      softmax_bench triton3.6 "D-sweep,causal,gqa,cross,window,softcap,L32768,window-sweep" \
        jfa-triton,jfa-triton-fused-dq,cudnn-packed,cudnn-padded ${BUDGET:-250} "$site36"; elapsed "call 3" ;;
@@ -84,10 +87,11 @@ case $call in
      done; elapsed "call 4" ;;
   5) stage .t39e && bash tests/gpu/install_triton39.sh > "$out/install-triton3.9.log" 2>&1
      echo "rc=$?" >> "$out/install-triton3.9.log"; tail -2 "$out/install-triton3.9.log"
-     memcheck 3.9 "$site39" 260 None &
+     memcheck 3.9 "$site39" 260 "['hopper']" True "" &
      TRITON=3.9 LIMIT=260 bash tests/gpu/run.sh suite > /dev/null 2>&1
      wait; elapsed "call 5"; summary ;;
-  6) TRITON=3.9 LIMIT=260 bash tests/gpu/run.sh suite-portable > /dev/null 2>&1; elapsed "suite"; summary
+  6) memcheck 3.9 "$site39" 250 "['hopper fused dq', 'hstu hopper']" False "-fused-dq-hstu" &
+     TRITON=3.9 LIMIT=260 bash tests/gpu/run.sh suite-portable > /dev/null 2>&1; wait; elapsed "suite"; summary
      softmax_bench triton3.9 "$rows,L32768,window-sweep" jfa-triton,jfa-triton-fused-dq ${BUDGET:-250} "$site39"
      elapsed "call 6" ;;
   *) echo "usage: bash tests/gpu/session.sh 1..6" >&2; exit 2 ;;

@@ -188,6 +188,14 @@ def gluon_available() -> bool:
     return True
 
 
+def _segments_reason(p) -> str | None:
+    """Why a Hopper kernel cannot take p's offsets segments (it takes one), or None."""
+    if p.num_segments != 1:
+        return (f"{p.num_segments} offsets segments (it takes one: vmap and data-parallel packing make "
+                f"more)")
+    return None
+
+
 def _tma_reason(strides: tuple[int, ...], dtype) -> str | None:
     """Why TMA descriptors cannot cover arrays of these strides (in elements of `dtype`), or None."""
     itemsize = np.dtype(dtype).itemsize
@@ -245,9 +253,8 @@ class Hopper(Implementation):
                     f"head dimensions {dims})")
         if reason := gpu_reason(context.device) or _kernels_reason(p):
             return reason
-        if p.num_segments != 1:
-            return (f"{p.num_segments} offsets segments (it takes one: vmap and data-parallel packing make "
-                    f"more)")
+        if reason := _segments_reason(p):
+            return reason
         if p.kv_tokens == 0:
             return "no key tokens (no TMA descriptor over an empty array)"
         strides = (*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))
@@ -380,9 +387,8 @@ class HstuHopper(Implementation):
         if p.head_dim not in dims or p.value_dim not in dims:
             return (f"head dimensions D={p.head_dim}, V={p.value_dim} (the Hopper HSTU forward takes each "
                     f"in {dims})")
-        if p.num_segments != 1:
-            return (f"{p.num_segments} offsets segments (it takes one: vmap and data-parallel packing make "
-                    f"more)")
+        if reason := _segments_reason(p):
+            return reason
         if reason := _tma_reason((*p.strides(p.head_dim), *p.strides(p.value_dim)), p.dtype):
             return reason
         view_rows = p.tokens * (1 if p.layout == "THD" else p.num_heads)

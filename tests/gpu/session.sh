@@ -12,9 +12,11 @@
 #   4  triton 3.6: HSTU's long cases; gr's Triton kernel in PyTorch, one process per case and mode
 #   5  triton 3.9: installed, then the GPU suite under auto beside memcheck
 #   6  triton 3.9: the GPU suite with the portable kernels forced, then the softmax rows
+#   7  HSTU's Hopper backward (profile/2026-12-03_hstu_hopper_backward.mbox, applied to a copy of the tree
+#      with patch): its GPU tests, memcheck and timing under triton 3.6, and 3.9 where 5 installed it
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..6}
+call=${1:?usage: bash tests/gpu/session.sh 1..7}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -94,5 +96,21 @@ case $call in
      TRITON=3.9 LIMIT=260 bash tests/gpu/run.sh suite-portable > /dev/null 2>&1; wait; elapsed "suite"; summary
      softmax_bench triton3.9 "$rows,L32768,window-sweep" jfa-triton,jfa-triton-fused-dq ${BUDGET:-250} "$site39"
      elapsed "call 6" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..6" >&2; exit 2 ;;
+  7) rm -rf /tmp/hstu-bwd && mkdir /tmp/hstu-bwd && cp -r jagged_flash_jax tests benchmarks docs README.md pyproject.toml \
+       /tmp/hstu-bwd/ && (cd /tmp/hstu-bwd && patch -s -p1 \
+       < "$OLDPWD/benchmarks/results/profile/2026-12-03_hstu_hopper_backward.mbox") || exit 1
+     for triton in 3.6 3.9; do
+       path=$([ $triton = 3.9 ] && echo /tmp/site39:/tmp/site:/tmp/hstu-bwd || echo /tmp/site:/tmp/hstu-bwd)
+       [ $triton = 3.9 ] && [ ! -d /tmp/site39/triton ] && continue
+       (cd /tmp/hstu-bwd && PYTHONPATH=$path timeout 150 python3 -m pytest tests/test_hstu_hopper.py -m gpu \
+          -p xdist -n 8 -o addopts=-ra -q > "$out/hstu-bwd-tests-triton$triton.log" 2>&1
+        echo "rc=$?" >> "$out/hstu-bwd-tests-triton$triton.log"
+        PYTHONPATH=$path timeout 100 python3 -m benchmarks.hstu_run --out /tmp/hstu-bwd-$triton \
+          --cases b128-l1024-random-targets b32-l4096-random-targets b32-l8192-uniform \
+          --impls jfa-triton,jfa-hstu-hopper --seconds 0.2 > "$out/hstu-bwd-bench-triton$triton.log" 2>&1)
+       tail -1 "$out/hstu-bwd-tests-triton$triton.log"; grep "^\[hstu\]" "$out/hstu-bwd-bench-triton$triton.log"
+     done
+     (cd /tmp/hstu-bwd && out=$out && memcheck 3.6 /tmp/site:/tmp/hstu-bwd 150 "['hstu hopper']" False "-hstu-bwd")
+     elapsed "call 7" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..7" >&2; exit 2 ;;
 esac

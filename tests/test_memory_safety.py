@@ -168,9 +168,17 @@ CASES = [(offsets, False) for offsets in ADVERSARIAL_OFFSETS] + [(o, True) for o
 def _ops(where):
     """The jitted ops the cases run on `where` (a backend's name, or an implementation), made once per
     process, so that every case of a variant (the offsets are traced arguments) reuses their
-    compilations."""
-    hstu_only = where == "hstu-hopper"  # HSTU's own implementation, named: the softmax ops have none
+    compilations. The softmax ops are None for HSTU's Hopper forward, named (they have no such
+    implementation)."""
+    hstu_only = where == "hstu-hopper"
     where = dict(backend=where) if isinstance(where, str) and not hstu_only else dict(implementation=where)
+    # HSTU attention (its own implementations: on a backend's name, or its Hopper forward named), every
+    # mask option on: targets read per sequence, a window and a context prefix.
+    hstu_op = jax.jit(lambda q, k, v, o, targets: jfa.hstu_attention(
+        q, k, v, o, MAX_SEQ_LEN, alpha=0.5, num_targets=targets, max_attn_len=4, contextual_seq_len=1,
+        **where)) if "backend" in where or hstu_only else None
+    if hstu_only:
+        return None, None, None, None, hstu_op
     self_op = jax.jit(lambda q, k, v, o: jfa.jagged_attention(q, k, v, o, MAX_SEQ_LEN, **where))
     cross_op = jax.jit(lambda q, k, v, o, kv_o: jfa.jagged_attention(
         q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, causal=True, **where))
@@ -181,11 +189,6 @@ def _ops(where):
     options_op = jax.jit(lambda q, k, v, o, kv_o, slopes: jfa.jagged_attention(
         q, k, v, o, MAX_SEQ_LEN, kv_offsets=kv_o, kv_max_seq_len=KV_MAX_SEQ_LEN, window=(5, 3),
         softcap=2.0, alibi_slopes=slopes, **where))
-    # HSTU attention (its own implementations: on a backend's name, or its Hopper forward named), every
-    # mask option on: targets read per sequence, a window and a context prefix.
-    hstu_op = jax.jit(lambda q, k, v, o, targets: jfa.hstu_attention(
-        q, k, v, o, MAX_SEQ_LEN, alpha=0.5, num_targets=targets, max_attn_len=4, contextual_seq_len=1,
-        **where)) if "backend" in where or hstu_only else None
     return self_op, cross_op, fbgemm_op, options_op, hstu_op
 
 
@@ -204,7 +207,7 @@ def _check_offsets_case(offsets, int64: bool, where, hopper: bool, variant: str)
         q_offsets, kv_offsets = jnp.asarray(offsets, dtype), jnp.asarray(kv_offsets, dtype)
         assert q_offsets.dtype == dtype
         slopes = jnp.linspace(0.1, 0.9, HEADS, dtype=jnp.float32)
-        cases = {
+        cases = {} if self_op is None else {
             "jagged_attention": (lambda q, k, v: self_op(q, k, v, q_offsets), (q, q, q), "THD", False),
             "jagged_attention cross causal": (lambda q, k, v: cross_op(q, k, v, q_offsets, kv_offsets),
                                               (q, kv, kv), "THD", True),
@@ -213,8 +216,6 @@ def _check_offsets_case(offsets, int64: bool, where, hopper: bool, variant: str)
             "jagged_attention cross window softcap alibi": (
                 lambda q, k, v: options_op(q, k, v, q_offsets, kv_offsets, slopes), (q, kv, kv), "THD", True),
         }
-        if where == "hstu-hopper":  # HSTU's own implementation: the softmax ops have none
-            cases.clear()
         if hstu_op is not None:
             targets = jnp.ones(len(offsets) - 1, dtype)
             cases["hstu_attention targets window context"] = (

@@ -114,6 +114,12 @@ HOPPER_BACKWARD_AUTO_HEAD_DIMS = (128,)
 # split. Not measured: the softmax Hopper forward's narrow-band tile, a first choice until a GPU run
 # tunes it. Its head dimensions (D of q and k, V of v), each its own (not padded).
 HSTU_HOPPER_FWD_TILE = KernelConfig(128, 64, num_warps=4, num_stages=2, max_registers=168)
+# HSTU's Hopper backward (kernels/hopper/hstu_backward.py): dk/dv's 128 keys (two consumer warpgroups') by
+# query tiles of 64 in a 2-deep ring, dq's 128 queries by key tiles of 64 (the forward's), the softmax
+# Hopper backward's register split. Not measured: a first choice (the softmax dk/dv's D = 128 tile)
+# until a GPU run tunes them.
+HSTU_HOPPER_BWD_DKDV_TILE = KernelConfig(64, 128, num_warps=4, num_stages=2, max_registers=168)
+HSTU_HOPPER_BWD_DQ_TILE = KernelConfig(128, 64, num_warps=4, num_stages=2, max_registers=168)
 HSTU_HOPPER_HEAD_DIMS = (64, 128)
 
 INTERPRET_BLOCK_SIZES = BlockSizes(

@@ -361,6 +361,16 @@ def hstu_gluon_available() -> bool:
     return True
 
 
+@functools.cache
+def hstu_backward_gluon_available() -> bool:
+    """Whether this Triton has Gluon's Hopper module and HSTU's Hopper backward imports with it."""
+    try:
+        from .kernels.hopper import hstu_backward  # noqa: F401
+    except Exception:  # ImportError, or an API the kernel module needs that this Triton lacks
+        return False
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class HstuHopper(Implementation):
     """HSTU's Hopper forward (kernels/hopper/hstu_forward.py): 16-bit inputs, D and V among

@@ -87,6 +87,55 @@ def test_the_hstu_hopper_forward_compiles_for_sm90a(case):
     assert products_in_flight(ptx) == 2
 
 
+def hstu_hopper_backward_calls(dim: int, value_dim: int, layout: str, dtype, token_scale: bool = False,
+                               **mask):
+    """The Hopper HSTU backward's two KernelCalls and their arrays (dk/dv, then dq), as
+    launch/hstu.hopper_backward makes them, on `hstu_hopper_call`'s problem."""
+    p = HstuProblem(layout=layout, num_heads=2, head_dim=dim, value_dim=value_dim, batch=2, num_segments=1,
+                    tokens=64, offsets_rows=1, max_seq_len=40, alpha=0.5,
+                    scale=None if token_scale else 1 / 40, dtype=jnp.dtype(dtype).name, **mask)
+    shape = lambda d: (64, 2, d) if layout == "THD" else (2, 64, d)  # noqa: E731
+    qk, v = jnp.zeros(shape(dim), dtype), jnp.zeros(shape(value_dim), dtype)
+    recorded = []
+
+    def run(call, arrays):
+        recorded.append((call, arrays))
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
+
+    config = launch_hstu.HopperHstuBackwardConfig(configs.HSTU_HOPPER_BWD_DKDV_TILE,
+                                                  configs.HSTU_HOPPER_BWD_DQ_TILE, configs.HOPPER_SMS)
+    launch_hstu.hopper_backward(run, p, config, qk, qk, v, jnp.asarray([[0, 10, 64]], jnp.int32),
+                                jnp.asarray([[2, 3]], jnp.int32) if p.has_targets else None,
+                                jnp.ones(64, jnp.float32) if token_scale else None, v)
+    return recorded
+
+
+# (dim, value_dim, layout, dtype, token_scale, mask options) of the backward: D = V = 128 and 64, each
+# causal with every mask option on (targets, a window lifted for the last rows, a context prefix) and
+# plain causal, bfloat16 and float16, both layouts, the scale static and per token (dq's scale gradient);
+# V != D with the options, not causal.
+BACKWARD_COMPILE_CASES = [(128, 128, "THD", jnp.bfloat16, False, dict(causal=True, **ALL_OPTIONS)),
+                          (128, 128, "HTD", jnp.float16, True, dict(causal=True)),
+                          (64, 64, "THD", jnp.float16, True, dict(causal=True, **ALL_OPTIONS)),
+                          (64, 64, "HTD", jnp.bfloat16, False, dict(causal=True)),
+                          (64, 128, "THD", jnp.bfloat16, True, dict(causal=False, **ALL_OPTIONS))]
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("case", BACKWARD_COMPILE_CASES, ids=_compile_id)
+def test_the_hstu_hopper_backward_compiles_for_sm90a(case, kernel):
+    """Both kernels of the backward, through jax-triton's pipeline (test_hopper.compile_for_sm90): 384
+    threads, setmaxnreg's split, wgmma and TMA, shared memory within the H200's."""
+    if not implementations.hstu_backward_gluon_available():
+        pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
+    dim, value_dim, layout, dtype, token_scale, mask = case
+    dkdv, dq = hstu_hopper_backward_calls(dim, value_dim, layout, dtype, token_scale, **mask)
+    call, arrays = dkdv if kernel == "dkdv" else dq
+    ptx, metadata = compile_for_sm90(call, arrays)
+    check_compiled(ptx, metadata)
+
+
 # ---------------------------------------------------------------------------------------------------
 # On a Hopper GPU, against float64
 # ---------------------------------------------------------------------------------------------------

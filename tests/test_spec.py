@@ -24,16 +24,18 @@ def test_every_kernel_has_a_spec():
 
 def test_the_attention_kernels_share_their_first_slots():
     """kernels/shared.py names these slots once for every softmax attention kernel, kernels/shared_hstu.py
-    its own for the HSTU kernels (the Hopper forward's up to fill_chunk)."""
+    its own for the HSTU kernels (the Hopper forward's and backward's up to fill_chunk)."""
     for kernel_spec in spec.SPECS:
         if "batch" in kernel_spec.params:
             first = spec.HSTU_PARAMS if kernel_spec.name.startswith("hstu_") else spec.ATTENTION_PARAMS
-            if kernel_spec.name == "hopper_hstu_fwd_kernel":  # its blocks in the place of the slots
+            if kernel_spec.name.startswith("hopper_hstu_"):  # their blocks in the place of the slots
                 first = spec.HSTU_PARAMS[:-1]
             assert kernel_spec.params[:len(first)] == first
     assert spec.KEY_MAJOR.params[:3] == spec.ATTENTION_BWD_PREPROCESS.params
     # kernels/hopper/addressing.py names the Hopper kernels' own slots once for the three.
     assert spec.HOPPER_BWD_DKDV.params == spec.HOPPER_BWD_DQ.params == spec.HOPPER_FWD.params
+    # kernels/hopper/hstu_backward.py reads `blocks` at one slot for both of its kernels.
+    assert spec.HOPPER_HSTU_BWD_DKDV.params == spec.HOPPER_HSTU_BWD_DQ.params == spec.HOPPER_HSTU_FWD.params
 
 
 def test_packing_takes_exactly_the_specs_parameters():

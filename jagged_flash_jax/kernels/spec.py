@@ -213,5 +213,23 @@ HOPPER_HSTU_FWD = KernelSpec(
                *_HOPPER_CONSTANTS),
     descriptors=("q", "k", "v"), zeroed=("counter",))
 
+# HSTU's Hopper backward (kernels/hopper/hstu_backward.py): a dk/dv kernel (blocks of 128 keys, `blocks`
+# of them per (sequence, head)) and a dq kernel (blocks of 128 queries), each persistent as the forward,
+# on its runtime parameters and constants; q, do (the arrays of queries) and k, v as TMA descriptors.
+# dscale is HSTU_BWD's (the per-token scale's gradient per head, float32 [T, H], a one-element
+# placeholder without TOKEN_SCALE), zeroed by the launcher: the dq kernel writes the attended tokens only.
+_HOPPER_HSTU_BWD_INPUTS = ("q", "do", "k", "v", *_HSTU_ROWS)
+
+HOPPER_HSTU_BWD_DKDV = KernelSpec(
+    "hopper_hstu_bwd_dkdv_kernel", inputs=_HOPPER_HSTU_BWD_INPUTS, outputs=("dk", "dv", "counter"),
+    params=HOPPER_HSTU_PARAMS, constants=HOPPER_HSTU_FWD.constants, descriptors=("q", "do", "k", "v"),
+    zeroed=("counter",))
+
+HOPPER_HSTU_BWD_DQ = KernelSpec(
+    "hopper_hstu_bwd_dq_kernel", inputs=_HOPPER_HSTU_BWD_INPUTS, outputs=("dq", "dscale", "counter"),
+    params=HOPPER_HSTU_PARAMS, constants=HOPPER_HSTU_FWD.constants, descriptors=("q", "do", "k", "v"),
+    zeroed=("dscale", "counter"))
+
 SPECS = (KEY_MAJOR, ATTENTION_FWD, ATTENTION_BWD_PREPROCESS, ATTENTION_BWD, HOPPER_FWD, HOPPER_BWD_DKDV,
-         HOPPER_BWD_DKDV_DQ, HOPPER_BWD_DKDV_DQ_TMA, HOPPER_BWD_DQ, HSTU_FWD, HSTU_BWD, HOPPER_HSTU_FWD)
+         HOPPER_BWD_DKDV_DQ, HOPPER_BWD_DKDV_DQ_TMA, HOPPER_BWD_DQ, HSTU_FWD, HSTU_BWD, HOPPER_HSTU_FWD,
+         HOPPER_HSTU_BWD_DKDV, HOPPER_HSTU_BWD_DQ)

@@ -1,8 +1,9 @@
-"""HSTU attention's kernel launches (kernels/portable/hstu.py, and the Hopper forward of
-kernels/hopper/hstu_forward.py), built as calls.py builds the softmax ones: each checked against its spec
-(kernels/spec.py's HSTU_FWD, HSTU_BWD, HOPPER_HSTU_FWD), runtime sizes in the params array by slot name,
-constants by keyword; the portable kernels a program per (segment, sequence or zero fill, head, slot),
-the Hopper forward a persistent grid. `run` is a launcher (gpu.run, interpret.run). Semantics and array
+"""HSTU attention's kernel launches (kernels/portable/hstu.py, the Hopper forward of
+kernels/hopper/hstu_forward.py and the Hopper backward of kernels/hopper/hstu_backward.py), built as
+calls.py builds the softmax ones: each checked against its spec (kernels/spec.py's HSTU_FWD, HSTU_BWD,
+HOPPER_HSTU_FWD, HOPPER_HSTU_BWD_DKDV, HOPPER_HSTU_BWD_DQ), runtime sizes in the params array by slot
+name, constants by keyword; the portable kernels a program per (segment, sequence or zero fill, head,
+slot), the Hopper kernels a persistent grid. `run` is a launcher (gpu.run, interpret.run). Semantics and array
 layouts: problem.HstuProblem.
 """
 
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ..configs import (
+    HOPPER_BWD_TRITON_STAGES,
     HOPPER_CONSUMER_REGS,
     HOPPER_FWD_TRITON_STAGES,
     HOPPER_PRODUCER_REGS,
@@ -137,6 +139,14 @@ def forward(run: Runner, p: HstuProblem, tiles: BlockSizes, q, k, v, offsets, nu
     return o
 
 
+def _empty_gradients(p: HstuProblem, q, k, v) -> tuple:
+    """(dq, dk, dv, dscale) of a problem without tokens: zeros (dscale None with a constant scale)."""
+    grads = (jnp.zeros(p.shape(p.head_dim), q.dtype), jnp.zeros(p.shape(p.head_dim), k.dtype),
+             jnp.zeros(p.shape(p.value_dim), v.dtype))
+    return (*grads, jnp.zeros((p.num_segments, p.num_heads, p.tokens), jnp.float32) if p.scale is None
+            else None)
+
+
 def backward(run: Runner, p: HstuProblem, tiles: BlockSizes, q, k, v, offsets, num_targets, scale_tokens, do):
     """(dq, dk, dv, dscale) by kernels.hstu_bwd_kernel (dq and dk/dv programs in one launch or two, see
     `backward_launches`), in q's, k's and v's dtypes; dscale float32 [Z, H, T], each head's share of
@@ -144,10 +154,7 @@ def backward(run: Runner, p: HstuProblem, tiles: BlockSizes, q, k, v, offsets, n
     `forward`'s, do as o."""
     token_scale = p.scale is None
     if p.empty:
-        grads = (jnp.zeros(p.shape(p.head_dim), q.dtype), jnp.zeros(p.shape(p.head_dim), k.dtype),
-                 jnp.zeros(p.shape(p.value_dim), v.dtype))
-        return (*grads, jnp.zeros((p.num_segments, p.num_heads, p.tokens), jnp.float32) if token_scale
-                else None)
+        return _empty_gradients(p, q, k, v)
     rows = _rows(p, offsets, num_targets, scale_tokens)
     shapes = dict(dq=jax.ShapeDtypeStruct(p.shape(p.head_dim), q.dtype),
                   dk=jax.ShapeDtypeStruct(p.shape(p.head_dim), k.dtype),
@@ -176,7 +183,8 @@ def backward(run: Runner, p: HstuProblem, tiles: BlockSizes, q, k, v, offsets, n
 
 
 # ---------------------------------------------------------------------------------------------------
-# The Hopper forward (kernels/hopper/hstu_forward.py): persistent, TMA descriptors, one offsets segment
+# The Hopper kernels (kernels/hopper/hstu_forward.py, hstu_backward.py): persistent, TMA descriptors, one
+# offsets segment
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -190,6 +198,49 @@ class HopperHstuConfig:
     programs: int
 
 
+@dataclasses.dataclass(frozen=True)
+class HopperHstuBackwardConfig:
+    """The Hopper backward's configuration: the dk/dv kernel's tile (configs.HSTU_HOPPER_BWD_DKDV_TILE:
+    BLOCK_N = 128 keys, two consumer warpgroups', BLOCK_M queries per ring tile, num_stages the ring's
+    depth), the dq kernel's (configs.HSTU_HOPPER_BWD_DQ_TILE, as the forward's), and the persistent
+    grids' programs (one per SM)."""
+
+    dkdv: KernelConfig
+    dq: KernelConfig
+    programs: int
+
+
+def _hopper_call(kernel_spec: spec.KernelSpec, p: HstuProblem, programs: int, tile: KernelConfig,
+                 blocks_: int, outputs: dict, triton_stages: int,
+                 descriptor_blocks: dict) -> calls.KernelCall:
+    """A persistent Hopper HSTU launch of one offsets segment: `programs` programs, which take the
+    `blocks_` blocks per (sequence, head) from a counter (the last output, which the launch zeroes) after
+    their share of the zero fills (the tokens no sequence covers in blocks + 1 chunks per head), with the
+    portable kernels' parameters and constants (`_common`) less the padded dimensions and the precision."""
+    params, constants = _common(p, blocks_, blocks_ + 1)
+    return calls.kernel_call(
+        kernel_spec, grid=(programs,),
+        outputs=dict(outputs, counter=jax.ShapeDtypeStruct((1,), jnp.int32)),
+        params={name: blocks_ if name == "blocks" else params[name] for name in kernel_spec.params},
+        constants=dict({name: constants[name] for name in kernel_spec.constants if name in constants},
+                       BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=tile.num_stages,
+                       CONSUMER_REGS=HOPPER_CONSUMER_REGS, PRODUCER_REGS=HOPPER_PRODUCER_REGS),
+        config=tile, num_stages=triton_stages, blocks=descriptor_blocks)
+
+
+def _one_segment(p: HstuProblem, what: str) -> None:
+    if p.num_segments != 1:
+        raise ValueError(f"the Hopper HSTU {what} takes one offsets segment, got {p.num_segments}")
+
+
+def _views(p: HstuProblem, qk_like, v_like) -> tuple:
+    """The 2-D views the TMA descriptors cover, rows one token stride long (a token in "THD", a (head,
+    token) in "HTD"): the arrays of D (q, k), then those of V (v, do)."""
+    qk_token_stride, v_token_stride = p.strides(p.head_dim)[0], p.strides(p.value_dim)[0]
+    return (*(x.reshape(-1, qk_token_stride) for x in qk_like),
+            *(x.reshape(-1, v_token_stride) for x in v_like))
+
+
 def hopper_forward(run: Runner, p: HstuProblem, config: HopperHstuConfig, q, k, v, offsets, num_targets,
                    scale_tokens):
     """o (p.shape(V), q's dtype, zero where no query is attended) by kernels.hopper_hstu_fwd_kernel: q,
@@ -199,26 +250,55 @@ def hopper_forward(run: Runner, p: HstuProblem, config: HopperHstuConfig, q, k, 
     Operands as `forward`'s."""
     if p.empty:
         return jnp.zeros(p.shape(p.value_dim), q.dtype)
-    if p.num_segments != 1:
-        raise ValueError(f"the Hopper HSTU forward takes one offsets segment, got {p.num_segments}")
+    _one_segment(p, "forward")
     rows = _rows(p, offsets, num_targets, scale_tokens)
     tile = config.tile
-    blocks_ = calls.blocks(tile.block_m, p.tokens, p.max_seq_len)
-    params, constants = _common(p, blocks_, blocks_ + 1)
-    kernel_spec = spec.HOPPER_HSTU_FWD
-    call = calls.kernel_call(
-        kernel_spec, grid=(config.programs,),
-        outputs=dict(o=jax.ShapeDtypeStruct(p.shape(p.value_dim), q.dtype),
-                     counter=jax.ShapeDtypeStruct((1,), jnp.int32)),
-        params={name: blocks_ if name == "blocks" else params[name] for name in kernel_spec.params},
-        constants=dict({name: constants[name] for name in kernel_spec.constants if name in constants},
-                       BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=tile.num_stages,
-                       CONSUMER_REGS=HOPPER_CONSUMER_REGS, PRODUCER_REGS=HOPPER_PRODUCER_REGS),
-        config=tile, num_stages=HOPPER_FWD_TRITON_STAGES,
+    call = _hopper_call(
+        spec.HOPPER_HSTU_FWD, p, config.programs, tile, calls.blocks(tile.block_m, p.tokens, p.max_seq_len),
+        dict(o=jax.ShapeDtypeStruct(p.shape(p.value_dim), q.dtype)), HOPPER_FWD_TRITON_STAGES,
         # The query tile is one consumer warpgroup's 64 rows.
-        blocks=dict(q=(tile.block_m // 2, p.head_dim), k=(tile.block_n, p.head_dim),
-                    v=(tile.block_n, p.value_dim)))
-    qk_token_stride, v_token_stride = p.strides(p.head_dim)[0], p.strides(p.value_dim)[0]
-    o, _ = calls.launch(run, call, q=q.reshape(-1, qk_token_stride), k=k.reshape(-1, qk_token_stride),
-                        v=v.reshape(-1, v_token_stride), **rows)
+        dict(q=(tile.block_m // 2, p.head_dim), k=(tile.block_n, p.head_dim), v=(tile.block_n, p.value_dim)))
+    q_view, k_view, v_view = _views(p, (q, k), (v,))
+    o, _ = calls.launch(run, call, q=q_view, k=k_view, v=v_view, **rows)
     return o
+
+
+def hopper_backward(run: Runner, p: HstuProblem, config: HopperHstuBackwardConfig, q, k, v, offsets,
+                    num_targets, scale_tokens, do):
+    """(dq, dk, dv, dscale) as `backward` gives them, by the Hopper backward: a launch of
+    kernels.hopper_hstu_bwd_dkdv_kernel (blocks of 128 keys, each over the query tiles that may see them)
+    and one of kernels.hopper_hstu_bwd_dq_kernel (blocks of 128 queries, and with a per-token scale each
+    head's share of its gradient, dscale [T, H] float32 zeroed by the launch), each persistent, q, do, k,
+    v as TMA descriptors over the forward's 2-D views. Operands as `forward`'s, do as o."""
+    if p.empty:
+        return _empty_gradients(p, q, k, v)
+    _one_segment(p, "backward")
+    rows = _rows(p, offsets, num_targets, scale_tokens)
+    q_view, k_view, do_view, v_view = _views(p, (q, k), (do, v))
+    inputs = dict(q=q_view, do=do_view, k=k_view, v=v_view, **rows)
+    dkdv, dq = config.dkdv, config.dq
+    # Two consumer warpgroups of 64 rows: the dk/dv kernel's keys (K and V loaded in halves), the dq
+    # kernel's queries (Q and dO likewise).
+    dkdv_call = _hopper_call(
+        spec.HOPPER_HSTU_BWD_DKDV, p, config.programs, dkdv,
+        calls.blocks(dkdv.block_n, p.tokens, p.max_seq_len),
+        dict(dk=jax.ShapeDtypeStruct(p.shape(p.head_dim), k.dtype),
+             dv=jax.ShapeDtypeStruct(p.shape(p.value_dim), v.dtype)), HOPPER_BWD_TRITON_STAGES,
+        dict(q=(dkdv.block_m, p.head_dim), do=(dkdv.block_m, p.value_dim), k=(dkdv.block_n // 2, p.head_dim),
+             v=(dkdv.block_n // 2, p.value_dim)))
+    dk, dv, _ = calls.launch(run, dkdv_call, **inputs)
+    token_scale = p.scale is None
+    dq_call = _hopper_call(
+        spec.HOPPER_HSTU_BWD_DQ, p, config.programs, dq, calls.blocks(dq.block_m, p.tokens, p.max_seq_len),
+        dict(dq=jax.ShapeDtypeStruct(p.shape(p.head_dim), q.dtype),
+             # (a one-element placeholder without a per-token scale, never touched)
+             dscale=jax.ShapeDtypeStruct((p.tokens, p.num_heads) if token_scale else (1,), jnp.float32)),
+        HOPPER_BWD_TRITON_STAGES,
+        dict(q=(dq.block_m // 2, p.head_dim), do=(dq.block_m // 2, p.value_dim), k=(dq.block_n, p.head_dim),
+             v=(dq.block_n, p.value_dim)))
+    dq_out, d_scale, _ = calls.launch(run, dq_call, **inputs)
+    if token_scale:  # [T, H] -> [1, H, T], as the other implementations give it
+        d_scale = jnp.swapaxes(d_scale.reshape(1, p.tokens, p.num_heads), 1, 2)
+    else:
+        d_scale = None
+    return dq_out, dk, dv, d_scale

@@ -9,7 +9,8 @@ not), chooses its configuration, and runs the forward and the backward. select.p
   reduce-adds where Triton's Gluon has them, 3.7 on; named only).
 
 HSTU attention's (HSTU_IMPLEMENTATIONS, below): "portable", "interpret", "xla", and "hstu-hopper", its
-Hopper forward (named only; its backward the portable one's).
+Hopper forward and backward (named only; the backward falls back to the portable one's where the Hopper
+kernels cannot take the problem).
 
 All four share one residual convention (the log-sum-exp in units of the unscaled scores, launch/calls.py),
 so a forward of one and a backward of another compose.
@@ -373,42 +374,57 @@ def hstu_backward_gluon_available() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class HstuHopper(Implementation):
-    """HSTU's Hopper forward (kernels/hopper/hstu_forward.py): 16-bit inputs, D and V among
-    configs.HSTU_HOPPER_HEAD_DIMS, one offsets segment, sm_90a; its fixed tile (configs.HSTU_HOPPER_FWD_TILE,
-    not the caller's block_sizes). Its backward is the portable HSTU backward's (HSTU_PORTABLE: config,
-    supports and run), which needs nothing the forward saves. Named only ("hstu-hopper"): not among
-    backend="auto"'s candidates (select.py), until a GPU run has validated and measured it."""
+    """HSTU's Hopper kernels (kernels/hopper/hstu_forward.py, hstu_backward.py): 16-bit inputs, D and V
+    among configs.HSTU_HOPPER_HEAD_DIMS, one offsets segment, sm_90a; their fixed tiles
+    (configs.HSTU_HOPPER_FWD_TILE, HSTU_HOPPER_BWD_DKDV_TILE and HSTU_HOPPER_BWD_DQ_TILE, not the caller's
+    block_sizes). The backward runs the Hopper dk/dv and dq kernels where they take the problem (its
+    config a launch_hstu.HopperHstuBackwardConfig), else the portable HSTU backward (HSTU_PORTABLE's
+    config, supports and run), which needs nothing the forward saves either. Named only ("hstu-hopper"):
+    not among backend="auto"'s candidates (select.py), until a GPU run has validated and measured it."""
 
     name: str = "hstu-hopper"
 
     def config(self, p, context, backward):
-        if backward:
-            return HSTU_PORTABLE.config(p, context, backward)
-        return launch_hstu.HopperHstuConfig(configs.HSTU_HOPPER_FWD_TILE, context.device.sms)
+        if not backward:
+            return launch_hstu.HopperHstuConfig(configs.HSTU_HOPPER_FWD_TILE, context.device.sms)
+        hopper = launch_hstu.HopperHstuBackwardConfig(configs.HSTU_HOPPER_BWD_DKDV_TILE,
+                                                      configs.HSTU_HOPPER_BWD_DQ_TILE, context.device.sms)
+        if self._hopper_reason(p, context, hopper) is None:
+            return hopper
+        return HSTU_PORTABLE.config(p, context, backward)  # where the Hopper backward cannot run
 
     def supports(self, p, context, config, backward):
-        if backward:
+        if backward and not isinstance(config, launch_hstu.HopperHstuBackwardConfig):
             return HSTU_PORTABLE.supports(p, context, config, backward)
+        return self._hopper_reason(p, context, config)
+
+    def _hopper_reason(self, p, context, config) -> str | None:
+        """Why the Hopper forward (config a HopperHstuConfig) or backward (a HopperHstuBackwardConfig)
+        cannot run p here, or None."""
+        backward = isinstance(config, launch_hstu.HopperHstuBackwardConfig)
+        what = f"the Hopper HSTU {'backward' if backward else 'forward'}"
         if reason := gpu_reason(context.device) or _wgmma_reason(context.device):
             return reason
         if configs.table_bits(p.dtype) != HOPPER_BITS:
-            return f"{p.dtype} inputs (the Hopper HSTU forward takes {HOPPER_BITS}-bit inputs only)"
+            return f"{p.dtype} inputs ({what} takes {HOPPER_BITS}-bit inputs only)"
         dims = configs.HSTU_HOPPER_HEAD_DIMS
         if p.head_dim not in dims or p.value_dim not in dims:
-            return (f"head dimensions D={p.head_dim}, V={p.value_dim} (the Hopper HSTU forward takes each "
-                    f"in {dims})")
+            return f"head dimensions D={p.head_dim}, V={p.value_dim} ({what} takes each in {dims})"
         if reason := _segments_reason(p):
             return reason
         if reason := _tma_reason((*p.strides(p.head_dim), *p.strides(p.value_dim)), p.dtype):
             return reason
         view_rows = p.tokens * (1 if p.layout == "THD" else p.num_heads)
-        items = p.batch * p.num_heads * calls.blocks(config.tile.block_m, p.tokens, p.max_seq_len)
+        # Each kernel's blocks per (sequence, head): the query blocks, and the backward's key blocks.
+        block_rows = (config.dkdv.block_n, config.dq.block_m) if backward else (config.tile.block_m,)
+        blocks = max(calls.blocks(rows, p.tokens, p.max_seq_len) for rows in block_rows)
+        items = p.batch * p.num_heads * blocks
         if max(view_rows, items) > _INT32_LIMIT:
-            return (f"{view_rows} rows of the TMA views and {items} query blocks (each at most "
+            return (f"{view_rows} rows of the TMA views and {items} blocks (each at most "
                     f"{_INT32_LIMIT}: int32 coordinates and counter)")
         if reason := launch_hstu.addressing_error(p):
             return reason
-        if not hstu_gluon_available():
+        if not (hstu_backward_gluon_available() if backward else hstu_gluon_available()):
             return "no triton.experimental.gluon with Hopper support"
         return None
 
@@ -416,6 +432,9 @@ class HstuHopper(Implementation):
         return (launch_hstu.hopper_forward(_runner("gpu"), p, config, q, k, v, offsets, num_targets, scale),)
 
     def backward(self, p, config, q, k, v, offsets, num_targets, scale, do):
+        if isinstance(config, launch_hstu.HopperHstuBackwardConfig):
+            run = _runner("gpu")
+            return launch_hstu.hopper_backward(run, p, config, q, k, v, offsets, num_targets, scale, do)
         return HSTU_PORTABLE.backward(p, config, q, k, v, offsets, num_targets, scale, do)
 
 

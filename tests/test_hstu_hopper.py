@@ -1,13 +1,17 @@
-"""HSTU attention's Hopper forward (kernels/hopper/hstu_forward.py; implementation "hstu-hopper", named
-only): compiled here for sm_90a with the launcher's constants (no GPU needed): D = V = 128 with every mask
-option on (causal, targets, a window lifted for the last rows, a context prefix), D = V = 64 causal with a
-per-token scale, D = 64 against V = 128 with every option but causal; and on a Hopper GPU against the
-float64 reference (helpers.hstu_reference): every mask combination, bfloat16 and float16, both layouts,
-D = V = 64 and 128 and V != D, attn_scale none, static, a scalar array and one per token, empty, 1-token
-and truncated sequences (targets straddling max_seq_len), sequences of many query blocks on few persistent
-programs, nan and inf in every token no query attends, and adversarial offsets (against the portable
-forward). Its backward is the portable one's, run after it in every GPU test (the gradients against float64
-too). Its launch's exact arguments, its reasons, and that backend="auto" never takes it: test_launchers.py.
+"""HSTU attention's Hopper kernels (kernels/hopper/hstu_forward.py, hstu_backward.py; implementation
+"hstu-hopper", named only): compiled here for sm_90a with the launcher's constants (no GPU needed): the
+forward at D = V = 128 with every mask option on (causal, targets, a window lifted for the last rows, a
+context prefix), D = V = 64 causal with a per-token scale, D = 64 against V = 128 with every option but
+causal; the backward's dk/dv and dq kernels at D = V = 128 and 64 (causal, with and without the options,
+bfloat16 and float16, the scale static and per token) and V != D. On a Hopper GPU against the float64
+reference (helpers.hstu_reference), the forward and the Hopper backward after it (the spy's backward
+config says the Hopper kernels ran): every mask combination, bfloat16 and float16, both layouts, D = V =
+64 and 128 and V != D, attn_scale none, static, a scalar array and one per token (its gradient from the
+dq kernel), empty, 1-token and truncated sequences (targets straddling max_seq_len), sequences of many
+blocks on few persistent programs, nan and inf in every token no query attends, adversarial offsets
+(against the portable kernels), and two runs bitwise equal. Their launches' exact arguments, their
+reasons, the backward's fall-back to the portable one, and that backend="auto" never takes them:
+test_launchers.py.
 """
 
 from __future__ import annotations
@@ -191,10 +195,18 @@ def check(spy, case, *, dtype="bf16", layout="THD", dim=128, value_dim=128, attn
     else:
         expected = expected_of(results, b, max_seq_len=max_seq_len, alpha=ALPHA, **options)
     assert_close(results, expected, TOLERANCE, attended_mask(b.offsets, b.q.shape[0], max_seq_len))
+    assert_ran_hopper(spy)
+
+
+def assert_ran_hopper(spy):
+    """The spy's last forward and backward were "hstu-hopper"'s Hopper kernels (by their configs: its
+    backward runs the portable one's where the Hopper kernels cannot take the problem)."""
     assert [(kind, name) for kind, name, *_ in spy.calls][-2:] == [("forward", "hstu-hopper"),
                                                                   ("backward", "hstu-hopper")]
     forward_config = [config for kind, _, _, config in spy.calls if kind == "forward"][-1]
     assert isinstance(forward_config, launch_hstu.HopperHstuConfig)
+    backward_config = [config for kind, _, _, config in spy.calls if kind == "backward"][-1]
+    assert isinstance(backward_config, launch_hstu.HopperHstuBackwardConfig)
 
 
 @pytest.mark.gpu
@@ -235,7 +247,7 @@ def test_many_blocks_on_few_programs(case, programs, hstu_hopper):
     with select.use_device(dataclasses.replace(select.current_device(), sms=programs)):
         check(hstu_hopper, case, lengths=[1000, 3, 700], max_seq_len=900,
               **({"targets": [40, 3, 0]} if "targets" in CASES[case] else {}))
-    assert hstu_hopper.calls[0][3].programs == programs
+    assert {config.programs for _, _, _, config in hstu_hopper.calls} == {programs}
 
 
 @pytest.mark.gpu
@@ -258,6 +270,28 @@ def test_poisoned_tokens_stay_out(case, layout, hstu_hopper):
     for name, got, want in zip(("o", "dq", "dk", "dv", "d_attn_scale"), poisoned[4:], clean[4:]):
         assert np.all(got[outside] == 0), f"{name} is not zero outside"
         np.testing.assert_array_equal(got, want, err_msg=f"{name} differs with nan and inf outside")
+    assert_ran_hopper(hstu_hopper)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [None, 3])
+@pytest.mark.parametrize("case", ["causal", "all-wide"])
+def test_two_runs_are_bitwise_equal(case, programs, hstu_hopper):
+    """The persistent programs take their blocks in no set order, but every gradient row has one writer
+    and sums its tiles in a fixed order: two runs of the same program give the same bits (o, dq, dk, dv
+    and the per-token scale's gradient)."""
+    options = dict(CASES[case])
+    b = HstuBatch.make([1000, 3, 700, 130], heads=2, dim=128, value_dim=128,
+                       targets=[40, 3, 0, 20] if "targets" in options else None, attn_scale="jagged", lead=1,
+                       extra=2, seed=11)
+    options.pop("targets", None)
+    device = select.current_device()
+    with select.use_device(device if programs is None else dataclasses.replace(device, sms=programs)):
+        first, second = (run(hstu_hopper, b, max_seq_len=900, alpha=ALPHA, dtype=jnp.bfloat16, **options)
+                         for _ in range(2))
+    for name, x, y in zip(("o", "dq", "dk", "dv", "d_attn_scale"), first[4:], second[4:]):
+        np.testing.assert_array_equal(x, y, err_msg=f"{name} differs between two runs")
+    assert_ran_hopper(hstu_hopper)
 
 
 # The adversarial offsets of test_memory_safety.py (a token axis of 24): negative, decreasing, past the
@@ -302,3 +336,42 @@ def test_adversarial_offsets(offsets, int64, hstu_hopper):
         assert relative_error(got[once], want[once]) <= TOLERANCE
     if len(offsets) > 1:
         assert hstu_hopper.calls and hstu_hopper.calls[-1][:2] == ("forward", "hstu-hopper")
+
+
+@functools.cache
+def _offsets_grad_op(implementation):
+    """The gradient in q, k, v of `_offsets_op`'s op (a fixed weighting of o), the offsets and targets
+    traced."""
+    def loss(q, k, v, offsets, targets, weights):
+        o = hstu_attention(q, k, v, offsets, 16, alpha=0.5, num_targets=targets, max_attn_len=4,
+                           contextual_seq_len=2, implementation=implementation)
+        return jnp.sum(o.astype(jnp.float32) * weights)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offsets,int64", [(o, False) for o in ADVERSARIAL_OFFSETS]
+                         + [(o, True) for o in ADVERSARIAL_INT64_OFFSETS], ids=str)
+def test_adversarial_offsets_backward(offsets, int64, hstu_hopper):
+    """Any offsets content: dq, dk, dv finite, zero on the tokens no sequence attends (the kernels' own
+    zero fills), and the portable backward's on the tokens one sequence attends (within TOLERANCE)."""
+    rng = np.random.default_rng(6)
+    q, k, v = (jnp.asarray(rng.standard_normal((TOKENS, 2, 128)), jnp.bfloat16) for _ in range(3))
+    weights = jnp.asarray(rng.standard_normal((TOKENS, 2, 128)), jnp.float32)
+    with jax.enable_x64(int64):
+        dtype = jnp.int64 if int64 else jnp.int32
+        traced = jnp.asarray(offsets, dtype)
+        targets = jnp.ones(len(offsets) - 1, dtype)
+        got = [to_numpy(x) for x in _offsets_grad_op(hstu_hopper)(q, k, v, traced, targets, weights)]
+        want = [to_numpy(x) for x in _offsets_grad_op("portable")(q, k, v, traced, targets, weights)]
+    counts = attended_counts(offsets, TOKENS, 16)
+    once = counts == 1
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert np.all(np.isfinite(g)), f"{name} is not finite"
+        assert not np.any(g[counts == 0]), f"{name} is not zero on tokens {np.flatnonzero(counts == 0)}"
+        if np.any(w[once]):
+            assert relative_error(g[once], w[once]) <= TOLERANCE, name
+    if len(offsets) > 1:
+        assert hstu_hopper.calls[-1][:2] == ("backward", "hstu-hopper")
+        assert isinstance(hstu_hopper.calls[-1][3], launch_hstu.HopperHstuBackwardConfig)

@@ -1775,13 +1775,97 @@ def test_gpu_launcher_arguments_of_the_hstu_hopper_forward(fake_jax_triton, layo
                         PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS)
 
 
-def test_hstu_hopper_backward_is_the_portable_one(fake_jax_triton):
-    """Named for both passes, "hstu-hopper" runs its forward, then the portable HSTU backward."""
-    with select.use_device(gpu_device((9, 0))):
-        _hstu_call(implementation="hstu-hopper", grad=True)
+@pytest.mark.parametrize("token_scale", [False, True], ids=["static-scale", "token-scale"])
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_gpu_launcher_arguments_of_the_hstu_hopper_backward(fake_jax_triton, layout, token_scale):
+    """The gradient of `test_gpu_launcher_arguments_of_the_hstu_hopper_forward`'s call: after the forward,
+    a launch of the dk/dv kernel and one of the dq kernel, each on a persistent grid of one program per
+    SM, q, do, k, v as TMA descriptors over the forward's 2-D views (do's and v's of V), the offsets,
+    targets and scale as kernels/spec.py's HOPPER_HSTU_BWD_DKDV and HOPPER_HSTU_BWD_DQ name them; dk, dv
+    and dq, dq's launch also dscale ([T, H] float32 with a per-token scale, else a one-element placeholder,
+    which the launch zeroes beside the counter); the backward's Triton stages and the register cap."""
+    from triton.experimental.gluon import language as gl
+
+    bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
+    scale = jnp.full((40,), 0.25, jnp.float32) if token_scale else 0.25
+    with select.use_device(gpu_device((9, 0), sms=78)):
+        dq, dk, dv = _hstu_call(layout=layout, num_targets=jnp.asarray([1, 2], jnp.int32), max_attn_len=8,
+                                contextual_seq_len=2, min_full_attn_seq_len=4, attn_scale=scale,
+                                implementation="hstu-hopper", grad=True)
+    qk_shape, v_shape = ((40, 4, 128), (40, 4, 64)) if layout == "THD" else ((4, 40, 128), (4, 40, 64))
+    assert (dq.shape, dk.shape, dv.shape) == (qk_shape, qk_shape, v_shape)
     launched = [call["kernel"] for call in fake_jax_triton.calls]
-    assert launched[0] is kernels.hopper_hstu_fwd_kernel
-    assert set(launched[1:]) == {kernels.hstu_bwd_kernel}
+    assert launched == [kernels.hopper_hstu_fwd_kernel, kernels.hopper_hstu_bwd_dkdv_kernel,
+                        kernels.hopper_hstu_bwd_dq_kernel]
+    dscale = _sds((40, 4) if token_scale else (1,), f32)
+    results = {kernels.hopper_hstu_bwd_dkdv_kernel: ((_sds(qk_shape, bf16), _sds(v_shape, bf16)), (2,)),
+               kernels.hopper_hstu_bwd_dq_kernel: ((_sds(qk_shape, bf16), dscale), (1, 2))}
+    tiles = {kernels.hopper_hstu_bwd_dkdv_kernel: configs.HSTU_HOPPER_BWD_DKDV_TILE,
+             kernels.hopper_hstu_bwd_dq_kernel: configs.HSTU_HOPPER_BWD_DQ_TILE}
+    for call in fake_jax_triton.calls[1:]:
+        call = dict(call)
+        kernel = call.pop("kernel")
+        assert call.pop("grid") == (78,)
+        args = call.pop("args")
+        views = (((40, 512), (40, 256), (40, 512), (40, 256)) if layout == "THD"
+                 else ((160, 128), (160, 64), (160, 128), (160, 64)))
+        # Both kernels' tiles are 64 rows here: dk/dv's query tile and half its keys, dq's half of its
+        # queries and its key tile.
+        blocks = ((64, 128), (64, 64), (64, 128), (64, 64))
+        for desc, view, block in zip(args[:4], views, blocks):
+            assert isinstance(desc, fake_jax_triton.TensorDescriptor)
+            assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
+            assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+        assert [(a.shape, a.dtype) for a in args[4:-1]] == [((1, 3), i32), ((1, 2), i32),
+                                                            ((40,) if token_scale else (1,), f32)]
+        strides = (32, 8, 16, 4) if layout == "THD" else (8, 320, 4, 160)
+        # ... the tokens per zero-fill chunk (40 over 2), the key (dq: query) blocks per (sequence, head).
+        assert fake_jax_triton.params[id(args[-1])] == (2, 40, *strides, 0, 0, 20, 1)
+        outputs, zeroed = results[kernel]
+        assert tuple(call.pop("out_type")) == (*outputs, _sds((1,), i32))
+        assert call.pop("zeroed_outputs") == zeroed
+        options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
+        assert options == (4, configs.HOPPER_BWD_TRITON_STAGES, {"maxnreg": 168})
+        tile = tiles[kernel]
+        assert call == dict(NUM_HEADS=4, D=128, V=64, MAX_LEN=600, ALPHA=0.5,
+                            SCALE=1.0 if token_scale else 0.25, TOKEN_SCALE=token_scale, CAUSAL=True,
+                            MAX_ATTN_LEN=8, CONTEXT_LEN=2, MIN_FULL_LEN=4, HAS_TARGETS=True,
+                            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=2, STRIDE_ALIGN=16,
+                            FILL_BLOCK=calls.FILL_BLOCK, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
+                            PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS)
+
+
+@pytest.mark.parametrize("options,reason", [
+    (dict(dtype=jnp.float32), "float32 inputs"),
+    (dict(dim=96, value_dim=96), "head dimensions D=96, V=96"),
+], ids=["float32", "D96"])
+def test_the_hstu_hopper_backward_falls_back_to_the_portable_one(fake_jax_triton, options, reason):
+    """Named for the backward, "hstu-hopper" runs the portable HSTU backward where its Hopper kernels
+    cannot take the problem (here after the portable forward): no error, where the forward named
+    "hstu-hopper" refuses it (`test_hstu_hopper_says_why_it_cannot_run`)."""
+    with select.use_device(gpu_device((9, 0))):
+        with pytest.raises(ValueError, match=f"'hstu-hopper': {reason}"):
+            _hstu_call(implementation="hstu-hopper", grad=True, **options)
+        fake_jax_triton.reset()
+        _hstu_call(implementation="portable", backward_implementation="hstu-hopper", grad=True, **options)
+    launched = {call["kernel"] for call in fake_jax_triton.calls}
+    assert launched == {kernels.hstu_fwd_kernel, kernels.hstu_bwd_kernel}
+
+
+@pytest.mark.parametrize("segments", [1, 2])
+def test_the_hstu_hopper_backward_takes_one_offsets_segment(fake_jax_triton, segments):
+    """A problem of two offsets segments (what vmap and data-parallel packing can make) gets the portable
+    backward's config, which supports it, from "hstu-hopper"; a problem of one, the Hopper backward's."""
+    from jagged_flash_jax.launch import hstu as launch_hstu
+    from jagged_flash_jax.problem import HstuProblem
+
+    p = HstuProblem(layout="THD", num_heads=2, head_dim=128, value_dim=128, batch=2, num_segments=segments,
+                    tokens=64, offsets_rows=segments, max_seq_len=40, alpha=0.5, scale=0.25, dtype="bfloat16",
+                    causal=True)
+    context = implementations.Context(gpu_device((9, 0)), configs.load_table(None))
+    config = implementations.HSTU_HOPPER.config(p, context, backward=True)
+    assert isinstance(config, launch_hstu.HopperHstuBackwardConfig) == (segments == 1)
+    assert implementations.HSTU_HOPPER.supports(p, context, config, backward=True) is None
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])

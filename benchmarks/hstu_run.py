@@ -1,6 +1,6 @@
 """HSTU attention on the JAX side: the library's op (`hstu_attention`, on the triton or xla backend, or
-"jfa-hstu-hopper": its Hopper forward, named, not in the default list) and the padded-JAX baseline
-(hstu_padded.py), on the cases of hstu_cases.py, forward and forward + backward, timed as
+"jfa-hstu-hopper": its Hopper forward and backward, named, not in the default list) and the padded-JAX
+baseline (hstu_padded.py), on the cases of hstu_cases.py, forward and forward + backward, timed as
 benchmarks/run.py times the softmax ops (benchmarks/timing.py: CUPTI device time, rotating over input
 sets). generative-recommenders' own Triton kernel is timed by hstu_torch_bench.py (PyTorch) on the same
 batches.

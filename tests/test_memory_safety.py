@@ -240,8 +240,9 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False,
     D >= 64 take: their transposes, and key and query windows that start before their sequence). With
     `hopper` (a Hopper GPU), bfloat16 at D = 128 on the Hopper kernels alone (a spy says they ran), whose
     tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens, then with
-    dq fused into dk/dv ("hopper-fused-dq"), then HSTU attention on its Hopper forward ("hstu-hopper",
-    named: it is not among auto's candidates). `only`: the names of the variants to run (default all)."""
+    dq fused into dk/dv ("hopper-fused-dq"), then HSTU attention on its Hopper forward and backward
+    ("hstu-hopper", named: it is not among auto's candidates). `only`: the names of the variants to run
+    (default all)."""
     spy = Spy("hopper")
     variants = ({"hopper": spy, "hopper fused dq": FusedDq(spy.calls), "hstu hopper": "hstu-hopper"} if hopper
                 else {"as chosen": backend, "key-major": variant(backend, key_major=True)})

@@ -38,7 +38,7 @@ from ..shared_hstu import (
 from ..spec import HOPPER_HSTU_BWD_DKDV, HOPPER_HSTU_BWD_DQ
 from .addressing import store_rows, tile_origin
 from .fills import FILL_NONE, zero_fills
-from .hstu_forward import _describe as describe_query_block  # the forward's query blocks: dq's too
+from .hstu_forward import describe_query_block  # the forward's query blocks: dq's too
 from .pipeline import (
     CONSUMER_ROWS,
     init_barriers,

@@ -101,18 +101,18 @@ def hstu_fwd_kernel(
     # Two consumer warpgroups (the default partition and a 4-warp worker) and a 1-warp producer, as the
     # softmax forward's (functions among a partition's arguments go as constexprs).
     gl.warp_specialize([
-        (consume_items, (gl.constexpr(_consume), gl.constexpr(_describe), pipe, schedule, sequences, arrays,
-                         SHAPE, LENGTHS, MASK, SCORES, SCALE, TILES, 0)),
-        (consume_items, (gl.constexpr(_consume), gl.constexpr(_describe), pipe, schedule, sequences, arrays,
-                         SHAPE, LENGTHS, MASK, SCORES, SCALE, TILES, 1)),
+        (consume_items, (gl.constexpr(_consume), gl.constexpr(describe_query_block), pipe, schedule,
+                         sequences, arrays, SHAPE, LENGTHS, MASK, SCORES, SCALE, TILES, 0)),
+        (consume_items, (gl.constexpr(_consume), gl.constexpr(describe_query_block), pipe, schedule,
+                         sequences, arrays, SHAPE, LENGTHS, MASK, SCORES, SCALE, TILES, 1)),
         (produce_items, (gl.constexpr(_produce), gl.constexpr(_origins), (q_desc, k_desc, v_desc, pipe),
                          schedule, sequences, (qk_layout, v_layout), SHAPE, LENGTHS, MASK, TILES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
-def _describe(sequences, item, blocks, NUM_HEADS: gl.constexpr, LENGTHS: gl.constexpr, MASK: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def describe_query_block(sequences, item, blocks, NUM_HEADS: gl.constexpr, LENGTHS: gl.constexpr,
+                         MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Query block `item` (the last of each (sequence, head) first; `consume_items`' `describe`):
     (sequence, head, start, rule, start_m, key_first, key_end, num_key_blocks), start the sequence's
     first token, rule `shared_hstu.sequence_rule`'s, and the keys [key_first, key_end) that some query of
@@ -135,7 +135,7 @@ def _origins(sequences, item, blocks, layouts, SHAPE: gl.constexpr, LENGTHS: gl.
     of the first key of its range in k's and in v's views (layouts = (qk_layout, v_layout): v's columns
     differ from k's where V != D)."""
     qk_layout, v_layout = layouts
-    _, head, start, _, start_m, key_first, _, num_key_blocks = _describe(
+    _, head, start, _, start_m, key_first, _, num_key_blocks = describe_query_block(
         sequences, item, blocks, SHAPE[0], LENGTHS, MASK, BLOCK_M, BLOCK_N)
     qk_row, qk_col = tile_origin(start, head, qk_layout)
     v_row, v_col = tile_origin(start, head, v_layout)
@@ -167,7 +167,7 @@ def _weights(s, key_start, queries, rule, MASK: gl.constexpr, ALPHA: gl.constexp
 @gluon.jit
 def _consume(pipe, arrays, block, position, V: gl.constexpr, MASK: gl.constexpr, SCORES: gl.constexpr,
              SCALE: gl.constexpr, TILES: gl.constexpr, WG: gl.constexpr):
-    """One consumer warpgroup's work for one query block (`_describe`'s tuple): queries
+    """One consumer warpgroup's work for one query block (`describe_query_block`'s tuple): queries
     [start_m + 64 WG, +64) against the key tiles of the block's range, as the producer loads them from
     ring position t (the query tiles' barrier at phase i & 1), then their o (arrays = (scale_ptr, o_ptr,
     v_layout); SCORES = (ALPHA, TOKEN_SCALE)). position = (t, i, tails), tails the count of

@@ -7,12 +7,11 @@
 # `cd $OUT && tar czf callN.tgz --remove-files $(ls)`. BUDGET (s) bounds a call's benchmark run.
 #
 #   1  triton 3.6: the GPU suite under auto, beside memcheck (portable, Hopper) and the demo
-#   2  triton 3.6: HSTU's Hopper backward (profile/2026-12-03_hstu_hopper_backward.mbox, applied to a copy
-#      of the tree with patch): its GPU tests beside its memcheck, then its timing
+#   2  triton 3.6: HSTU's Hopper kernels: their GPU tests beside their memcheck, then their timing
 #   3  triton 3.6: the softmax rows against cuDNN (the groups the last session's budget left out first)
 #   4  triton 3.6: HSTU's long cases; gr's Triton kernel in PyTorch, one process per case and mode
 #   5  triton 3.9: installed, then the GPU suite under auto beside memcheck
-#   6  triton 3.9: memcheck (dq fused by TMA, HSTU Hopper) beside HSTU's Hopper backward's GPU tests, its
+#   6  triton 3.9: memcheck (dq fused by TMA, HSTU Hopper) beside HSTU's Hopper kernels' GPU tests, their
 #      timing, then the softmax rows (the dq-fused backward's)
 #   7  the GPU suite with the portable kernels forced, under TRITON (3.9 by default; 3.6 as well: "3.6 3.9")
 # STAGE_ONLY=1 makes 3 and 4 stage their chunk and stop (a session short of device time).
@@ -58,29 +57,23 @@ hstu_jax() {  # $1 triton, $2 PYTHONPATH, $3 impls, $4 limit, cases after
   cp "/tmp/hstu$triton/hstu_results.json" "$out/hstu-triton$triton.json" 2>/dev/null
   grep "^\[hstu\]" "$out/hstu-triton$triton.log"
 }
-hstu_bwd() {  # $1 triton: HSTU's Hopper backward series on a copy of the tree, its tests (beside its
-  # memcheck on 3.6, where `memcheck` below is free to run), then its timing
-  local triton=$1 path
-  if [ ! -d /tmp/hstu-bwd ]; then
-    mkdir /tmp/hstu-bwd && cp -r jagged_flash_jax tests benchmarks docs README.md pyproject.toml /tmp/hstu-bwd/ \
-      && (cd /tmp/hstu-bwd && patch -s -p1 < "$OLDPWD/benchmarks/results/profile/2026-12-03_hstu_hopper_backward.mbox") \
-      || { echo "the HSTU backward series did not apply"; rm -rf /tmp/hstu-bwd; return 1; }
-  fi
-  path=$([ "$triton" = 3.9 ] && echo /tmp/site39:/tmp/site:/tmp/hstu-bwd || echo /tmp/site:/tmp/hstu-bwd)
-  (cd /tmp/hstu-bwd && PYTHONPATH=$path timeout 170 python3 -m pytest tests/test_hstu_hopper.py -m gpu \
-     -p xdist -n 8 -o addopts=-ra -q > "$out/hstu-bwd-tests-triton$triton.log" 2>&1
-   echo "rc=$?" >> "$out/hstu-bwd-tests-triton$triton.log") &
-  [ "$triton" = 3.6 ] && (cd /tmp/hstu-bwd && out=$out && memcheck 3.6 "$path" 170 "['hstu hopper']" False "-hstu-bwd")
-  wait
-  (cd /tmp/hstu-bwd && PYTHONPATH=$path timeout 100 python3 -m benchmarks.hstu_run --out "/tmp/hstu-bwd-$triton" \
-     --cases b128-l1024-random-targets b32-l4096-random-targets b32-l8192-uniform \
-     --impls jfa-triton,jfa-hstu-hopper --seconds 0.2 > "$out/hstu-bwd-bench-triton$triton.log" 2>&1
-   echo "rc=$?" >> "$out/hstu-bwd-bench-triton$triton.log"; cp "/tmp/hstu-bwd-$triton/hstu_results.json" \
-     "$out/hstu-bwd-bench-triton$triton.json" 2>/dev/null)
-  tail -2 "$out/hstu-bwd-tests-triton$triton.log"; grep "^\[hstu\]" "$out/hstu-bwd-bench-triton$triton.log"
-}
 site36=/tmp/site:$PWD
 site39=/tmp/site39:/tmp/site:$PWD
+hstu_hopper() {  # $1 triton: HSTU's Hopper kernels' GPU tests (beside their memcheck on 3.6), then their timing
+  local triton=$1 path
+  path=$([ "$triton" = 3.9 ] && echo "$site39" || echo "$site36")
+  (PYTHONPATH=$path timeout 170 python3 -m pytest tests/test_hstu_hopper.py -m gpu -p xdist -n 8 \
+     -o addopts=-ra -q > "$out/hstu-hopper-tests-triton$triton.log" 2>&1
+   echo "rc=$?" >> "$out/hstu-hopper-tests-triton$triton.log") &
+  [ "$triton" = 3.6 ] && memcheck 3.6 "$path" 170 "['hstu hopper']" False "-hstu-hopper"
+  wait
+  PYTHONPATH=$path timeout 100 python3 -m benchmarks.hstu_run --out "/tmp/hstu-hopper-$triton" \
+    --cases b128-l1024-random-targets b32-l4096-random-targets b32-l8192-uniform \
+    --impls jfa-triton,jfa-hstu-hopper --seconds 0.2 > "$out/hstu-hopper-bench-triton$triton.log" 2>&1
+  echo "rc=$?" >> "$out/hstu-hopper-bench-triton$triton.log"
+  cp "/tmp/hstu-hopper-$triton/hstu_results.json" "$out/hstu-hopper-bench-triton$triton.json" 2>/dev/null
+  tail -2 "$out/hstu-hopper-tests-triton$triton.log"; grep "^\[hstu\]" "$out/hstu-hopper-bench-triton$triton.log"
+}
 rows=fbgemm,L-sweep,D-sweep,causal,gqa,cross,window,softcap
 long_hstu=(b32-l4096-random-targets b32-l8192-random-targets b32-l8192-uniform)
 case $call in
@@ -89,7 +82,7 @@ case $call in
      LIMIT=250 bash tests/gpu/run.sh demo > /dev/null 2>&1 &
      LIMIT=260 bash tests/gpu/run.sh suite > /dev/null 2>&1
      wait; elapsed "call 1"; summary ;;
-  2) stage .t39b; hstu_bwd 3.6; elapsed "call 2"; summary ;;
+  2) stage .t39b; hstu_hopper 3.6; elapsed "call 2"; summary ;;
   3) stage .t39c; [ "${STAGE_ONLY:-0}" = 1 ] && exit 0
      softmax_bench triton3.6 "D-sweep,causal,gqa,cross,window,softcap,L32768,window-sweep" \
        jfa-triton,jfa-triton-fused-dq,cudnn-packed,cudnn-padded ${BUDGET:-250} "$site36"; elapsed "call 3" ;;
@@ -114,7 +107,7 @@ case $call in
      TRITON=3.9 LIMIT=260 bash tests/gpu/run.sh suite > /dev/null 2>&1
      wait; elapsed "call 5"; summary ;;
   6) memcheck 3.9 "$site39" 250 "['hopper fused dq', 'hstu hopper']" False "-fused-dq-hstu" &
-     hstu_bwd 3.9; wait; elapsed "memcheck, HSTU backward"; summary
+     hstu_hopper 3.9; wait; elapsed "memcheck, HSTU Hopper"; summary
      softmax_bench triton3.9 "$rows,L32768,window-sweep" jfa-triton,jfa-triton-fused-dq ${BUDGET:-200} "$site39"
      elapsed "call 6" ;;
   7) for triton in ${TRITON:-3.9}; do

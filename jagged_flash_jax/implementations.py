@@ -380,7 +380,8 @@ class HstuHopper(Implementation):
     block_sizes). The backward runs the Hopper dk/dv and dq kernels where they take the problem (its
     config a launch_hstu.HopperHstuBackwardConfig), else the portable HSTU backward (HSTU_PORTABLE's
     config, supports and run), which needs nothing the forward saves either. Named only ("hstu-hopper"):
-    not among backend="auto"'s candidates (select.py), until a GPU run has validated and measured it."""
+    not among backend="auto"'s candidates (select.py) until the GPU suite's transformation tests (vmap,
+    sharding, determinism) have run with it chosen; its own GPU tests and memcheck pass (2026-12-03)."""
 
     name: str = "hstu-hopper"
 

@@ -12,12 +12,15 @@
 #   4  triton 3.6: HSTU's long cases; gr's Triton kernel in PyTorch, one process per case and mode
 #   5  triton 3.9: installed, then the GPU suite under auto beside memcheck
 #   6  triton 3.9: memcheck (dq fused by TMA, HSTU Hopper) beside HSTU's Hopper kernels' GPU tests, their
-#      timing, then the softmax rows (the dq-fused backward's)
+#      timing, then the softmax rows 3.9 has not measured
 #   7  the GPU suite with the portable kernels forced, under TRITON (3.9 by default; 3.6 as well: "3.6 3.9")
+#   8  triton 3.9 (after 5): the TMA dq-fused backward's tail variant (profile/2026-12-03_fused_dq_tails.mbox,
+#      applied to a copy of the tree with patch): its dq-fused GPU tests beside its memcheck, then its timing
+#      against the default backward, and the same timing on the tree as it is
 # STAGE_ONLY=1 makes 3 and 4 stage their chunk and stop (a session short of device time).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..7}
+call=${1:?usage: bash tests/gpu/session.sh 1..8}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -74,7 +77,6 @@ hstu_hopper() {  # $1 triton: HSTU's Hopper kernels' GPU tests (beside their mem
   cp "/tmp/hstu-hopper-$triton/hstu_results.json" "$out/hstu-hopper-bench-triton$triton.json" 2>/dev/null
   tail -2 "$out/hstu-hopper-tests-triton$triton.log"; grep "^\[hstu\]" "$out/hstu-hopper-bench-triton$triton.log"
 }
-rows=fbgemm,L-sweep,D-sweep,causal,gqa,cross,window,softcap
 long_hstu=(b32-l4096-random-targets b32-l8192-random-targets b32-l8192-uniform)
 case $call in
   1) stage .t39a
@@ -108,10 +110,25 @@ case $call in
      wait; elapsed "call 5"; summary ;;
   6) memcheck 3.9 "$site39" 250 "['hopper fused dq', 'hstu hopper']" False "-fused-dq-hstu" &
      hstu_hopper 3.9; wait; elapsed "memcheck, HSTU Hopper"; summary
-     softmax_bench triton3.9 "$rows,L32768,window-sweep" jfa-triton,jfa-triton-fused-dq ${BUDGET:-200} "$site39"
+     # the rows triton 3.9 has not measured yet first (the fbgemm group and L256-L2048 ran on 2026-12-03)
+     softmax_bench triton3.9 "L4096,L8192,L16384,L32768,causal,gqa,cross,window,D-sweep,softcap,window-sweep" \
+       jfa-triton ${BUDGET:-200} "$site39"
      elapsed "call 6" ;;
   7) for triton in ${TRITON:-3.9}; do
        TRITON=$triton LIMIT=${LIMIT:-260} bash tests/gpu/run.sh suite-portable > /dev/null 2>&1
      done; elapsed "call 7"; summary ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..7" >&2; exit 2 ;;
+  8) rm -rf /tmp/tails && mkdir /tmp/tails && cp -r jagged_flash_jax tests benchmarks pyproject.toml /tmp/tails/ \
+       && (cd /tmp/tails && patch -s -p1 < "$OLDPWD/benchmarks/results/profile/2026-12-03_fused_dq_tails.mbox") \
+       || exit 1
+     tails=/tmp/site39:/tmp/site:/tmp/tails
+     (cd /tmp/tails && PYTHONPATH=$tails timeout 200 python3 -m pytest tests/test_hopper.py -m gpu -k "fused or inf_key" \
+        -p xdist -n 8 -o addopts=-ra -q > "$out/tails-tests-triton3.9.log" 2>&1
+      echo "rc=$?" >> "$out/tails-tests-triton3.9.log") &
+     (cd /tmp/tails && out=$out && memcheck 3.9 "$tails" 200 "['hopper fused dq']" False "-tails")
+     wait; tail -2 "$out/tails-tests-triton3.9.log"; elapsed "tests, memcheck"
+     cases=long,long-causal,rec-long,dlrm-long,L1024,L2048,L16384
+     (cd /tmp/tails && softmax_bench tails-triton3.9 "$cases" jfa-triton,jfa-triton-fused-dq 120 "$tails")
+     softmax_bench selected-triton3.9 "$cases" jfa-triton-fused-dq 60 "$site39"
+     grep -h "fwd+bwd" "$out"/bench-tails-triton3.9.log "$out"/bench-selected-triton3.9.log; elapsed "call 8" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..8" >&2; exit 2 ;;
 esac

@@ -17,10 +17,12 @@
 #   8  triton 3.9 (after 5): the TMA dq-fused backward's tail variant (profile/2026-12-03_fused_dq_tails.mbox,
 #      applied to a copy of the tree with patch): its dq-fused GPU tests beside its memcheck, then its timing
 #      against the default backward, and the same timing on the tree as it is
+#   9  HSTU's Hopper kernels in backend="auto" (profile/2026-12-03_hstu_hopper_auto.mbox, applied to a copy):
+#      every GPU test of HSTU under auto, triton 3.6, and 3.9 where 5 installed it
 # STAGE_ONLY=1 makes 3 and 4 stage their chunk and stop (a session short of device time).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..8}
+call=${1:?usage: bash tests/gpu/session.sh 1..9}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -133,5 +135,17 @@ case $call in
      (cd /tmp/tails && softmax_bench tails-triton3.9 "$cases" jfa-triton,jfa-triton-fused-dq 120 "$tails")
      softmax_bench selected-triton3.9 "$cases" jfa-triton-fused-dq 60 "$site39"
      grep -h "fwd+bwd" "$out"/bench-tails-triton3.9.log "$out"/bench-selected-triton3.9.log; elapsed "call 8" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..8" >&2; exit 2 ;;
+  9) rm -rf /tmp/hstu-auto && mkdir /tmp/hstu-auto && cp -r jagged_flash_jax tests benchmarks docs README.md \
+       pyproject.toml /tmp/hstu-auto/ && (cd /tmp/hstu-auto && patch -s -p1 \
+       < "$OLDPWD/benchmarks/results/profile/2026-12-03_hstu_hopper_auto.mbox") || exit 1
+     for triton in 3.6 3.9; do
+       [ $triton = 3.9 ] && [ ! -d /tmp/site39/triton ] && continue
+       path=$([ $triton = 3.9 ] && echo /tmp/site39:/tmp/site:/tmp/hstu-auto || echo /tmp/site:/tmp/hstu-auto)
+       (cd /tmp/hstu-auto && PYTHONPATH=$path timeout 250 python3 -m pytest tests -m gpu -k "hstu" -p xdist \
+          -n 12 -o addopts=-ra -q -p no:cacheprovider \
+          --deselect tests/test_memory_safety.py::test_adversarial_offsets_on_the_gpu_under_compute_sanitizer \
+          > "$out/hstu-auto-tests-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hstu-auto-tests-triton$triton.log")
+       tail -2 "$out/hstu-auto-tests-triton$triton.log"
+     done; elapsed "call 9" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..9" >&2; exit 2 ;;
 esac

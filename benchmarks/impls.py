@@ -119,9 +119,13 @@ def cudnn_packed(case: Case):
 
 IMPLS = {  # name -> (make(case), needs a GPU)
     "jfa-triton": (lambda case: jfa(case, "triton"), True),
-    # the Hopper backward with dq fused into dk/dv by atomics, where it runs
+    # the Hopper backward with dq fused into dk/dv (float32 adds: TMA reduce-adds under triton >= 3.7,
+    # atomics under 3.6), where it runs
     "jfa-triton-fused-dq": (lambda case: jfa(case, "triton", backward_implementation=(
         "hopper-fused-dq", "portable", "xla")), True),
+    # the Hopper backward wherever it runs, where auto would take the portable one too (D = 64, short rows)
+    "jfa-triton-hopper-bwd": (lambda case: jfa(case, "triton", backward_implementation=(
+        "hopper", "portable", "xla")), True),
     "jfa-xla": (lambda case: jfa(case, "xla"), False),
     "cudnn-packed": (cudnn_packed, True),
     "cudnn-padded": (cudnn_padded, True),

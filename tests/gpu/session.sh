@@ -118,6 +118,8 @@ case $call in
      # the rows triton 3.9 has not measured yet first (the fbgemm group and L256-L2048 ran on 2026-12-03)
      softmax_bench triton3.9 "L4096,L8192,L16384,L32768,causal,gqa,cross,window,D-sweep,softcap,window-sweep" \
        jfa-triton ${BUDGET:-200} "$site39"
+     # D = 64, where auto keeps the portable backward (measured under 3.6 only): the Hopper one under 3.9
+     softmax_bench triton3.9-d64 "L4096-D64,gqa-16x4-L512-D64" jfa-triton,jfa-triton-hopper-bwd 60 "$site39"
      elapsed "call 6" ;;
   7) for triton in ${TRITON:-3.9}; do
        TRITON=$triton LIMIT=${LIMIT:-260} bash tests/gpu/run.sh suite-portable > /dev/null 2>&1

@@ -79,6 +79,8 @@ MUTANTS = [
  ("hstu xla backend: relu for silu in the forward", "jagged_flash_jax/xla/hstu.py", "side.tokens, key_tokens), u * sig, 0.0)", "side.tokens, key_tokens), jnp.maximum(u, 0.0), 0.0)", 'tests/test_hstu.py -k "matches_float64 and xla"'),
  ("hstu xla backend: dq takes sigmoid for the derivative of silu", "jagged_flash_jax/xla/hstu.py", "du = jnp.where(keep, dp * sig * (1 + u * (1 - sig)), 0.0)", "du = jnp.where(keep, dp * sig, 0.0)", 'tests/test_hstu.py -k "matches_float64 and xla"'),
  ("hstu: the per-token scale's gradient takes the first head's share only", "jagged_flash_jax/hstu.py", "dscale = dscale.sum(axis=1).reshape(-1)", "dscale = dscale[:, 0].reshape(-1)", "tests/test_hstu.py -k attn_scale"),
+ ("hstu hopper: the backward's dO descriptor of D columns, not V", "jagged_flash_jax/launch/hstu.py", "do=(dkdv.block_m, p.value_dim)", "do=(dkdv.block_m, p.head_dim)", "tests/test_launchers.py -k hstu_hopper_backward"),
+ ("hstu hopper: the Hopper backward where its kernels cannot take the problem", "jagged_flash_jax/implementations.py", "if self._hopper_reason(p, context, hopper) is None:", "if self._hopper_reason(p, context, hopper) is not None:", "tests/test_launchers.py -k hstu_hopper"),
  ("checks: max_seq_len=True accepted", "jagged_flash_jax/checks.py", "    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):", "    if not isinstance(value, (int, np.integer)):", "tests/test_api.py"),
 ]
 

@@ -19,7 +19,8 @@
 #      against the default backward, and the same timing on the tree as it is
 #   9  HSTU's Hopper kernels in backend="auto" (profile/2026-12-03_hstu_hopper_auto.mbox, applied to a copy):
 #      every GPU test of HSTU under auto, triton 3.6, and 3.9 where 5 installed it
-# STAGE_ONLY=1 makes 3 and 4 stage their chunk and stop (a session short of device time).
+# STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). With the
+# patches pending (8, 9), a 30-minute session runs 1, STAGE_ONLY=1 2-4, 5, 8, 9, then 6 if time is left.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..9}
@@ -88,7 +89,8 @@ case $call in
      LIMIT=250 bash tests/gpu/run.sh demo > /dev/null 2>&1 &
      LIMIT=300 bash tests/gpu/run.sh suite > /dev/null 2>&1
      wait; elapsed "call 1"; summary ;;
-  2) stage .t39b; hstu_hopper 3.6; elapsed "call 2"; summary ;;
+  2) stage .t39b; [ "${STAGE_ONLY:-0}" = 1 ] && exit 0
+     hstu_hopper 3.6; elapsed "call 2"; summary ;;
   3) stage .t39c; [ "${STAGE_ONLY:-0}" = 1 ] && exit 0
      softmax_bench triton3.6 "D-sweep,causal,gqa,cross,window,softcap,L32768,window-sweep" \
        jfa-triton,jfa-triton-fused-dq,cudnn-packed,cudnn-padded ${BUDGET:-250} "$site36"; elapsed "call 3" ;;

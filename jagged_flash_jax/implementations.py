@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 
 import numpy as np
 
@@ -178,15 +179,21 @@ class Portable(Implementation):
                               slopes=slopes, dlse=dlse)
 
 
-@functools.cache
-def gluon_available() -> bool:
-    """Whether this Triton has Gluon's Hopper module (triton.experimental.gluon, 3.6 on) and the kernel
-    modules import with it."""
+def _hopper_modules_import(*modules: str) -> bool:
+    """Whether these kernel modules of kernels/hopper/ import with this Triton (Gluon's Hopper module,
+    triton.experimental.gluon, is 3.6 on)."""
     try:
-        from .kernels.hopper import dkdv, dq, forward  # noqa: F401
+        for module in modules:
+            importlib.import_module(f".kernels.hopper.{module}", __package__)
     except Exception:  # ImportError, or an API the kernel module needs that this Triton lacks
         return False
     return True
+
+
+@functools.cache
+def gluon_available() -> bool:
+    """Whether the softmax Hopper kernels' modules import with this Triton."""
+    return _hopper_modules_import("dkdv", "dq", "forward")
 
 
 def _segments_reason(p) -> str | None:
@@ -354,22 +361,14 @@ _INT32_LIMIT = 2**31 - 1
 
 @functools.cache
 def hstu_gluon_available() -> bool:
-    """Whether this Triton has Gluon's Hopper module and HSTU's Hopper forward imports with it."""
-    try:
-        from .kernels.hopper import hstu_forward  # noqa: F401
-    except Exception:  # ImportError, or an API the kernel module needs that this Triton lacks
-        return False
-    return True
+    """Whether HSTU's Hopper forward imports with this Triton."""
+    return _hopper_modules_import("hstu_forward")
 
 
 @functools.cache
 def hstu_backward_gluon_available() -> bool:
-    """Whether this Triton has Gluon's Hopper module and HSTU's Hopper backward imports with it."""
-    try:
-        from .kernels.hopper import hstu_backward  # noqa: F401
-    except Exception:  # ImportError, or an API the kernel module needs that this Triton lacks
-        return False
-    return True
+    """Whether HSTU's Hopper backward imports with this Triton."""
+    return _hopper_modules_import("hstu_backward")
 
 
 @dataclasses.dataclass(frozen=True)

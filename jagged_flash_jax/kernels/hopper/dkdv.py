@@ -51,6 +51,7 @@ from .pipeline import (
     tma_load,
     wgmma_layout,
     zero_rows,
+    zero_tail_tile,
 )
 from .scheduler import fetch, hand_out, item_ring, key_block, receive
 from .scores import alibi_slope, capped_biased
@@ -429,18 +430,8 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
             q = q_smem.index(slot)
             do = do_smem.index(slot)
             tail = (tile == last_tile) & (last_rows < BLOCK_M)
-            if tail:
-                # The tile's rows past n_q are other tokens: zeroed before any product. (A slot's tail
-                # barrier is re-armed only after both warpgroups released the slot, the ring running on
-                # from block to block, so warpgroup 0 cannot arrive twice before warpgroup 1 waited.)
-                if WG == 0:
-                    zero_rows(q, last_rows, BLOCK_M)
-                    zero_rows(do, last_rows, BLOCK_M)
-                    publish()
-                    mbarrier.arrive(tail_bar.index(slot), count=1)
-                else:
-                    mbarrier.wait(tail_bar.index(slot), (tail_phases >> slot) & 1)
-                tail_phases = tail_phases ^ (1 << slot)
+            if tail:  # the tile's rows past n_q are other tokens: zeroed before any product
+                tail_phases = zero_tail_tile(q, do, slot, tail_bar, tail_phases, last_rows, BLOCK_M, WG)
             st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             lse = lse_smem.index(slot).load(col_layout)  # the producer's, zero past n_q

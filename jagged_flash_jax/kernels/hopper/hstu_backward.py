@@ -47,6 +47,7 @@ from .pipeline import (
     tma_load,
     wgmma_layout,
     zero_rows,
+    zero_tail_tile,
 )
 from .scheduler import consume_items, fetch, hand_out, item_position, item_ring, produce_items, receive
 
@@ -275,18 +276,8 @@ def _dkdv_consume(pipe, arrays, block, position, MASK: gl.constexpr, SCORES: gl.
         q = q_smem.index(slot)
         do = do_smem.index(slot)
         tail = (m0 == last_m0) & (last_rows < BLOCK_M)
-        if tail:
-            # The tile's rows past L are other tokens: zeroed before any product. (A slot's tail barrier
-            # is re-armed only after both warpgroups released the slot, the ring running on from block to
-            # block, so warpgroup 0 cannot arrive twice before warpgroup 1 waited.)
-            if WG == 0:
-                zero_rows(q, last_rows, BLOCK_M)
-                zero_rows(do, last_rows, BLOCK_M)
-                publish()
-                mbarrier.arrive(tail_bar.index(slot), count=1)
-            else:
-                mbarrier.wait(tail_bar.index(slot), (tail_phases >> slot) & 1)
-            tail_phases = tail_phases ^ (1 << slot)
+        if tail:  # the tile's rows past L are other tokens: zeroed before any product
+            tail_phases = zero_tail_tile(q, do, slot, tail_bar, tail_phases, last_rows, BLOCK_M, WG)
         ut_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         seen = _seen_t(keys, m0, rule, MASK, BLOCK_M, col_layout)

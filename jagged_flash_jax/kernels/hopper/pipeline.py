@@ -63,6 +63,24 @@ def publish():
 
 
 @gluon.jit
+def zero_tail_tile(q, do, slot, tail_bar, tail_phases, n_rows, ROWS: gl.constexpr, WG: gl.constexpr):
+    """A dk/dv consumer's ring tile of ROWS queries whose rows >= n_rows are other tokens (maybe NaN):
+    warpgroup 0 zeroes them in Q and dO (`zero_rows`), publishes them and arrives on the slot's tail
+    barrier; warpgroup 1 waits on it. A slot's tail barrier is re-armed only after both warpgroups
+    released the slot, the ring running on from block to block, so warpgroup 0 cannot arrive twice
+    before warpgroup 1 waited. Returns tail_phases (the tail barriers' parities, a bit per slot) with the
+    slot's bit flipped."""
+    if WG == 0:
+        zero_rows(q, n_rows, ROWS)
+        zero_rows(do, n_rows, ROWS)
+        publish()
+        mbarrier.arrive(tail_bar.index(slot), count=1)
+    else:
+        mbarrier.wait(tail_bar.index(slot), (tail_phases >> slot) & 1)
+    return tail_phases ^ (1 << slot)
+
+
+@gluon.jit
 def pass_slot(ready, empty, j, STAGES: gl.constexpr):
     """Release ring tile j, which this consumer warpgroup skips, once it is loaded: so that the arrival
     never counts toward the slot's next use, which needs the other consumer's too."""

@@ -8,7 +8,6 @@ is 0 there, K maybe NaN).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -23,8 +22,8 @@ from ..shared import (
 )
 from .addressing import PARAM_BLOCKS, PARAM_FILL_CHUNK, read_layout, stat_origin, store_rows
 from .fills import FILL_NONE, zero_fills
-from .pipeline import CONSUMER_ROWS, init_barriers, mbarriers, publish, tma_load, wgmma_layout, zero_rows
-from .scheduler import consumer_loop, item_ring, producer_loop
+from .pipeline import CONSUMER_ROWS, publish, tma_load, wgmma_layout, zero_rows
+from .scheduler import consumer_loop, dq_buffers, producer_loop
 from .scores import alibi_slope, capped_biased
 
 
@@ -55,23 +54,7 @@ def attention_bwd_dq_kernel(
     kv_tokens = gl.load(params_ptr + PARAM_KV_TOKENS)
 
     # The shared memory and barriers of the warp-specialized region, set up once.
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    q_bar = mbarriers(2)
-    q_free = mbarriers(2)
-    tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = mbarriers(STAGES)
-    empty = mbarriers(STAGES)
-    ring = item_ring()
-    init_barriers((q_bar, q_free), (1, 1), 2)
-    mbarrier.init(tail_bar, count=1)
-    init_barriers((ready, empty), (1, 2), STAGES)  # empty: one arrival per consumer
-    fence_async_shared()
-
-    pipe = (q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar)
+    pipe, ring = dq_buffers(q_desc, do_desc, k_desc, v_desc, (D, D, BLOCK_N, STAGES))
     schedule = (counter_ptr, end, blocks, ring)
     sequences = (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens)
     SHAPE: gl.constexpr = (NUM_HEADS, KV_GROUP, D)

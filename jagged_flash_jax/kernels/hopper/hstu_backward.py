@@ -49,7 +49,16 @@ from .pipeline import (
     zero_rows,
     zero_tail_tile,
 )
-from .scheduler import consume_items, fetch, hand_out, item_position, item_ring, produce_items, receive
+from .scheduler import (
+    consume_items,
+    dq_buffers,
+    fetch,
+    hand_out,
+    item_position,
+    item_ring,
+    produce_items,
+    receive,
+)
 
 # The slot of the blocks of each (sequence, head) (kernels/spec.py's HOPPER_HSTU_PARAMS, both kernels'):
 # key blocks of BLOCK_N for dk/dv, query blocks of BLOCK_M for dq.
@@ -353,23 +362,7 @@ def hstu_bwd_dq_kernel(
                (D, FILL_BLOCK, FILL_NONE))
     end = batch * NUM_HEADS * blocks
 
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, V], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, V], v_desc.layout)
-    q_bar = mbarriers(2)
-    q_free = mbarriers(2)
-    tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = mbarriers(STAGES)
-    empty = mbarriers(STAGES)
-    ring = item_ring()
-    init_barriers((q_bar, q_free), (1, 1), 2)
-    mbarrier.init(tail_bar, count=1)
-    init_barriers((ready, empty), (1, 2), STAGES)  # empty: one arrival per consumer
-    fence_async_shared()
-
-    pipe = (q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar)
+    pipe, ring = dq_buffers(q_desc, do_desc, k_desc, v_desc, (D, V, BLOCK_N, STAGES))
     schedule = (counter_ptr, end, blocks, ring)
     # The scheduler's bundles, HSTU's way (as hstu_forward.py's): the offsets and tokens first (what
     # `fetch` reads), num_targets in the place of the keys' offsets; SHAPE = (NUM_HEADS, D, V); MASK in

@@ -1,7 +1,7 @@
 """The persistent, varlen-aware tile scheduler of the Hopper kernels: the (sequence, head, block) items,
 taken from a global counter past the empty blocks and handed from the producer to the consumers through
-a 2-slot ring in shared memory; the block each item is; and the loops of the forward's and dq's
-producer and consumers.
+a 2-slot ring in shared memory; the block each item is; the loops of the forward's and dq's producer
+and consumers, and the buffers of dq's (`dq_buffers`, the softmax dq kernel's and HSTU's).
 
 Bundles: schedule = (counter_ptr, end, blocks, ring), the counter the launcher zeroes, the item count,
 the blocks of each (sequence, head) and the item ring (items, item_full, item_empty); sequences =
@@ -11,11 +11,11 @@ the blocks of each (sequence, head) and the item ring (items, item_full, item_em
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from ..shared import PARAM_KV_HEAD_STRIDE, PARAM_KV_TOKEN_STRIDE, bounds, key_ranges
 from .addressing import tile_origin
-from .pipeline import init_barriers, mbarriers, partition_barrier
+from .pipeline import CONSUMER_ROWS, init_barriers, mbarriers, partition_barrier
 
 
 @gluon.jit
@@ -69,6 +69,36 @@ def item_ring():
     item_empty = mbarriers(2)
     init_barriers((item_full, item_empty), (1, 2), 2)
     return items, item_full, item_empty
+
+
+@gluon.jit
+def dq_buffers(q_desc, do_desc, k_desc, v_desc, SIZES: gl.constexpr):
+    """The shared memory and barriers of a persistent dq program (dq.py's, and HSTU's in
+    hstu_backward.py), set up once: its two consumer warpgroups' Q [64, D] and dO [64, V] tiles, a
+    STAGES-deep ring of K [BLOCK_N, D] and V [BLOCK_N, V] tiles (SIZES = (D, V, BLOCK_N, STAGES)), their
+    barriers (q_bar and q_free per warpgroup, ready and empty per ring slot, empty counting both
+    consumers, and the tail barrier) and the item ring (`item_ring`), the inits fenced. Returns (pipe,
+    ring), pipe = (q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar)."""
+    D: gl.constexpr = SIZES[0]
+    V: gl.constexpr = SIZES[1]
+    BLOCK_N: gl.constexpr = SIZES[2]
+    STAGES: gl.constexpr = SIZES[3]
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, V], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, V], v_desc.layout)
+    q_bar = mbarriers(2)
+    q_free = mbarriers(2)
+    tail_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = mbarriers(STAGES)
+    empty = mbarriers(STAGES)
+    ring = item_ring()
+    init_barriers((q_bar, q_free), (1, 1), 2)
+    mbarrier.init(tail_bar, count=1)
+    init_barriers((ready, empty), (1, 2), STAGES)  # empty: one arrival per consumer
+    fence_async_shared()
+    return (q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, empty, tail_bar), ring
 
 
 @gluon.jit

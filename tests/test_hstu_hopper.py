@@ -37,10 +37,12 @@ from jagged_flash_jax.problem import HstuProblem
 # ---------------------------------------------------------------------------------------------------
 
 
-def hstu_hopper_call(dim: int, value_dim: int, layout: str, dtype, token_scale: bool = False, **mask):
-    """The Hopper HSTU forward's KernelCall and arrays, as launch/hstu.hopper_forward makes them: 2 heads,
-    64 tokens in 2 sequences (offsets [[0, 10, 64]]), max_seq_len 40, alpha 0.5; targets [[2, 3]] with
-    has_targets; the scale 1/40, or one per token with `token_scale`."""
+def _hopper_launches(launch, config, dim: int, value_dim: int, layout: str, dtype, token_scale: bool,
+                     mask: dict, backward: bool = False) -> list:
+    """The KernelCalls and arrays a Hopper HSTU launch function (launch_hstu.hopper_forward, or with
+    `backward` hopper_backward, do as v) makes with `config`, recorded: 2 heads, 64 tokens in 2 sequences
+    (offsets [[0, 10, 64]]), max_seq_len 40, alpha 0.5; targets [[2, 3]] with has_targets; the scale 1/40,
+    or one per token with `token_scale`; q, k of `dim`, v (and do) of `value_dim`."""
     p = HstuProblem(layout=layout, num_heads=2, head_dim=dim, value_dim=value_dim, batch=2, num_segments=1,
                     tokens=64, offsets_rows=1, max_seq_len=40, alpha=0.5,
                     scale=None if token_scale else 1 / 40, dtype=jnp.dtype(dtype).name, **mask)
@@ -52,11 +54,18 @@ def hstu_hopper_call(dim: int, value_dim: int, layout: str, dtype, token_scale: 
         recorded.append((call, arrays))
         return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
 
+    launch(run, p, config, qk, qk, v, jnp.asarray([[0, 10, 64]], jnp.int32),
+           jnp.asarray([[2, 3]], jnp.int32) if p.has_targets else None,
+           jnp.ones(64, jnp.float32) if token_scale else None, *((v,) if backward else ()))
+    return recorded
+
+
+def hstu_hopper_call(dim: int, value_dim: int, layout: str, dtype, token_scale: bool = False, **mask):
+    """The Hopper HSTU forward's KernelCall and arrays, as launch/hstu.hopper_forward makes them on
+    `_hopper_launches`' problem."""
     config = launch_hstu.HopperHstuConfig(configs.HSTU_HOPPER_FWD_TILE, configs.HOPPER_SMS)
-    launch_hstu.hopper_forward(run, p, config, qk, qk, v, jnp.asarray([[0, 10, 64]], jnp.int32),
-                               jnp.asarray([[2, 3]], jnp.int32) if p.has_targets else None,
-                               jnp.ones(64, jnp.float32) if token_scale else None)
-    (one,) = recorded
+    (one,) = _hopper_launches(launch_hstu.hopper_forward, config, dim, value_dim, layout, dtype, token_scale,
+                              mask)
     return one
 
 
@@ -94,24 +103,11 @@ def test_the_hstu_hopper_forward_compiles_for_sm90a(case):
 def hstu_hopper_backward_calls(dim: int, value_dim: int, layout: str, dtype, token_scale: bool = False,
                                **mask):
     """The Hopper HSTU backward's two KernelCalls and their arrays (dk/dv, then dq), as
-    launch/hstu.hopper_backward makes them, on `hstu_hopper_call`'s problem."""
-    p = HstuProblem(layout=layout, num_heads=2, head_dim=dim, value_dim=value_dim, batch=2, num_segments=1,
-                    tokens=64, offsets_rows=1, max_seq_len=40, alpha=0.5,
-                    scale=None if token_scale else 1 / 40, dtype=jnp.dtype(dtype).name, **mask)
-    shape = lambda d: (64, 2, d) if layout == "THD" else (2, 64, d)  # noqa: E731
-    qk, v = jnp.zeros(shape(dim), dtype), jnp.zeros(shape(value_dim), dtype)
-    recorded = []
-
-    def run(call, arrays):
-        recorded.append((call, arrays))
-        return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
-
+    launch/hstu.hopper_backward makes them, on `_hopper_launches`' problem (do as v)."""
     config = launch_hstu.HopperHstuBackwardConfig(configs.HSTU_HOPPER_BWD_DKDV_TILE,
                                                   configs.HSTU_HOPPER_BWD_DQ_TILE, configs.HOPPER_SMS)
-    launch_hstu.hopper_backward(run, p, config, qk, qk, v, jnp.asarray([[0, 10, 64]], jnp.int32),
-                                jnp.asarray([[2, 3]], jnp.int32) if p.has_targets else None,
-                                jnp.ones(64, jnp.float32) if token_scale else None, v)
-    return recorded
+    return _hopper_launches(launch_hstu.hopper_backward, config, dim, value_dim, layout, dtype, token_scale,
+                            mask, backward=True)
 
 
 # (dim, value_dim, layout, dtype, token_scale, mask options) of the backward: D = V = 128 and 64, each

@@ -64,6 +64,10 @@ hstu_jax() {  # $1 triton, $2 PYTHONPATH, $3 impls, $4 limit, cases after
   cp "/tmp/hstu$triton/hstu_results.json" "$out/hstu-triton$triton.json" 2>/dev/null
   grep "^\[hstu\]" "$out/hstu-triton$triton.log"
 }
+patched_copy() {  # $1 a folder, $2 a patch file of benchmarks/results/profile/: the tree there, patched
+  rm -rf "$1" && mkdir "$1" && cp -r jagged_flash_jax tests benchmarks docs README.md pyproject.toml "$1/" \
+    && (cd "$1" && patch -s -p1 < "$OLDPWD/benchmarks/results/profile/$2")
+}
 site36=/tmp/site:$PWD
 site39=/tmp/site39:/tmp/site:$PWD
 hstu_hopper() {  # $1 triton: HSTU's Hopper kernels' GPU tests (beside their memcheck on 3.6), then their timing
@@ -126,9 +130,7 @@ case $call in
   7) for triton in ${TRITON:-3.9}; do
        TRITON=$triton LIMIT=${LIMIT:-260} bash tests/gpu/run.sh suite-portable > /dev/null 2>&1
      done; elapsed "call 7"; summary ;;
-  8) rm -rf /tmp/tails && mkdir /tmp/tails && cp -r jagged_flash_jax tests benchmarks pyproject.toml /tmp/tails/ \
-       && (cd /tmp/tails && patch -s -p1 < "$OLDPWD/benchmarks/results/profile/2026-12-03_fused_dq_tails.mbox") \
-       || exit 1
+  8) patched_copy /tmp/tails 2026-12-03_fused_dq_tails.mbox || exit 1
      tails=/tmp/site39:/tmp/site:/tmp/tails
      (cd /tmp/tails && PYTHONPATH=$tails timeout 200 python3 -m pytest tests/test_hopper.py -m gpu -k "fused or inf_key" \
         -p xdist -n 8 -o addopts=-ra -q > "$out/tails-tests-triton3.9.log" 2>&1
@@ -139,9 +141,7 @@ case $call in
      (cd /tmp/tails && softmax_bench tails-triton3.9 "$cases" jfa-triton,jfa-triton-fused-dq 120 "$tails")
      softmax_bench selected-triton3.9 "$cases" jfa-triton-fused-dq 60 "$site39"
      grep -h "fwd+bwd" "$out"/bench-tails-triton3.9.log "$out"/bench-selected-triton3.9.log; elapsed "call 8" ;;
-  9) rm -rf /tmp/hstu-auto && mkdir /tmp/hstu-auto && cp -r jagged_flash_jax tests benchmarks docs README.md \
-       pyproject.toml /tmp/hstu-auto/ && (cd /tmp/hstu-auto && patch -s -p1 \
-       < "$OLDPWD/benchmarks/results/profile/2026-12-03_hstu_hopper_auto.mbox") || exit 1
+  9) patched_copy /tmp/hstu-auto 2026-12-03_hstu_hopper_auto.mbox || exit 1
      for triton in 3.6 3.9; do
        [ $triton = 3.9 ] && [ ! -d /tmp/site39/triton ] && continue
        path=$([ $triton = 3.9 ] && echo /tmp/site39:/tmp/site:/tmp/hstu-auto || echo /tmp/site:/tmp/hstu-auto)

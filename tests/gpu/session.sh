@@ -18,7 +18,7 @@
 #      applied to a copy of the tree with patch): its dq-fused GPU tests beside its memcheck, then its timing
 #      against the default backward, and the same timing on the tree as it is
 #   9  HSTU's Hopper kernels in backend="auto" (profile/2026-12-03_hstu_hopper_auto.mbox, applied to a copy):
-#      every GPU test of HSTU under auto, triton 3.6, and 3.9 where 5 installed it
+#      every GPU test of HSTU under auto, triton 3.6, and 3.9 where 5 installed it (TRITONS="3.9": 3.9 only)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). With the
 # patches pending (8, 9), a 30-minute session runs 1, STAGE_ONLY=1 2-4, 5, 8, 9, then 6 if time is left.
 set -uo pipefail
@@ -142,7 +142,7 @@ case $call in
      softmax_bench selected-triton3.9 "$cases" jfa-triton-fused-dq 60 "$site39"
      grep -h "fwd+bwd" "$out"/bench-tails-triton3.9.log "$out"/bench-selected-triton3.9.log; elapsed "call 8" ;;
   9) patched_copy /tmp/hstu-auto 2026-12-03_hstu_hopper_auto.mbox || exit 1
-     for triton in 3.6 3.9; do
+     for triton in ${TRITONS:-3.6 3.9}; do
        [ $triton = 3.9 ] && [ ! -d /tmp/site39/triton ] && continue
        path=$([ $triton = 3.9 ] && echo /tmp/site39:/tmp/site:/tmp/hstu-auto || echo /tmp/site:/tmp/hstu-auto)
        (cd /tmp/hstu-auto && PYTHONPATH=$path timeout 250 python3 -m pytest tests -m gpu -k "hstu" -p xdist \

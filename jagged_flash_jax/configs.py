@@ -121,6 +121,10 @@ HSTU_HOPPER_FWD_TILE = KernelConfig(128, 64, num_warps=4, num_stages=2, max_regi
 HSTU_HOPPER_BWD_DKDV_TILE = KernelConfig(64, 128, num_warps=4, num_stages=2, max_registers=168)
 HSTU_HOPPER_BWD_DQ_TILE = KernelConfig(128, 64, num_warps=4, num_stages=2, max_registers=168)
 HSTU_HOPPER_HEAD_DIMS = (64, 128)
+# backend="auto" takes "hstu-hopper" (both passes) from sequences of this many tokens: it measured faster
+# than the portable op, forward and forward + backward, at 1024, 4096 and 8192 under triton 3.6 and 3.9
+# (docs/performance.md, 2026-12-03); shorter sequences were not measured.
+HSTU_HOPPER_AUTO_MIN_LENGTH = 1024
 
 INTERPRET_BLOCK_SIZES = BlockSizes(
     fwd=KernelConfig(16, 32),

@@ -126,8 +126,8 @@ def hstu_attention(
       layout, backend, implementation, backward_implementation, allow_tf32, block_sizes, validate: as for
         `jagged_attention`; the implementations are "portable", "interpret", "xla" and "hstu-hopper"
         (the Hopper forward for 16-bit inputs, D and V in (64, 128) and one offsets segment, on sm_90a;
-        named only, backend="auto" does not choose it; its backward runs the Hopper dk/dv and dq kernels
-        where they take the problem, else the portable one's).
+        backend="auto" chooses it there from 1024 tokens; its backward runs the Hopper dk/dv and dq
+        kernels where they take the problem, else the portable one's).
 
     Returns:
       o: [T, H, V] (or [H, T, V]), q's dtype. Differentiable (reverse mode) in q, k, v and an array

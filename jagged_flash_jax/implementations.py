@@ -9,8 +9,8 @@ not), chooses its configuration, and runs the forward and the backward. select.p
   reduce-adds where Triton's Gluon has them, 3.7 on; named only).
 
 HSTU attention's (HSTU_IMPLEMENTATIONS, below): "portable", "interpret", "xla", and "hstu-hopper", its
-Hopper forward and backward (named only; the backward falls back to the portable one's where the Hopper
-kernels cannot take the problem).
+Hopper forward and backward (auto's from configs.HSTU_HOPPER_AUTO_MIN_LENGTH tokens; the backward falls
+back to the portable one's where the Hopper kernels cannot take the problem).
 
 All four share one residual convention (the log-sum-exp in units of the unscaled scores, launch/calls.py),
 so a forward of one and a backward of another compose.
@@ -77,6 +77,9 @@ class Implementation:
     settings) where a name is taken."""
 
     name: str
+    # Whether it runs Hopper kernels: $JAGGED_FLASH_JAX_FORWARD / _BACKWARD "portable" leaves it out of
+    # backend="auto"'s candidates, "hopper" runs it wherever it can (select.request).
+    hopper = False
 
     def config(self, p: Problem, context: Context, backward: bool):
         """The configuration the pass runs with (hashable), or None where it has none for `p`."""
@@ -226,6 +229,7 @@ class Hopper(Implementation):
     "hopper" entries (each pass its own)."""
 
     name: str = "hopper"
+    hopper = True
     # The backward adds dq from the dk/dv kernel by float32 atomics (one launch and five products per
     # tile instead of seven; TMA reduce-adds from shared memory where Triton's Gluon has them, else
     # atomics from registers: launch/calls.hopper_backward) instead of its own dq kernel: not bitwise
@@ -378,11 +382,17 @@ class HstuHopper(Implementation):
     (configs.HSTU_HOPPER_FWD_TILE, HSTU_HOPPER_BWD_DKDV_TILE and HSTU_HOPPER_BWD_DQ_TILE, not the caller's
     block_sizes). The backward runs the Hopper dk/dv and dq kernels where they take the problem (its
     config a launch_hstu.HopperHstuBackwardConfig), else the portable HSTU backward (HSTU_PORTABLE's
-    config, supports and run), which needs nothing the forward saves either. Named only ("hstu-hopper"):
-    not among backend="auto"'s candidates (select.py) until the GPU suite's transformation tests (vmap,
-    sharding, determinism) have run with it chosen; its own GPU tests and memcheck pass (2026-12-03)."""
+    config, supports and run), which needs nothing the forward saves either. backend="auto" takes it
+    where it supports the problem, from configs.HSTU_HOPPER_AUTO_MIN_LENGTH tokens."""
 
     name: str = "hstu-hopper"
+    hopper = True
+
+    def preferred(self, p, context, backward):
+        if p.max_seq_len < configs.HSTU_HOPPER_AUTO_MIN_LENGTH:
+            return (f"sequences of at most {configs.HSTU_HOPPER_AUTO_MIN_LENGTH - 1} tokens (not measured "
+                    f"faster than the portable kernels there)")
+        return None
 
     def config(self, p, context, backward):
         if not backward:

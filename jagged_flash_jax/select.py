@@ -39,8 +39,8 @@ TUNED_CONFIGS_ENV = "JAGGED_FLASH_JAX_TUNED_CONFIGS"
 BACKENDS = ("auto", "triton", "interpret", "xla")
 # What each backend asks for: the candidates, in order, of both passes. "auto" on a GPU where the kernels
 # run falls through to "xla" for what no kernel supports.
-_BACKEND_CANDIDATES = {"triton": ("hopper", "portable"), "interpret": ("interpret",), "xla": ("xla",),
-                       "auto": ("hopper", "portable", "xla")}
+_BACKEND_CANDIDATES = {"triton": ("hopper", "hstu-hopper", "portable"), "interpret": ("interpret",),
+                       "xla": ("xla",), "auto": ("hopper", "hstu-hopper", "portable", "xla")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +169,8 @@ def request(backend: str = "auto", implementation=None, backward_implementation=
         raise ValueError(f"backend={backend!r} has no implementation of this op; it has {tuple(registry)}")
     passes = []
     for env in (FORWARD_ENV, BACKWARD_ENV):
-        choice = _kernel_choice(env) if any(c.name == "hopper" for c in candidates) else "auto"
-        kept = tuple(c for c in candidates if c.name != "hopper") if choice == "portable" else candidates
+        choice = _kernel_choice(env) if any(c.hopper for c in candidates) else "auto"
+        kept = tuple(c for c in candidates if not c.hopper) if choice == "portable" else candidates
         passes.append((kept, choice == "auto"))
     (forward, prefer_forward), (backward, prefer_backward) = passes
     if backward_implementation is not None:

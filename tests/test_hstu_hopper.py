@@ -1,18 +1,17 @@
 """HSTU attention's Hopper kernels (kernels/hopper/hstu_forward.py, hstu_backward.py; implementation
-"hstu-hopper", named only): compiled here for sm_90a with the launcher's constants (no GPU needed): the
-forward at D = V = 128 with every mask option on (causal, targets, a window lifted for the last rows, a
-context prefix), D = V = 64 causal with a per-token scale, D = 64 against V = 128 with every option but
-causal; the backward's dk/dv and dq kernels at D = V = 128 and 64 (causal, with and without the options,
-bfloat16 and float16, the scale static and per token) and V != D. On a Hopper GPU against the float64
-reference (helpers.hstu_reference), the forward and the Hopper backward after it (the spy's backward
-config says the Hopper kernels ran): every mask combination, bfloat16 and float16, both layouts, D = V =
-64 and 128 and V != D, attn_scale none, static, a scalar array and one per token (its gradient from the
-dq kernel), empty, 1-token and truncated sequences (targets straddling max_seq_len), sequences of many
-blocks on few persistent programs, nan and inf in every token no query attends, adversarial offsets
-(against the portable kernels), and two runs bitwise equal. Their launches' exact arguments, their
-reasons, the backward's fall-back to the portable one, and that backend="auto" never takes them:
-test_launchers.py.
-"""
+"hstu-hopper", auto's on sm_90 from 1024 tokens): compiled here for sm_90a with the launcher's constants
+(no GPU needed): the forward at D = V = 128 with every mask option on (causal, targets, a window lifted for
+the last rows, a context prefix), D = V = 64 causal with a per-token scale, D = 64 against V = 128 with
+every option but causal; the backward's dk/dv and dq kernels at D = V = 128 and 64 (causal, with and
+without the options, bfloat16 and float16, the scale static and per token) and V != D. On a Hopper GPU
+against the float64 reference (helpers.hstu_reference), the forward and the Hopper backward after it (the
+spy's backward config says the Hopper kernels ran): every mask combination, bfloat16 and float16, both
+layouts, D = V = 64 and 128 and V != D, attn_scale none, static, a scalar array and one per token (its
+gradient from the dq kernel), empty, 1-token and truncated sequences (targets straddling max_seq_len),
+sequences of many blocks on few persistent programs, nan and inf in every token no query attends,
+adversarial offsets (against the portable kernels), and two runs bitwise equal. Their launches' exact
+arguments, their reasons, the backward's fall-back to the portable one, and when backend="auto" takes them:
+test_launchers.py."""
 
 from __future__ import annotations
 

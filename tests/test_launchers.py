@@ -1711,17 +1711,18 @@ def test_a_ptxas_too_old_for_the_kernels_is_refused_and_auto_falls_back(fake_jax
 
 
 # ---------------------------------------------------------------------------------------------------
-# HSTU's Hopper forward ("hstu-hopper"): named only, which problems it takes, and its launch
+# HSTU's Hopper forward ("hstu-hopper"): when auto takes it, which problems it takes, and its launch
 # ---------------------------------------------------------------------------------------------------
 
 
-def _hstu_call(*, dim=128, value_dim=64, layout="THD", dtype=jnp.bfloat16, grad=False, **options):
+def _hstu_call(*, dim=128, value_dim=64, layout="THD", dtype=jnp.bfloat16, grad=False, max_seq_len=600,
+               **options):
     """hstu_attention (or its gradient in q, k, v) on 40 tokens of 4 heads in 2 sequences (offsets
     [0, 15, 40]), max_seq_len 600, alpha 0.5; q, k of `dim`, v of `value_dim`."""
     shape = lambda d: (40, 4, d) if layout == "THD" else (4, 40, d)  # noqa: E731
     q, v = jnp.ones(shape(dim), dtype), jnp.ones(shape(value_dim), dtype)
     op = lambda q, k, v: jfa.hstu_attention(  # noqa: E731
-        q, k, v, jnp.asarray([0, 15, 40], jnp.int32), 600, alpha=0.5, layout=layout, **options)
+        q, k, v, jnp.asarray([0, 15, 40], jnp.int32), max_seq_len, alpha=0.5, layout=layout, **options)
     if grad:
         return jax.grad(lambda q, k, v: jnp.sum(op(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))(q, q, v)
     return op(q, q, v)
@@ -1869,15 +1870,27 @@ def test_the_hstu_hopper_backward_takes_one_offsets_segment(fake_jax_triton, seg
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])
-def test_hstu_hopper_is_named_only(fake_jax_triton, monkeypatch, backend):
-    """On a Hopper GPU, backend="auto" and "triton" run the portable HSTU forward, even where the
-    environment asks for the Hopper kernels: "hstu-hopper" is not among their candidates (until a GPU
-    run validates it)."""
-    monkeypatch.setenv(select.FORWARD_ENV, "hopper")
+@pytest.mark.parametrize("max_seq_len,env,hopper", [
+    (1024, None, True), (1023, None, False), (1024, "portable", False), (600, "hopper", True),
+], ids=["1024", "1023", "portable-env", "hopper-env"])
+def test_auto_takes_hstu_hopper_from_1024_tokens(fake_jax_triton, monkeypatch, backend, max_seq_len, env,
+                                                 hopper):
+    """On a Hopper GPU, backend="auto" and "triton" run HSTU's Hopper kernels (forward, dk/dv and dq) for
+    16-bit inputs from configs.HSTU_HOPPER_AUTO_MIN_LENGTH tokens, the portable ones below; the
+    environment narrows them as it does the softmax op's ("portable": no Hopper kernels; "hopper": the
+    Hopper kernels wherever they can run, any length)."""
+    for name in (select.FORWARD_ENV, select.BACKWARD_ENV):
+        if env is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, env)
     with select.use_device(gpu_device((9, 0))):
-        _hstu_call(backend=backend, grad=True)
+        _hstu_call(backend=backend, grad=True, max_seq_len=max_seq_len)
     launched = {call["kernel"] for call in fake_jax_triton.calls}
-    assert launched == {kernels.hstu_fwd_kernel, kernels.hstu_bwd_kernel}
+    hopper_kernels = {kernels.hopper_hstu_fwd_kernel, kernels.hopper_hstu_bwd_dkdv_kernel,
+                      kernels.hopper_hstu_bwd_dq_kernel}
+    want = hopper_kernels if hopper else {kernels.hstu_fwd_kernel, kernels.hstu_bwd_kernel}
+    assert launched == want
 
 
 @pytest.mark.parametrize("options,device,reason", [
@@ -1914,4 +1927,9 @@ def test_hstu_hopper_takes_one_offsets_segment(fake_jax_triton):
             op("hstu-hopper")(q, offsets)
         fake_jax_triton.reset()
         op(("hstu-hopper", "portable"))(q, offsets)
+        assert fake_jax_triton.calls[-1]["kernel"] is kernels.hstu_fwd_kernel
+        # auto, which takes the Hopper kernels from 1024 tokens, runs the portable ones under vmap
+        # (custom_vmap traces the unbatched problem too, before its rule: the last launch is the rule's)
+        fake_jax_triton.reset()
+        jax.vmap(lambda q, o: jfa.hstu_attention(q, q, q, o, 1024, alpha=0.5))(q, offsets)
     assert fake_jax_triton.calls[-1]["kernel"] is kernels.hstu_fwd_kernel

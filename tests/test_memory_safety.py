@@ -241,7 +241,7 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False,
     `hopper` (a Hopper GPU), bfloat16 at D = 128 on the Hopper kernels alone (a spy says they ran), whose
     tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens, then with
     dq fused into dk/dv ("hopper-fused-dq"), then HSTU attention on its Hopper forward and backward
-    ("hstu-hopper", named: it is not among auto's candidates). `only`: the names of the variants to run
+    ("hstu-hopper", named: auto takes it from 1024 tokens only). `only`: the names of the variants to run
     (default all)."""
     spy = Spy("hopper")
     variants = ({"hopper": spy, "hopper fused dq": FusedDq(spy.calls), "hstu hopper": "hstu-hopper"} if hopper

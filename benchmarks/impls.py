@@ -126,6 +126,9 @@ IMPLS = {  # name -> (make(case), needs a GPU)
     # the Hopper backward wherever it runs, where auto would take the portable one too (D = 64, short rows)
     "jfa-triton-hopper-bwd": (lambda case: jfa(case, "triton", backward_implementation=(
         "hopper", "portable", "xla")), True),
+    # the portable backward, where auto takes the Hopper one (to compare the two)
+    "jfa-triton-portable-bwd": (lambda case: jfa(case, "triton", backward_implementation=("portable", "xla")),
+                                True),
     "jfa-xla": (lambda case: jfa(case, "xla"), False),
     "cudnn-packed": (cudnn_packed, True),
     "cudnn-padded": (cudnn_padded, True),

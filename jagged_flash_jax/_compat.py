@@ -94,6 +94,16 @@ def gluon_tma_reduce() -> bool:
     return hasattr(tma, "async_atomic_add")
 
 
+@functools.cache
+def triton_release() -> tuple[int, ...]:
+    """(major, minor, patch) of the installed Triton, () without one (from its package metadata: no
+    import)."""
+    try:
+        return release(importlib.metadata.version("triton"))
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+
+
 # ---------------------------------------------------------------------------------------------------
 # jax-triton
 # ---------------------------------------------------------------------------------------------------

@@ -104,10 +104,15 @@ HOPPER_FORWARD_MIN_QUERIES = 128
 # The persistent Hopper forward's grid where the device does not say its SM count (H100 and H200 SXM).
 HOPPER_SMS = 132
 # Under "auto" the Hopper backward runs from sequences of this many tokens, and at these head dimensions
-# only: below, and at D = 64, the portable backward is as fast or faster (H200, docs/performance.md,
+# only: below, and elsewhere, the portable backward is as fast or faster (H200, docs/performance.md,
 # "Hopper kernels"). "hopper" runs it wherever the table has its tiles.
 HOPPER_BACKWARD_MIN_LENGTH = 512
-HOPPER_BACKWARD_AUTO_HEAD_DIMS = (128,)
+HOPPER_BACKWARD_AUTO_HEAD_DIMS = (128, 256)
+# ... and D = 64 from this Triton on, where the GPU suite has run with it chosen: under 3.9 the Hopper
+# backward measured faster there (L4096-D64 4.28-4.41 against 4.62-4.69 ms forward + backward,
+# gqa-16x4-L512-D64 2.50 against 2.78). Under 3.6 it measured slower before (4.89 against 4.71) and faster
+# on 2026-12-03 (4.27 against 4.70), but the suite has not run there with it chosen (docs/performance.md).
+HOPPER_BACKWARD_D64_TRITON = (3, 7)
 
 # HSTU's Hopper forward (kernels/hopper/hstu_forward.py, implementation "hstu-hopper"): its fixed tile,
 # 128 queries (two consumer warpgroups) by 64 keys in a 2-deep ring, the softmax forward's register
@@ -184,9 +189,10 @@ def table_from_json(entries: list[dict]) -> dict:
 # choices. Then the Hopper kernels' (16-bit inputs only, fixed shapes: see HOPPER_CONSUMER_REGS), from
 # the sweeps of docs/performance.md, "Hopper kernels": bands of at most 512 keys (a sliding window's,
 # or sequences as short) take 64-key tiles in the forward and in dq, where a consumer warpgroup
-# computes only the key tiles its own 64 queries see; 3 stages of 128 keys exceed shared memory at D = 128,
-# and D = 256 has no Hopper backward (dK and dV of 64 rows x 256 in float32 alone need a consumer thread's
-# 256 registers).
+# computes only the key tiles its own 64 queries see; 3 stages of 128 keys exceed shared memory at D = 128.
+# At D = 256 dK and dV of 64 rows x 256 in float32 alone would need a consumer thread's 256 registers:
+# dk/dv takes blocks of 64 keys, both consumers', each with half of the columns (kernels/hopper/dkdv.py,
+# SPLIT_D), and dq key tiles of 32 (two stages of 64 exceed shared memory).
 _H200 = FALLBACK_GPU
 BUILTIN_TABLE = table_from_json([
     dict(gpu=_H200, bits=16, head_dim=32, max_seq_len=256, fwd=[64, 32, 4, 3], dkdv=[32, 64, 4, 3],
@@ -218,7 +224,7 @@ BUILTIN_TABLE = table_from_json([
     dict(gpu=_H200, kernels="hopper", bits=16, head_dim=128, max_seq_len=None, fwd=[128, 128, 4, 2, 168],
          dkdv=[64, 128, 4, 2, 168], dq=[128, 128, 4, 2, 168]),
     dict(gpu=_H200, kernels="hopper", bits=16, head_dim=256, max_seq_len=None, fwd=[128, 64, 4, 2, 168],
-         dkdv=None, dq=None),
+         dkdv=[64, 64, 4, 2, 168], dq=[128, 32, 4, 2, 168]),
 ])
 
 

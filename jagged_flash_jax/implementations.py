@@ -24,9 +24,10 @@ import importlib
 
 import numpy as np
 
-from . import configs
+from . import _compat, configs
 from .configs import (
     HOPPER_BACKWARD_AUTO_HEAD_DIMS,
+    HOPPER_BACKWARD_D64_TRITON,
     HOPPER_BACKWARD_MIN_LENGTH,
     HOPPER_BITS,
     HOPPER_FORWARD_MIN_LENGTH,
@@ -199,6 +200,13 @@ def gluon_available() -> bool:
     return _hopper_modules_import("dkdv", "dq", "forward")
 
 
+def hopper_backward_auto_head_dims() -> tuple[int, ...]:
+    """The head dimensions at which "auto" prefers the Hopper backward under the installed Triton."""
+    if _compat.triton_release() >= HOPPER_BACKWARD_D64_TRITON:
+        return (64, *HOPPER_BACKWARD_AUTO_HEAD_DIMS)
+    return HOPPER_BACKWARD_AUTO_HEAD_DIMS
+
+
 def _segments_reason(p) -> str | None:
     """Why a Hopper kernel cannot take p's offsets segments (it takes one), or None."""
     if p.num_segments != 1:
@@ -267,6 +275,9 @@ class Hopper(Implementation):
             return reason
         if reason := _segments_reason(p):
             return reason
+        if config.fused_dq and config.tiles.dkdv.block_n != 128:
+            return (f"head dimension {p.head_dim}: its dk/dv tiles are blocks of {config.tiles.dkdv.block_n} "
+                    f"keys, whose columns the two warpgroups split (dq is fused into blocks of 128 keys)")
         if p.kv_tokens == 0:
             return "no key tokens (no TMA descriptor over an empty array)"
         strides = (*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))
@@ -282,7 +293,7 @@ class Hopper(Implementation):
             if longest < HOPPER_BACKWARD_MIN_LENGTH:
                 return (f"sequences of at most {HOPPER_BACKWARD_MIN_LENGTH - 1} tokens (the portable "
                         f"backward is faster)")
-            if p.head_dim not in HOPPER_BACKWARD_AUTO_HEAD_DIMS:
+            if p.head_dim not in hopper_backward_auto_head_dims():
                 return f"head dimension {p.head_dim} (the portable backward is faster)"
             return None
         if longest < HOPPER_FORWARD_MIN_LENGTH:

@@ -191,10 +191,11 @@ def test_the_hopper_forward_compiles_for_sm90a(dim, causal, layout, dtype, optio
 # causal without options at D = 64 (the kernels' paths without a window: the dk/dv programs' causal
 # tile test), every option on at D = 128 (a window's two bounds, a soft cap and ALiBi: the windowed
 # tile ranges and masks, the score transform and the cap's tanh with its series (a cap above 64), the
-# cap's derivative), not causal. The GPU run
-# (BACKWARD_CASES below) launches both head dimensions plain, causal and with the options.
+# cap's derivative), not causal; and D = 256 (dk/dv's split columns) causal with every option. The GPU
+# run (BACKWARD_CASES below) launches every head dimension plain, causal and with the options.
 BACKWARD_COMPILE_CASES = [(64, True, "THD", jnp.bfloat16, {}),
-                          (128, False, "HTD", jnp.float16, dict(window=(40, 8), softcap=100.0, alibi=True))]
+                          (128, False, "HTD", jnp.float16, dict(window=(40, 8), softcap=100.0, alibi=True)),
+                          (256, True, "THD", jnp.bfloat16, dict(window=(40, 8), softcap=100.0, alibi=True))]
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
@@ -246,9 +247,10 @@ def test_dkdv_takes_its_own_waits_only_without_a_band(causal, window, dkdv_stage
 
 
 # (dim, causal, layout, dtype, options, block_m): the unfused kernels' compile cases (D = 64 causal, where
-# one warpgroup takes a tile's whole dQ; D = 128 with every option on, where each takes half), D = 128
-# causal, and the 16-query tiles a tuned table may give.
-FUSED_DQ_COMPILE_CASES = ([(*case, None) for case in BACKWARD_COMPILE_CASES]
+# one warpgroup takes a tile's whole dQ; D = 128 with every option on, where each takes half; not D = 256,
+# whose blocks of 64 keys dq is not fused into), D = 128 causal, and the 16-query tiles a tuned table may
+# give.
+FUSED_DQ_COMPILE_CASES = ([(*case, None) for case in BACKWARD_COMPILE_CASES if case[0] != 256]
                           + [(128, True, "THD", jnp.bfloat16, {}, block_m) for block_m in (None, 16)])
 
 
@@ -710,6 +712,14 @@ BACKWARD_CASES = {
                                              heads=3, kv_heads=1, dim=64, max_seq_len=256,
                                              kv_max_seq_len=280, causal=True, window=(70, None),
                                              softcap=10.0, alibi=True),
+    # D = 256: dk/dv on blocks of 64 keys whose columns the two warpgroups split, each computing P^T and
+    # dS^T of half of a query tile (the forward's cases: a scale; cross, causal, GQA; both window
+    # bounds and ALiBi), and a soft cap at scores large against it.
+    "self-D256-scale": CASES["self-D256-scale"],
+    "cross-D256-causal-gqa": CASES["cross-D256-causal-gqa"],
+    "cross-window-both-alibi-D256": CASES["cross-window-both-alibi-D256"],
+    "softcap-D256": dict(lengths=[300, 0, 129, 64], heads=2, dim=256, max_seq_len=256, scale=0.5,
+                         softcap=4.0),
 }
 
 
@@ -730,7 +740,10 @@ def check_backward(case: str, layout: str, precision: str, backward_kernels, **o
     ("cross-window-both-D64-gqa", "HTD"), ("cross-window-right-softcap-mqa", "HTD"), ("softcap-D64", "THD"),
     ("cross-alibi-gqa", "HTD"), ("narrow-window-causal-gqa", "THD"), ("narrow-window-causal-gqa", "HTD"),
     ("cross-narrow-window-both", "THD"), ("cross-causal-all-options-gqa", "THD"),
-    ("cross-causal-all-options-gqa", "HTD"), ("cross-causal-all-options-D64-mqa", "THD")], ids=str)
+    ("cross-causal-all-options-gqa", "HTD"), ("cross-causal-all-options-D64-mqa", "THD"),
+    ("self-D256-scale", "THD"), ("self-D256-scale", "HTD"), ("cross-D256-causal-gqa", "THD"),
+    ("cross-D256-causal-gqa", "HTD"), ("cross-window-both-alibi-D256", "THD"), ("softcap-D256", "HTD")],
+    ids=str)
 def test_backward_matches_float64(case, layout, backward_kernels):
     check_backward(case, layout, "bf16", backward_kernels)
 
@@ -743,7 +756,8 @@ def test_backward_float16(backward_kernels):
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs", [1, 3])
 @pytest.mark.parametrize("case,layout", [("cross-D64-gqa", "THD"), ("cross-window-right-gqa", "HTD"),
-                                         ("cross-causal-all-options-gqa", "THD")], ids=str)
+                                         ("cross-causal-all-options-gqa", "THD"),
+                                         ("cross-D256-causal-gqa", "HTD")], ids=str)
 def test_backward_on_few_programs(case, layout, programs, backward_kernels):
     """Few persistent programs, each taking many blocks of both kernels in turn: the barriers' phases
     running on from block to block (dk/dv: K and V reloaded behind kv_free, the Q/dO ring and its tail
@@ -790,13 +804,14 @@ def test_backward_fbgemm_op(backward_kernels):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("operand,layout", [("q", "THD"), ("k", "HTD"), ("v", "THD")])
-def test_backward_keeps_inf_and_nan_in_unattended_tokens_out(operand, layout, backward_kernels):
+@pytest.mark.parametrize("operand,layout,dim", [("q", "THD", 128), ("k", "HTD", 128), ("v", "THD", 128),
+                                               ("k", "THD", 256), ("v", "HTD", 256)])
+def test_backward_keeps_inf_and_nan_in_unattended_tokens_out(operand, layout, dim, backward_kernels):
     """inf and nan in the tokens past max_seq_len and after the last sequence, which the 64-query tiles
     of the dk/dv programs (zeroed in shared memory past n_q) and the 128-key tiles of the dq programs
     (K zeroed past n_k, dS masked against V's) read: every gradient finite, matching float64, 0 where
-    unattended. Causal on k, GQA."""
-    max_len, dim = 150, 128
+    unattended. Causal on k, GQA; at D = 256 too (its split dk/dv's P^T and dS^T halves)."""
+    max_len = 150
     batch = Batch.make([5, 0, 200, 3, 70], 4, dim, kv_heads=2, extra=90, seed=3)
     attended = poison_unattended(batch, operand, max_len)
     results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
@@ -826,15 +841,17 @@ def test_backward_keeps_inf_and_nan_in_unattended_tokens_out_with_the_options(op
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, dict(window=(70, 10), softcap=20.0, alibi=True)],
-                         ids=["causal", "causal-all-options"])
+@pytest.mark.parametrize("options", [{}, dict(window=(70, 10), softcap=20.0, alibi=True), dict(dim=256)],
+                         ids=["causal", "causal-all-options", "causal-D256"])
 def test_backward_is_bitwise_deterministic_with_both_hopper_kernels(backward_kernels, options):
     """A jitted forward + backward, the Hopper forward and backward together, run twice: the same bits
-    (no atomics: one writer per element), all finite; with a window, a soft cap and ALiBi too."""
+    (no atomics: one writer per element), all finite; with a window, a soft cap and ALiBi too, and at
+    D = 256 (its dk/dv warpgroups each write their own columns)."""
     options = dict(options)
     if options.pop("alibi", False):
         options["alibi_slopes"] = jnp.asarray([0.3, 0.1, 0.05, 0.02], jnp.float32)
-    batch = Batch.make([300, 5, 128, 0, 257], 4, 128, kv_lengths=[260, 9, 300, 4, 100], kv_heads=2, seed=1,
+    dim = options.pop("dim", 128)
+    batch = Batch.make([300, 5, 128, 0, 257], 4, dim, kv_lengths=[260, 9, 300, 4, 100], kv_heads=2, seed=1,
                        scale=0.5)
     q, k, v, do = batch.arrays(jnp.bfloat16)
     offsets, kv_offsets = (jnp.asarray(x, jnp.int32) for x in (batch.offsets, batch.kv_offsets))
@@ -1000,7 +1017,7 @@ def test_fused_dq_backward_keeps_inf_and_nan_in_unattended_tokens_out(operand, l
     """`test_backward_keeps_inf_and_nan_in_unattended_tokens_out` with dq fused: K's poisoned rows past
     n_k (zeroed before dS K reads them), dS^T's there (selected to 0, as dP^T from V's poisoned rows may
     be NaN), the query rows past n_q (no add) keep dq finite and 0 where unattended."""
-    test_backward_keeps_inf_and_nan_in_unattended_tokens_out(operand, layout, fused_dq_kernels)
+    test_backward_keeps_inf_and_nan_in_unattended_tokens_out(operand, layout, 128, fused_dq_kernels)
     assert_fused(fused_dq_kernels)
 
 

@@ -831,7 +831,9 @@ def test_the_hopper_tiles_come_from_the_table(hopper_gpu, tmp_path, monkeypatch)
     assert configs.hopper_block_sizes(128, jnp.float16, 4096, band=300) == table[(*hopper, 512)]
     for head_dim, dtype in ((96, jnp.bfloat16), (32, jnp.bfloat16), (128, jnp.float32), (512, jnp.float16)):
         assert configs.hopper_block_sizes(head_dim, dtype, 4096) is None, (head_dim, dtype)
-    assert configs.hopper_block_sizes(256, jnp.bfloat16, 4096).dq is None
+    # D = 256: dk/dv on blocks of 64 keys (the two warpgroups split the columns), dq on key tiles of 32.
+    d256 = configs.hopper_block_sizes(256, jnp.bfloat16, 4096)
+    assert (d256.dkdv.block_m, d256.dkdv.block_n, d256.dq.block_m, d256.dq.block_n) == (64, 64, 128, 32)
     entry = dict(gpu=H200, kernels="hopper", bits=16, head_dim=128, max_seq_len=None,
                  fwd=[128, 32, 4, 3, 160], dkdv=None, dq=[128, 32, 4, 4, 160])
     monkeypatch.setenv(select.TUNED_CONFIGS_ENV, _override(tmp_path, entry))
@@ -1021,13 +1023,28 @@ def test_hopper_fused_dq_is_the_dq_fused_dkdv_kernel_alone(hopper_backward_gpu, 
             == (FUSED_DQ[tma],))
 
 
-@pytest.mark.parametrize("case", [
-    dict(dim=256), dict(dim=32), dict(dtype=jnp.float32), dict(dim=120), dict(dim=256, window=(8, 2))],
-    ids=str)
+@pytest.mark.parametrize("case", [dict(dim=32), dict(dtype=jnp.float32), dict(dim=120), dict(dim=96)],
+                         ids=str)
 def test_the_portable_backward_keeps_what_the_hopper_one_lacks(hopper_backward_gpu, case):
-    """D = 256 (dK and dV alone would need 256 registers per consumer thread), other head dimensions,
-    float32."""
+    """Head dimensions the table has no Hopper tiles for, float32."""
     assert _backward_kernels(hopper_backward_gpu, **case) == PORTABLE_BACKWARD
+
+
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+@pytest.mark.parametrize("options", [{}, dict(window=(8, 2), causal=True)], ids=str)
+def test_the_hopper_backward_at_d256_splits_the_columns(hopper_backward_gpu, layout, options):
+    """D = 256 takes both Hopper kernels: dk/dv on blocks of 64 keys (BLOCK_N 64, which makes its two
+    warpgroups split dK's and dV's columns: 64 x 256 in float32 of each would need 256 registers per
+    consumer thread) and query tiles of 64; dq on 128 queries by key tiles of 32. The dq-fused option
+    is refused there (dq is fused into blocks of 128 keys)."""
+    assert _backward_kernels(hopper_backward_gpu, dim=256, layout=layout, **options) == HOPPER_BACKWARD
+    *_, dq = hopper_backward_gpu.calls
+    *_, dkdv, _ = hopper_backward_gpu.calls
+    assert (dkdv["BLOCK_M"], dkdv["BLOCK_N"], dkdv["STAGES"]) == (64, 64, 2)
+    assert (dq["BLOCK_M"], dq["BLOCK_N"]) == (128, 32)
+    with pytest.raises(ValueError, match="dq is fused into blocks of 128 keys"):
+        _backward_kernels(hopper_backward_gpu, dim=256, layout=layout,
+                          backward_implementation="hopper-fused-dq", **options)
 
 
 def test_no_key_tokens_keep_both_kernels_portable(hopper_backward_gpu, monkeypatch):
@@ -1069,8 +1086,13 @@ def test_the_environment_chooses_the_backward(hopper_backward_gpu, monkeypatch):
         assert _backward_kernels(hopper_backward_gpu, max_seq_len=max_seq_len) == want, (value, max_seq_len)
     monkeypatch.setenv(select.BACKWARD_ENV, "auto")
     assert _backward_kernels(hopper_backward_gpu, cross=True, kv_max_seq_len=shortest) == HOPPER_BACKWARD
-    # "auto" keeps D = 64 on the portable backward (the faster there); "hopper" runs it (above).
-    assert _backward_kernels(hopper_backward_gpu, dim=64, max_seq_len=4096) == PORTABLE_BACKWARD
+    # "auto" keeps D = 64 on the portable backward under Triton 3.6 (the faster there), and takes the
+    # Hopper one from 3.7; "hopper" runs it (above). D = 256 takes the Hopper one.
+    for release, want in (((3, 6, 0), portable), ((3, 7, 0), hopper), ((3, 9, 0), hopper)):
+        monkeypatch.setattr(_compat, "triton_release", lambda release=release: release)
+        assert _backward_kernels(hopper_backward_gpu, dim=64, max_seq_len=4096) == want, release
+    assert _backward_kernels(hopper_backward_gpu, dim=256, max_seq_len=4096) == hopper
+    assert _backward_kernels(hopper_backward_gpu, dim=256, max_seq_len=shortest - 1) == portable
     # The options too, a causal soft cap included (the forward's rule against it is the forward's).
     assert _backward_kernels(hopper_backward_gpu, max_seq_len=shortest, causal=True, softcap=5.0,
                              window=(8, None), alibi_slopes=jnp.ones(4)) == HOPPER_BACKWARD

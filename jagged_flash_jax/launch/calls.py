@@ -454,10 +454,11 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
     scales = dict(DS_SCALE=p.scale * p.out_scale)
     dkdv_outputs = dict(dk=jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
                         dv=jax.ShapeDtypeStruct(p.kv_shape, v.dtype))
-    # Two consumer warpgroups of 64 rows: the dk/dv program's keys, the dq program's queries.
+    # Two consumer warpgroups of 64 rows: the dk/dv program's keys (a block of 128 keys, a half each; of
+    # 64 keys at D = 256, whose columns they split), the dq program's queries. K and V load by 64 rows.
     dkdv_spec, updated = spec.HOPPER_BWD_DKDV, {}
     descriptor_blocks = dict(q=(dkdv.block_m, p.head_dim), do=(dkdv.block_m, p.head_dim),
-                             k=(dkdv.block_n // 2, p.head_dim), v=(dkdv.block_n // 2, p.head_dim))
+                             k=(64, p.head_dim), v=(64, p.head_dim))
     if config.fused_dq and _compat.gluon_tma_reduce():
         dkdv_spec = spec.HOPPER_BWD_DKDV_DQ_TMA
         (q_view,) = _tma_views(p, (q,), ())

@@ -19,11 +19,15 @@
 #      against the default backward, and the same timing on the tree as it is
 #   9  HSTU's Hopper kernels in backend="auto" (profile/2026-12-03_hstu_hopper_auto.mbox, applied to a copy):
 #      every GPU test of HSTU under auto, triton 3.6, and 3.9 where 5 installed it (TRITONS="3.9": 3.9 only)
+#  10  the D = 256 Hopper backward (dk/dv's warpgroups splitting the columns) and auto's backward choices
+#      (D = 256; D = 64 from triton 3.7): the GPU suite under auto beside memcheck of the D = 256 Hopper
+#      kernels, then their timing against the portable backward; on triton 3.6, staging .t39a; with
+#      TRITON=3.9 (after STAGE_ONLY=1 2-4 and staging .t39e) installing 3.9 first
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). With the
 # patches pending (8, 9), a 30-minute session runs 1, STAGE_ONLY=1 2-4, 5, 8, 9, then 6 if time is left.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..9}
+call=${1:?usage: bash tests/gpu/session.sh 1..10}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -151,5 +155,24 @@ case $call in
           > "$out/hstu-auto-tests-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hstu-auto-tests-triton$triton.log")
        tail -2 "$out/hstu-auto-tests-triton$triton.log"
      done; elapsed "call 9" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..9" >&2; exit 2 ;;
+  10) triton=${TRITON:-3.6}
+      if [ "$triton" = 3.9 ]; then
+        stage .t39e && bash tests/gpu/install_triton39.sh > "$out/install-triton3.9.log" 2>&1
+        echo "rc=$?" >> "$out/install-triton3.9.log"; tail -2 "$out/install-triton3.9.log"; path=$site39
+      else
+        stage .t39a; path=$site36
+      fi
+      memcheck "$triton" "$path" 300 "['hopper D256']" False "-d256" &
+      TRITON=$triton LIMIT=${LIMIT:-330} bash tests/gpu/run.sh suite > /dev/null 2>&1
+      wait; elapsed "suite, memcheck"; summary
+      softmax_bench "d256-triton$triton" "L4096-D256,L4096-D64" \
+        jfa-triton,jfa-triton-portable-bwd,jfa-triton-hopper-bwd ${BUDGET:-90} "$path"
+      # D = 256's dk/dv on query tiles of 32 in 3 stages (a tuned table's entry) against the table's 64 in 2
+      echo '[{"gpu": "NVIDIA H200", "kernels": "hopper", "bits": 16, "head_dim": 256, "max_seq_len": null,
+              "fwd": [128, 64, 4, 2, 168], "dkdv": [32, 64, 4, 3, 168], "dq": [128, 32, 4, 2, 168]}]' \
+        > /tmp/d256-m32.json
+      JAGGED_FLASH_JAX_TUNED_CONFIGS=/tmp/d256-m32.json softmax_bench "d256-m32-triton$triton" L4096-D256 \
+        jfa-triton 40 "$path"
+      grep -h "fwd+bwd" "$out"/bench-d256*-triton$triton.log; elapsed "call 10" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..10" >&2; exit 2 ;;
 esac

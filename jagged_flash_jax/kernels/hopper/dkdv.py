@@ -180,11 +180,14 @@ def _dkdv_program(descs, inputs, outputs, SHAPE: gl.constexpr, LENGTHS: gl.const
 
     # The shared memory and barriers of the warp-specialized region, set up once.
     dtype: gl.constexpr = q_desc.dtype
+    # The block's tiles of 64 keys: two (one per consumer), or under SPLIT_D one that both consumers read.
+    KEY_TILES: gl.constexpr = TILES[1] // CONSUMER_ROWS
+    gl.static_assert(FUSED_DQ == 0 or KEY_TILES == 2, "dq is fused into blocks of 128 keys only")
     if FUSED_DQ:  # K as one [BLOCK_N, D] tile: the consumers' halves (`_key_half`), and dQ's A operand
         k_smem = gl.allocate_shared_memory(dtype, [1, TILES[1], D], k_desc.layout)
     else:
-        k_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, D], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [KEY_TILES, CONSUMER_ROWS, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [KEY_TILES, CONSUMER_ROWS, D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
     stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -220,6 +223,18 @@ def _dkdv_program(descs, inputs, outputs, SHAPE: gl.constexpr, LENGTHS: gl.const
             # Each consumer's [64, BLOCK_M] float32 of dQ^T on its way to the atomic adds (`add_columns`).
             stage = gl.allocate_shared_memory(gl.float32, [2, CONSUMER_ROWS, BLOCK_M], STAGE_LAYOUT)
         arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, (dq_acc, q_layout, ds_smem, ds_full, stage))
+    elif KEY_TILES == 1:
+        # SPLIT_D: P^T and dS^T of the current query tile, [64 keys, BLOCK_M / 2] per consumer (its half
+        # of the queries): P^T of halves 0 and 1, then dS^T of both. Both consumers' dV and dK products
+        # read all four (`_split_products`). One set, not one per ring slot (at D = 256 shared memory
+        # holds no second): pds_bars[0] counts both consumers' tiles written, pds_bars[1] both done
+        # reading them.
+        half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMER_ROWS, BLOCK_M // 2], dtype)
+        pds_smem = gl.allocate_shared_memory(dtype, [4, CONSUMER_ROWS, BLOCK_M // 2], half_layout)
+        pds_bars = mbarriers(2)
+        init_barriers((pds_bars, ), (2, ), 2)
+        fence_async_shared()
+        arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, (pds_smem, pds_bars))
     else:
         arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, None)
     # The forward's partitions, their computed scalars in the same order (see forward.py).
@@ -235,11 +250,11 @@ def _dkdv_program(descs, inputs, outputs, SHAPE: gl.constexpr, LENGTHS: gl.const
 
 @gluon.jit
 def _key_half(k_smem, w):
-    """The block's keys [64 w, +64) in k_smem: [2, 64, D] halves, or with fused dq one [1, BLOCK_N, D]
-    tile, which dQ's product reads whole. (A view of a tile is taken from an index of the allocation,
-    never of the allocation itself: Triton 3.6's wgmma pipelining walks a product's operand up its
-    views and never ends at a worker partition's argument.)"""
-    if k_smem.shape[0] == 2:
+    """The block's keys [64 w, +64) in k_smem: [2, 64, D] halves (under SPLIT_D [1, 64, D]), or with
+    fused dq one [1, BLOCK_N, D] tile, which dQ's product reads whole. (A view of a tile is taken from an
+    index of the allocation, never of the allocation itself: Triton 3.6's wgmma pipelining walks a
+    product's operand up its views and never ends at a worker partition's argument.)"""
+    if k_smem.shape[1] == CONSUMER_ROWS:
         half = k_smem.index(w)
     else:
         half = k_smem.index(0).slice(w * CONSUMER_ROWS, CONSUMER_ROWS, dim=0)
@@ -305,9 +320,10 @@ def _dkdv_produce(buffers, stats, block, kv_origin, q_layout, t, kvp, KV_GROUP: 
     BLOCK_N: gl.constexpr = TILES[1]
     STAGES: gl.constexpr = TILES[2]
 
+    KEY_TILES: gl.constexpr = BLOCK_N // CONSUMER_ROWS  # 2, or 1 under SPLIT_D
     mbarrier.wait(kv_free, kvp ^ 1)  # fresh barriers: phase 1 counts as complete
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for w in gl.static_range(2):
+    mbarrier.expect(kv_bar, KEY_TILES * k_desc.block_type.nbytes + KEY_TILES * v_desc.block_type.nbytes)
+    for w in gl.static_range(KEY_TILES):
         tma_load(k_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, _key_half(k_smem, w))
         tma_load(v_desc, [kv_row + w * CONSUMER_ROWS, kv_col], kv_bar, v_smem.index(w))
     t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, BLOCK_N, BAND)
@@ -381,9 +397,18 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
     BLOCK_M: gl.constexpr = TILES[0]
     BLOCK_N: gl.constexpr = TILES[1]
     STAGES: gl.constexpr = TILES[2]
+    # SPLIT_D (a block of 64 keys, both warpgroups'): this warpgroup's S^T and dP^T are of half the
+    # tile's queries, COLS of them, and its dK and dV of half of D's columns, from D0. Else COLS =
+    # BLOCK_M, D_COLS = D and the block's keys are two halves, this warpgroup's from krow0.
+    SPLIT_D: gl.constexpr = BLOCK_N == CONSUMER_ROWS
+    KEY_TILES: gl.constexpr = BLOCK_N // CONSUMER_ROWS
+    COLS: gl.constexpr = BLOCK_M * KEY_TILES // 2
+    D_COLS: gl.constexpr = D * KEY_TILES // 2
+    KEY_HALF: gl.constexpr = WG * (KEY_TILES - 1)
+    C0: gl.constexpr = WG * COLS  # (SPLIT_D) this warpgroup's first query of a tile
 
-    st_layout: gl.constexpr = wgmma_layout(BLOCK_M)
-    acc_layout: gl.constexpr = wgmma_layout(D)
+    st_layout: gl.constexpr = wgmma_layout(COLS)
+    acc_layout: gl.constexpr = wgmma_layout(D_COLS)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
@@ -391,12 +416,12 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
     BANDED: gl.constexpr = BAND[0] or BAND[1] >= 0 or BAND[2] >= 0
     WINDOWED: gl.constexpr = BAND[1] >= 0 or BAND[2] >= 0
     shift = n_k - n_q
-    krow0 = key0 + WG * CONSUMER_ROWS
-    k = _key_half(k_smem, WG)
-    v = v_smem.index(WG)
-    dk = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=acc_layout)
-    dv = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=acc_layout)
-    st_zero = gl.zeros([CONSUMER_ROWS, BLOCK_M], gl.float32, layout=st_layout)
+    krow0 = key0 + KEY_HALF * CONSUMER_ROWS
+    k = _key_half(k_smem, KEY_HALF)
+    v = v_smem.index(KEY_HALF)
+    dk = gl.zeros([CONSUMER_ROWS, D_COLS], gl.float32, layout=acc_layout)
+    dv = gl.zeros([CONSUMER_ROWS, D_COLS], gl.float32, layout=acc_layout)
+    st_zero = gl.zeros([CONSUMER_ROWS, COLS], gl.float32, layout=st_layout)
     key_rows = krow0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
     t0, ntiles = _query_tiles(key0, n_q, n_k, BLOCK_M, BLOCK_N, BAND)
     per_head = ntiles - t0
@@ -425,18 +450,28 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
             i = t + g * per_head + (tile - t0)
             slot = i % STAGES
             m0 = tile * BLOCK_M
-            cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+            cols = m0 + gl.arange(0, COLS, layout=col_layout)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q = q_smem.index(slot)
             do = do_smem.index(slot)
             tail = (tile == last_tile) & (last_rows < BLOCK_M)
             if tail:  # the tile's rows past n_q are other tokens: zeroed before any product
                 tail_phases = zero_tail_tile(q, do, slot, tail_bar, tail_phases, last_rows, BLOCK_M, WG)
-            st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            lse = lse_smem.index(slot).load(col_layout)  # the producer's, zero past n_q
+            if SPLIT_D:  # this warpgroup's queries, [m0 + C0, +COLS)
+                cols = cols + C0
+                st_tok = warpgroup_mma(k, q.slice(C0, COLS, dim=0).permute((1, 0)), st_zero, use_acc=False,
+                                       is_async=True)
+                dpt_tok = warpgroup_mma(v, do.slice(C0, COLS, dim=0).permute((1, 0)), st_zero, use_acc=False,
+                                        is_async=True)
+                lse = lse_smem.index(slot).slice(C0, COLS).load(col_layout)
+                q0 = m0 + C0
+            else:
+                q0 = m0
+                st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+                dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+                lse = lse_smem.index(slot).load(col_layout)  # the producer's, zero past n_q
             st = warpgroup_mma_wait(1, deps=(st_tok, ))
-            st, tanh_st = capped_biased(st, krow0 - (m0 + shift), slope, SCORES, CONSUMER_ROWS, BLOCK_M,
+            st, tanh_st = capped_biased(st, krow0 - (q0 + shift), slope, SCORES, CONSUMER_ROWS, COLS,
                                         st_layout)
             pt = probability((st - gl.expand_dims(lse, 0)) * SCORES[2])
             if WINDOWED:
@@ -450,38 +485,92 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
                 if BANDED:  # the band of queries cols (at key positions cols + shift), keys key_rows
                     keep = band(keep, gl.expand_dims(cols + shift, 0), gl.expand_dims(key_rows, 1), 0, BAND)
                 pt = gl.where(keep, pt, 0.0)
-            p_op = gl.convert_layout(pt.to(dtype), op_layout)
-            if SCORES[0] > 0:  # dS^T takes the cap's derivative, 1 - tanh^2: folded into P^T here
-                pt = pt * (1.0 - tanh_st * tanh_st)
-            dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
-            delta = delta_smem.index(slot).load(col_layout)
-            dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
-            dst = pt * (dpt - gl.expand_dims(delta, 0))
-            if tail:  # past n_q dP^T reads zeroed rows, but keep 0 exactly
-                dst = gl.where(gl.expand_dims(cols < n_q, 0), dst, 0.0)
-            if FUSED_DQ:
-                # Keys past n_k (other tokens; dK's rows there are never stored): 0 for dQ, by a select
-                # (P^T and dP^T there may be NaN). dS^T goes to shared memory, where dK's product reads
-                # it too, then the tile's dQ (`_dq_tile`).
-                dst = gl.where(gl.expand_dims(key_rows < n_k, 1), dst, 0.0)
-                ds_tile = ds_smem.index(slot).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS, dim=0)
-                ds_tile.store(dst.to(dtype))
-                publish()
-                mbarrier.arrive(ds_full.index(slot), count=1)
-                dk_tok = warpgroup_mma(ds_tile, q, dk, is_async=True)
-                dv, dk = _dq_tile(fused, (k_smem, ds_smem, empty), (dv_tok, dk_tok, p_op),
-                                  (dq_base, m0, n_q, i), SCALES[0], D, TILES, WG, FUSED_DQ)
-            else:
-                ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-                dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
-                dv, dk, ds_op, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, ds_op, p_op))
+            if SPLIT_D:
+                dv, dk = _split_products(pt, tanh_st, (cols, n_q, tail), (q, do, delta_smem, dpt_tok),
+                                         (dv, dk), arrays[4], (slot, i), SCORES, TILES, D_COLS, WG)
                 mbarrier.arrive(empty.index(slot), count=1)
+            else:
+                p_op = gl.convert_layout(pt.to(dtype), op_layout)
+                if SCORES[0] > 0:  # dS^T takes the cap's derivative, 1 - tanh^2: folded into P^T here
+                    pt = pt * (1.0 - tanh_st * tanh_st)
+                dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+                delta = delta_smem.index(slot).load(col_layout)
+                dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
+                dst = pt * (dpt - gl.expand_dims(delta, 0))
+                if tail:  # past n_q dP^T reads zeroed rows, but keep 0 exactly
+                    dst = gl.where(gl.expand_dims(cols < n_q, 0), dst, 0.0)
+                if FUSED_DQ:
+                    # Keys past n_k (other tokens; dK's rows there are never stored): 0 for dQ, by a select
+                    # (P^T and dP^T there may be NaN). dS^T goes to shared memory, where dK's product reads
+                    # it too, then the tile's dQ (`_dq_tile`).
+                    dst = gl.where(gl.expand_dims(key_rows < n_k, 1), dst, 0.0)
+                    ds_tile = ds_smem.index(slot).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS, dim=0)
+                    ds_tile.store(dst.to(dtype))
+                    publish()
+                    mbarrier.arrive(ds_full.index(slot), count=1)
+                    dk_tok = warpgroup_mma(ds_tile, q, dk, is_async=True)
+                    dv, dk = _dq_tile(fused, (k_smem, ds_smem, empty), (dv_tok, dk_tok, p_op),
+                                      (dq_base, m0, n_q, i), SCALES[0], D, TILES, WG, FUSED_DQ)
+                else:
+                    ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+                    dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+                    dv, dk, ds_op, p_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, ds_op, p_op))
+                    mbarrier.arrive(empty.index(slot), count=1)
     # K and V are free for the next block's (kv_free counts both warpgroups' arrivals): dK and dV are in
     # registers, and the products that read K and V are done.
     mbarrier.arrive(kv_free, count=1)
-    store_rows(dk_ptr, dk, SCALES[0], kv_start, kv_head, krow0, n_k, kv_layout, D, acc_layout)
-    store_rows(dv_ptr, dv, SCALES[1], kv_start, kv_head, krow0, n_k, kv_layout, D, acc_layout)
+    if SPLIT_D:  # this warpgroup's columns of the block's rows
+        D0: gl.constexpr = WG * D_COLS
+        store_rows(dk_ptr + D0, dk, SCALES[0], kv_start, kv_head, krow0, n_k, kv_layout, D_COLS, acc_layout)
+        store_rows(dv_ptr + D0, dv, SCALES[1], kv_start, kv_head, krow0, n_k, kv_layout, D_COLS, acc_layout)
+    else:
+        store_rows(dk_ptr, dk, SCALES[0], kv_start, kv_head, krow0, n_k, kv_layout, D, acc_layout)
+        store_rows(dv_ptr, dv, SCALES[1], kv_start, kv_head, krow0, n_k, kv_layout, D, acc_layout)
     return t + KV_GROUP * per_head, tail_phases
+
+
+@gluon.jit
+def _split_products(pt, tanh_st, columns, operands, acc, split, ring, SCORES: gl.constexpr,
+                    TILES: gl.constexpr, D_COLS: gl.constexpr, WG: gl.constexpr):
+    """SPLIT_D: warpgroup WG's dV and dK products of one ring tile, returned waited for (acc = (dv, dk),
+    each [64 keys, D_COLS] of the columns from WG D_COLS). pt is P^T of its half of the tile's queries,
+    [64, COLS] (columns = (cols, n_q, tail): their positions, masked), tanh_st the soft cap's tanh;
+    operands = (q, do, delta_smem, dpt_tok), dpt_tok dP^T's product in flight. dS^T = P^T S'^T (dP^T -
+    delta), 0 past n_q. P^T and dS^T go to pds_smem (split = (pds_smem, pds_bars); ring = (slot, i), i
+    the tile's place in the ring's run) once pds_bars[1] says both warpgroups are done with the last
+    tile's; once pds_bars[0] says both wrote theirs, dV += P^T dO and dK += dS^T Q over the tile's
+    queries, two products each (one per half), B the slot's dO and Q at this warpgroup's columns, then
+    this warpgroup arrives on pds_bars[1]. Each barrier completes once per tile."""
+    cols, n_q, tail = columns
+    q, do, delta_smem, dpt_tok = operands
+    dv, dk = acc
+    pds_smem, pds_bars = split
+    slot, i = ring
+    COLS: gl.constexpr = TILES[0] // 2
+    col_layout: gl.constexpr = gl.SliceLayout(0, wgmma_layout(COLS))
+    dtype: gl.constexpr = pds_smem.dtype
+    mbarrier.wait(pds_bars.index(1), (i & 1) ^ 1)  # fresh barriers: phase 1 counts as complete
+    pds_smem.index(WG).store(pt.to(dtype))
+    if SCORES[0] > 0:  # dS^T takes the cap's derivative, 1 - tanh^2: folded into P^T here
+        pt = pt * (1.0 - tanh_st * tanh_st)
+    delta = delta_smem.index(slot).slice(WG * COLS, COLS).load(col_layout)
+    dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
+    if tail:  # past n_q dP^T reads zeroed rows, but keep 0 exactly
+        dst = gl.where(gl.expand_dims(cols < n_q, 0), dst, 0.0)
+    pds_smem.index(2 + WG).store(dst.to(dtype))
+    publish()
+    mbarrier.arrive(pds_bars.index(0), count=1)
+    mbarrier.wait(pds_bars.index(0), i & 1)
+    D0: gl.constexpr = WG * D_COLS
+    for half in gl.static_range(2):
+        do_half = do.slice(half * COLS, COLS, dim=0).slice(D0, D_COLS, dim=1)
+        q_half = q.slice(half * COLS, COLS, dim=0).slice(D0, D_COLS, dim=1)
+        dv = warpgroup_mma(pds_smem.index(half), do_half, dv, is_async=True)
+        dk = warpgroup_mma(pds_smem.index(2 + half), q_half, dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    mbarrier.arrive(pds_bars.index(1), count=1)
+    return dv, dk
 
 
 @gluon.jit

@@ -82,6 +82,10 @@ MUTANTS = [
  ("hstu hopper: the backward's dO descriptor of D columns, not V", "jagged_flash_jax/launch/hstu.py", "do=(dkdv.block_m, p.value_dim)", "do=(dkdv.block_m, p.head_dim)", "tests/test_launchers.py -k hstu_hopper_backward"),
  ("hstu hopper: the Hopper backward where its kernels cannot take the problem", "jagged_flash_jax/implementations.py", "if self._hopper_reason(p, context, hopper) is None:", "if self._hopper_reason(p, context, hopper) is not None:", "tests/test_launchers.py -k hstu_hopper"),
  ("checks: max_seq_len=True accepted", "jagged_flash_jax/checks.py", "    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):", "    if not isinstance(value, (int, np.integer)):", "tests/test_api.py"),
+ ("implementations: the dq-fused backward on D = 256's 64-key blocks", "jagged_flash_jax/implementations.py", "        if config.fused_dq and config.tiles.dkdv.block_n != 128:", "        if config.fused_dq and config.tiles.dkdv.block_n < 64:", "tests/test_launchers.py -k d256"),
+ ("configs: auto leaves D = 256 on the portable backward", "jagged_flash_jax/configs.py", "HOPPER_BACKWARD_AUTO_HEAD_DIMS = (128, 256)", "HOPPER_BACKWARD_AUTO_HEAD_DIMS = (128,)", "tests/test_launchers.py -k environment_chooses"),
+ ("implementations: auto takes D = 64's Hopper backward under any Triton", "jagged_flash_jax/implementations.py", "    if _compat.triton_release() >= HOPPER_BACKWARD_D64_TRITON:", "    if _compat.triton_release() >= ():", "tests/test_launchers.py -k environment_chooses"),
+ ("kernels: D = 256's P^T and dS^T tiles once per ring slot (past shared memory)", "jagged_flash_jax/kernels/hopper/dkdv.py", "        pds_smem = gl.allocate_shared_memory(dtype, [4, CONSUMER_ROWS, BLOCK_M // 2], half_layout)", "        pds_smem = gl.allocate_shared_memory(dtype, [4 * STAGES, CONSUMER_ROWS, BLOCK_M // 2], half_layout)", 'tests/test_hopper.py -k "backward_compiles_for_sm90a and 256"'),
 ]
 
 

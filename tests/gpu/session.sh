@@ -22,13 +22,15 @@
 #      (D = 256; D = 64 from triton 3.7): the GPU suite under auto beside memcheck of the D = 256 Hopper
 #      kernels, then their timing against the portable backward; on triton 3.6, staging .t39a; with
 #      TRITON=3.9 (after STAGE_ONLY=1 2-4 and staging .t39e) installing 3.9 first
+#  11  triton 3.6: Nsight Compute of the D = 256 Hopper backward's kernels (L4096-D256, one step), the
+#      account its timing lacks: speed of light, memory and warp states of dk/dv (SPLIT_D) and dq
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next: 10
 # (3.6: the suite with D = 64's Hopper backward under auto, HOPPER_BACKWARD_D64_TRITON lowered to 3.6 in
 # the copy, if that is to be adopted), STAGE_ONLY=1 2-4, 8 after 5's install (the tail variant, its
 # offsets [0] fix), then 3 and 6's benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..10}
+call=${1:?usage: bash tests/gpu/session.sh 1..11}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -174,5 +176,13 @@ case $call in
       JAGGED_FLASH_JAX_TUNED_CONFIGS=/tmp/d256-m32.json softmax_bench "d256-m32-triton$triton" L4096-D256 \
         jfa-triton 40 "$path"
       grep -h "fwd+bwd" "$out"/bench-d256*-triton$triton.log; elapsed "call 10" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..10" >&2; exit 2 ;;
+  11) for kernel in bwd_dkdv bwd_dq; do
+        PYTHONPATH=$site36 timeout 200 ncu --clock-control none --target-processes all \
+          --kernel-name "regex:^attention_${kernel}_kernel$" --launch-count 1 --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+          --section Occupancy python3 -m benchmarks.probes.one_step --case L4096-D256 --mode fwd+bwd \
+          > "$out/ncu-d256-$kernel.txt" 2>&1
+        grep -E "Duration|Compute \(SM\) Throughput|Shared Memory|No Eligible|Local Memory" "$out/ncu-d256-$kernel.txt"
+      done; elapsed "call 11" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..11" >&2; exit 2 ;;
 esac

@@ -8,6 +8,12 @@ own 64 key rows each, dK and dV in float32 registers: per tile S^T = K Q^T and d
 at the band's edges and the sequence's last tile), dV += P^T dO, dS^T = P^T S'^T (dP^T - delta),
 dK += dS^T Q. A block that no query sees is a block too: its rows < n_k are stored as zeros.
 
+At D = 256 (SPLIT_D: the table's BLOCK_N = 64) dK and dV of 64 keys x 256 in float32 would need a consumer
+thread's 256 registers, so a block is 64 keys, both warpgroups': each computes S^T and dP^T of half of
+the query tile (64 keys x BLOCK_M / 2 queries, over all of D), writes its P^T and dS^T to shared memory,
+and accumulates dV and dK of its half of D's columns over the whole tile (`_split_products`), as
+FlashAttention-3 splits head dimension 256.
+
 `attention_bwd_dkdv_dq_kernel` is the same program with dq fused in (FUSED_DQ), as FlashAttention-2 and 3
 do: five products per tile instead of the dk/dv and dq kernels' seven, dq accumulated in float32 by
 atomic adds (so not deterministic). dS^T goes to shared memory, where dK's product and the tile's dQ^T =
@@ -75,8 +81,9 @@ def attention_bwd_dkdv_kernel(
     """dv = OUT_SCALE * P^T do and dk = DS_SCALE * dS^T q, with the portable backward's semantics (see
     portable/backward.attention_bwd_kernel), on a persistent grid of one program per SM as dq's: each
     program first does its share of the zero fills of dk and dv, then takes blocks of BLOCK_N = 128 keys
-    (two warpgroups') from the counter at counter_ptr until none is left. Every row of dk, dv (k's
-    strides) is written, by one program: deterministic."""
+    (two warpgroups', 64 each; or of 64 keys whose columns they split, SPLIT_D) from the counter at
+    counter_ptr until none is left. Every element of dk, dv (k's strides) is written, by one warpgroup:
+    deterministic."""
     SHAPE: gl.constexpr = (NUM_KV_HEADS, KV_GROUP, D)
     LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)
     BAND: gl.constexpr = (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)

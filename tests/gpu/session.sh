@@ -24,13 +24,16 @@
 #      TRITON=3.9 (after STAGE_ONLY=1 2-4 and staging .t39e) installing 3.9 first
 #  11  triton 3.6: Nsight Compute of the D = 256 Hopper backward's kernels (L4096-D256, one step), the
 #      account its timing lacks: speed of light, memory and warp states of dk/dv (SPLIT_D) and dq
+#  12  TRITON (3.9 by default, after its install): the Hopper backward's tiles at D = 64 (deeper rings; the
+#      table's entry was swept on older kernels), each a tuned table's entry (every one compiles within
+#      shared memory with 0 spills under 3.9), against the table's, on L4096-D64
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next: 10
 # (3.6: the suite with D = 64's Hopper backward under auto, HOPPER_BACKWARD_D64_TRITON lowered to 3.6 in
 # the copy, if that is to be adopted), STAGE_ONLY=1 2-4, 8 after 5's install (the tail variant, its
-# offsets [0] fix), then 3 and 6's benchmarks.
+# offsets [0] fix), 12 (D = 64's tiles), 11 (ncu), then 3 and 6's benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..11}
+call=${1:?usage: bash tests/gpu/session.sh 1..12}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -184,5 +187,17 @@ case $call in
           > "$out/ncu-d256-$kernel.txt" 2>&1
         grep -E "Duration|Compute \(SM\) Throughput|Shared Memory|No Eligible|Local Memory" "$out/ncu-d256-$kernel.txt"
       done; elapsed "call 11" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..11" >&2; exit 2 ;;
+  12) triton=${TRITON:-3.9}
+      path=$([ "$triton" = 3.9 ] && echo "$site39" || echo "$site36")
+      softmax_bench "d64-table-triton$triton" L4096-D64 jfa-triton-hopper-bwd 40 "$path"
+      for tiles in "64,128,4,3 128,128,4,3" "64,128,4,4 128,128,4,3" "32,128,4,4 128,128,4,3" \
+                   "64,128,4,2 128,128,4,4" "64,128,4,2 128,64,4,4"; do
+        set -- $tiles
+        echo "[{\"gpu\": \"NVIDIA H200\", \"kernels\": \"hopper\", \"bits\": 16, \"head_dim\": 64,
+                \"max_seq_len\": null, \"fwd\": null, \"dkdv\": [$1,168], \"dq\": [$2,168]}]" > /tmp/d64.json
+        JAGGED_FLASH_JAX_TUNED_CONFIGS=/tmp/d64.json softmax_bench "d64-${1//,/x}-${2//,/x}-triton$triton" \
+          L4096-D64 jfa-triton-hopper-bwd 40 "$path"
+      done
+      grep -h "fwd+bwd" "$out"/bench-d64-*.log; elapsed "call 12" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..12" >&2; exit 2 ;;
 esac

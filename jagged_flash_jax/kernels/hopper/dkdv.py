@@ -59,7 +59,7 @@ from .pipeline import (
     zero_rows,
     zero_tail_tile,
 )
-from .scheduler import fetch, hand_out, item_ring, key_block, receive
+from .scheduler import dkdv_barriers, fetch, hand_out, key_block, receive
 from .scores import alibi_slope, capped_biased
 
 # The dq-fused program's ways of adding a tile's dQ into dq_acc (its FUSED_DQ; 0: dq is not fused).
@@ -200,17 +200,9 @@ def _dkdv_program(descs, inputs, outputs, SHAPE: gl.constexpr, LENGTHS: gl.const
     stat_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    tail_bar = mbarriers(STAGES)
-    ready = mbarriers(STAGES)
-    empty = mbarriers(STAGES)
-    ring = item_ring()
-    mbarrier.init(kv_bar, count=1)
-    mbarrier.init(kv_free, count=2)  # one arrival per consumer
-    # ready: the TMA loads' expect and the statistics' arrival; empty: one arrival per consumer.
-    init_barriers((tail_bar, ready, empty), (1, 2, 2), STAGES)
-    fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
+    # ready: the TMA loads' expect and the statistics' arrival.
+    barriers, ring = dkdv_barriers(2, STAGES)
+    kv_bar, kv_free, ready, empty, tail_bar = barriers
 
     pipe = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_free, ready, empty, tail_bar)
     schedule = (counter_ptr, end, blocks, ring)

@@ -22,7 +22,7 @@ from ..shared import (
 )
 from .addressing import PARAM_BLOCKS, PARAM_FILL_CHUNK, read_layout, stat_origin, store_rows
 from .fills import FILL_NONE, zero_fills
-from .pipeline import CONSUMER_ROWS, publish, tma_load, wgmma_layout, zero_rows
+from .pipeline import CONSUMER_ROWS, hand_over_zeroed, tma_load, wgmma_layout
 from .scheduler import consumer_loop, dq_buffers, producer_loop
 from .scores import alibi_slope, capped_biased
 
@@ -149,12 +149,7 @@ def _dq_consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constex
         v = v_smem.index(slot)
         if (j == num_key_blocks - 1) & has_tail:
             # K rows past n_k (other tokens, maybe NaN): zeroed before dS K reads them.
-            if WG == 0:
-                zero_rows(k, n_k - key_start, BLOCK_N)
-                publish()
-                mbarrier.arrive(tail_bar, count=1)
-            else:
-                mbarrier.wait(tail_bar, tails & 1)
+            hand_over_zeroed(k, n_k - key_start, tail_bar, tails & 1, BLOCK_N, WG)
         s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))

@@ -14,7 +14,6 @@ dq are separate kernels, each gradient row written by one program: deterministic
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -41,21 +40,18 @@ from .fills import FILL_NONE, zero_fills
 from .hstu_forward import describe_query_block  # the forward's query blocks: dq's too
 from .pipeline import (
     CONSUMER_ROWS,
-    init_barriers,
-    mbarriers,
-    publish,
+    hand_over_zeroed,
     tma_load,
     wgmma_layout,
-    zero_rows,
     zero_tail_tile,
 )
 from .scheduler import (
     consume_items,
+    dkdv_barriers,
     dq_buffers,
     fetch,
     hand_out,
     item_position,
-    item_ring,
     produce_items,
     receive,
 )
@@ -123,16 +119,8 @@ def hstu_bwd_dkdv_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, V], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, V], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    tail_bar = mbarriers(STAGES)
-    ready = mbarriers(STAGES)
-    empty = mbarriers(STAGES)
-    ring = item_ring()
-    mbarrier.init(kv_bar, count=1)
-    mbarrier.init(kv_free, count=2)  # one arrival per consumer
-    init_barriers((tail_bar, ready, empty), (1, 1, 2), STAGES)  # empty: one arrival per consumer
-    fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
+    barriers, ring = dkdv_barriers(1, STAGES)
+    kv_bar, kv_free, ready, empty, tail_bar = barriers
 
     pipe = (k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar)
     schedule = (counter_ptr, end, blocks, ring)
@@ -475,12 +463,7 @@ def _dq_consume(pipe, arrays, block, position, V: gl.constexpr, MASK: gl.constex
         v = v_smem.index(slot)
         if (j == num_key_blocks - 1) & has_tail:
             # K rows past the range (other tokens, maybe NaN): zeroed before dU K reads them.
-            if WG == 0:
-                zero_rows(k, key_end - key_start, BLOCK_N)
-                publish()
-                mbarrier.arrive(tail_bar, count=1)
-            else:
-                mbarrier.wait(tail_bar, tails & 1)
+            hand_over_zeroed(k, key_end - key_start, tail_bar, tails & 1, BLOCK_N, WG)
         s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         cols = key_start + gl.arange(0, BLOCK_N, layout=col_layout)

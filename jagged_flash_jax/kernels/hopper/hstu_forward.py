@@ -40,9 +40,8 @@ from .fills import FILL_NONE, zero_fills
 from .forward import forward_pipe, load_block
 from .pipeline import (
     CONSUMER_ROWS,
-    publish,
+    hand_over_zeroed,
     wgmma_layout,
-    zero_rows,
 )
 from .scheduler import consume_items, item_position, produce_items
 
@@ -225,12 +224,7 @@ def _consume(pipe, arrays, block, position, V: gl.constexpr, MASK: gl.constexpr,
     mbarrier.wait(v_ready.index(vs), ((t + num_key_blocks - 1) // STAGES) & 1)
     handed_over = tail < BLOCK_N
     if handed_over:
-        if WG == 0:
-            zero_rows(v_smem.index(vs), tail, BLOCK_N)
-            publish()
-            mbarrier.arrive(tail_bar, count=1)
-        else:
-            mbarrier.wait(tail_bar, tails & 1)
+        hand_over_zeroed(v_smem.index(vs), tail, tail_bar, tails & 1, BLOCK_N, WG)
     if WG == 1:
         mbarrier.arrive(q_free.index(1), count=1)
     acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(vs), acc)

@@ -63,6 +63,19 @@ def publish():
 
 
 @gluon.jit
+def hand_over_zeroed(tile, n_rows, tail_bar, phase, ROWS: gl.constexpr, WG: gl.constexpr):
+    """A ring tile of ROWS rows, both consumers', whose rows >= n_rows are other tokens (maybe NaN):
+    warpgroup 0 zeroes them (`zero_rows`), publishes them and arrives on tail_bar; warpgroup 1 waits on
+    it at `phase`."""
+    if WG == 0:
+        zero_rows(tile, n_rows, ROWS)
+        publish()
+        mbarrier.arrive(tail_bar, count=1)
+    else:
+        mbarrier.wait(tail_bar, phase)
+
+
+@gluon.jit
 def zero_tail_tile(q, do, slot, tail_bar, tail_phases, n_rows, ROWS: gl.constexpr, WG: gl.constexpr):
     """A dk/dv consumer's ring tile of ROWS queries whose rows >= n_rows are other tokens (maybe NaN):
     warpgroup 0 zeroes them in Q and dO (`zero_rows`), publishes them and arrives on the slot's tail

@@ -102,6 +102,26 @@ def dq_buffers(q_desc, do_desc, k_desc, v_desc, SIZES: gl.constexpr):
 
 
 @gluon.jit
+def dkdv_barriers(READY_ARRIVALS: gl.constexpr, STAGES: gl.constexpr):
+    """The barriers of a persistent dk/dv program (dkdv.py's, and HSTU's in hstu_backward.py), allocated
+    after its tiles and set up once: kv_bar (K and V loaded) and kv_free (both consumers done with them),
+    per ring slot tail_bar, ready (READY_ARRIVALS: the TMA loads' expect, and any other arrival the
+    producer makes) and empty (one arrival per consumer), and the item ring (`item_ring`), the inits
+    fenced. Returns ((kv_bar, kv_free, ready, empty, tail_bar), ring)."""
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    tail_bar = mbarriers(STAGES)
+    ready = mbarriers(STAGES)
+    empty = mbarriers(STAGES)
+    ring = item_ring()
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_free, count=2)  # one arrival per consumer
+    init_barriers((tail_bar, ready, empty), (1, READY_ARRIVALS, 2), STAGES)
+    fence_async_shared()  # barrier inits visible to the async proxy (TMA) before the first copy
+    return (kv_bar, kv_free, ready, empty, tail_bar), ring
+
+
+@gluon.jit
 def hand_out(ring, i, item):
     """The producer's i-th item into the ring the consumers read it from."""
     items, item_full, item_empty = ring

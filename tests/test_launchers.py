@@ -1038,8 +1038,7 @@ def test_the_hopper_backward_at_d256_splits_the_columns(hopper_backward_gpu, lay
     consumer thread) and query tiles of 64; dq on 128 queries by key tiles of 32. The dq-fused option
     is refused there (dq is fused into blocks of 128 keys)."""
     assert _backward_kernels(hopper_backward_gpu, dim=256, layout=layout, **options) == HOPPER_BACKWARD
-    *_, dq = hopper_backward_gpu.calls
-    *_, dkdv, _ = hopper_backward_gpu.calls
+    *_, dkdv, dq = hopper_backward_gpu.calls
     assert (dkdv["BLOCK_M"], dkdv["BLOCK_N"], dkdv["STAGES"]) == (64, 64, 2)
     assert (dq["BLOCK_M"], dq["BLOCK_N"]) == (128, 32)
     with pytest.raises(ValueError, match="dq is fused into blocks of 128 keys"):

@@ -278,6 +278,10 @@ class Hopper(Implementation):
         if config.fused_dq and config.tiles.dkdv.block_n != 128:
             return (f"head dimension {p.head_dim}: its dk/dv tiles are blocks of {config.tiles.dkdv.block_n} "
                     f"keys, whose columns the two warpgroups split (dq is fused into blocks of 128 keys)")
+        if (config.fused_dq and _compat.gluon_tma_reduce()
+                and (rows := calls.padded_dq_rows(p, config.tiles.dkdv.block_m)) > _INT32_LIMIT):
+            return (f"{rows} rows of the dq-fused kernel's padded dq ({p.q_tokens} queries and a query tile "
+                    f"per sequence; at most {_INT32_LIMIT}: int32 coordinates)")
         if p.kv_tokens == 0:
             return "no key tokens (no TMA descriptor over an empty array)"
         strides = (*p.strides(p.num_heads, p.q_tokens), *p.strides(p.num_kv_heads, p.kv_tokens))

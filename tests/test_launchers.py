@@ -1255,12 +1255,12 @@ def test_the_tma_fused_dq_hopper_backward_is_one_launch(hopper_backward_gpu, mon
     preprocess is the dq-fused dk/dv kernel that adds dq by it: the unfused dk/dv launch's arguments (q,
     do, k, v as the same descriptors, the statistics, offsets and slopes, the same runtime parameters,
     warps, stages, register cap and constants) with dq_acc before the runtime parameters, a descriptor of
-    [dk/dv's query tile, 64] blocks over float32 of q's 2-D view (its rows a token stride long), which
-    the kernel updates in place (jax-triton's input_output_aliases: its result after dk, dv and the
-    counter, the counter alone zeroed); the gradient dq is dq_acc in q's shape, cast to q's dtype."""
+    [dk/dv's query tile, 64] blocks over float32 [the 40 queries and a query tile per sequence, H * D]
+    in either layout (`calls.unpad_dq`), which the kernel updates in place (jax-triton's
+    input_output_aliases: its result after dk, dv and the counter, the counter alone zeroed); the
+    gradient dq has q's shape and dtype."""
     monkeypatch.setattr(_compat, "gluon_tma_reduce", lambda: True)
     q_shape, kv_shape = _fused_dq_shapes(layout)
-    view = (40, 512) if layout == "THD" else (160, 128)  # rows of a token stride: H * D, or D
     fused_call, dkdv, _, grads = _fused_dq_launches(hopper_backward_gpu, layout)
     assert fused_call["kernel"] is kernels.hopper_attention_bwd_dkdv_dq_tma_kernel
     fused_call, dkdv = dict(fused_call, kernel=None), dict(dkdv, kernel=None)
@@ -1271,7 +1271,9 @@ def test_the_tma_fused_dq_hopper_backward_is_one_launch(hopper_backward_gpu, mon
     assert ([(a.shape, a.dtype) for a in fused_args[4:9] + fused_args[10:]]
             == [(a.shape, a.dtype) for a in args[4:]])
     assert hopper_backward_gpu.params[id(fused_args[-1])] == hopper_backward_gpu.params[id(args[-1])]
-    assert dq_acc.block_shape == (args[0].block_shape[0], 64)
+    block_m = args[0].block_shape[0]
+    view = (40 + 2 * block_m, 4 * 128)  # 2 sequences
+    assert dq_acc.block_shape == (block_m, 64)
     assert (dq_acc.base.shape, dq_acc.base.dtype) == (view, jnp.float32)
     i32, f32 = jnp.dtype(jnp.int32), jnp.dtype(jnp.float32)
     assert tuple(fused_call.pop("out_type")) == (_sds(kv_shape, jnp.bfloat16), _sds(kv_shape, jnp.bfloat16),
@@ -1286,35 +1288,69 @@ def test_the_tma_fused_dq_hopper_backward_is_one_launch(hopper_backward_gpu, mon
 
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
 def test_the_tma_fused_dq_launch_updates_float32_zeros(monkeypatch, layout):
-    """The plan's TMA dq-fused launch, recorded eagerly: dq_acc is float32 zeros of q's 2-D view (the
-    descriptors' rows a token stride long: q's shape flattened to them), an input the call returns
-    updated (spec.HOPPER_BWD_DKDV_DQ_TMA.aliases), which the backward reshapes to q's shape and casts; at
-    D = 64 a block covers a row, [dk/dv's query tile, 64]."""
+    """The plan's TMA dq-fused launch, recorded eagerly: dq_acc is float32 zeros of [the queries and a
+    query tile per sequence, H * D] in either layout (with no sequence, the queries' rows alone), an input
+    the call returns updated (spec.HOPPER_BWD_DKDV_DQ_TMA.aliases), from which the backward gathers dq
+    in q's shape and dtype (`calls.unpad_dq`); at D = 64 a block covers a row, [dk/dv's query tile,
+    64]."""
     monkeypatch.setattr(_compat, "gluon_tma_reduce", lambda: True)
     recorded, run = _recorder()
-    for dim in (128, 64):
+    for dim, batch in ((128, 2), (64, 2), (128, 0)):
         recorded.clear()
         q_shape = (300, 4, dim) if layout == "THD" else (4, 300, dim)
         kv_shape = (200, 2, dim) if layout == "THD" else (2, 200, dim)
         q, kv = jnp.ones(q_shape, jnp.float16), jnp.ones(kv_shape, jnp.float16)
         p = dataclasses.replace(_hopper_problem(
-            2, num_heads=4, num_kv_heads=2, head_dim=dim, q_tokens=300, kv_tokens=200, max_seq_len=260,
+            batch, num_heads=4, num_kv_heads=2, head_dim=dim, q_tokens=300, kv_tokens=200, max_seq_len=260,
             kv_max_seq_len=150, causal=True, dtype="float16"), layout=layout)
         config = HopperConfig(configs.hopper_block_sizes(dim, jnp.float16, 260, 150), programs=7,
                               preprocess_block_m=64, fused_dq=True)
-        dq, dk, dv = calls.hopper_backward(run, p, config, q, kv, kv, jnp.asarray([[0, 40, 300]], jnp.int32),
-                                           jnp.asarray([[0, 90, 200]], jnp.int32), q,
+        q_offsets, kv_offsets = [0, 40, 300][:batch + 1], [0, 90, 200][:batch + 1]
+        dq, dk, dv = calls.hopper_backward(run, p, config, q, kv, kv, jnp.asarray([q_offsets], jnp.int32),
+                                           jnp.asarray([kv_offsets], jnp.int32), q,
                                            jnp.zeros((1, 4, 300), jnp.float32), q)
         _, (call, arrays) = recorded
         assert call.spec is spec.HOPPER_BWD_DKDV_DQ_TMA
         assert call.kernel is kernels.hopper_attention_bwd_dkdv_dq_tma_kernel
-        view = (300, 4 * dim) if layout == "THD" else (1200, dim)
+        view = (300 + batch * config.tiles.dkdv.block_m, 4 * dim)
         dq_acc = arrays[spec.HOPPER_BWD_DKDV_DQ_TMA.index("dq_acc")]
         assert (dq_acc.shape, dq_acc.dtype) == (view, jnp.float32) and not np.any(np.asarray(dq_acc))
         assert dict(call.descriptors)[9] == (config.tiles.dkdv.block_m, 64)
         assert call.aliases == ((9, 3),) and call.zeroed_outputs == (2,)
         assert [(s.shape, s.dtype) for s in call.out_shapes[2:]] == [((1,), jnp.int32), (view, jnp.float32)]
         assert (dq.shape, dq.dtype, dk.shape, dv.shape) == (q_shape, jnp.float16, kv_shape, kv_shape)
+
+
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+@pytest.mark.parametrize("offsets", [[0, 5, 64, 64, 200, 333], [3, 20, 20, 150, 300], [9]],
+                         ids=["lengths 5, 59, 0, 136, 133", "tokens outside, lengths 17, 0, 130, 150",
+                              "none"])
+def test_the_tma_fused_dq_padded_rows_reach_their_sequences_queries_only(layout, offsets):
+    """calls.unpad_dq against a float64 model of what the TMA dq-fused kernel writes: sequence b's query
+    tiles of 16 rows whole, at rows start_b + 16 b + [0, 16 ceil(n_b / 16)) of the padded accumulator
+    (n_b = min(length, max_seq_len)), the last tile's rows past n_b NaN (as dS K is there where the
+    sequence has an inf key). dq is each sequence's first n_b rows and 0 at every other token (past
+    max_seq_len, before the first sequence, after the last): no NaN, no row of another sequence."""
+    rng = np.random.default_rng(3)
+    total, heads, dim, block_m, max_seq_len = 333, 3, 8, 16, 130
+    batch = len(offsets) - 1
+    p = dataclasses.replace(_hopper_problem(batch, num_heads=heads, num_kv_heads=heads, head_dim=dim,
+                                            q_tokens=total, kv_tokens=total, max_seq_len=max_seq_len,
+                                            kv_max_seq_len=max_seq_len, causal=False, dtype="bfloat16"),
+                            layout=layout)
+    padded = np.zeros((total + batch * block_m, heads * dim))
+    want = np.zeros((total, heads, dim))
+    for b in range(batch):
+        start, n = offsets[b], min(offsets[b + 1] - offsets[b], max_seq_len)
+        rows = -(-n // block_m) * block_m
+        tiles = rng.standard_normal((rows, heads, dim))
+        tiles[n:] = np.nan
+        padded[start + b * block_m:start + b * block_m + rows] += tiles.reshape(rows, heads * dim)
+        want[start:start + n] = tiles[:n]
+    got = np.asarray(jax.jit(calls.unpad_dq, static_argnums=(0, 3))(
+        p, jnp.asarray(padded, jnp.float32), jnp.asarray([offsets], jnp.int32), block_m))
+    want = want if layout == "THD" else want.transpose(1, 0, 2)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from ..configs import (
     KernelConfig,
     head_block,
 )
+from ..jagged import sequence_bounds
 from ..kernels import spec
 from ..kernels.spec import KernelSpec
 from ..problem import Problem
@@ -433,6 +434,32 @@ def hopper_forward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_off
     return o, lse
 
 
+def padded_dq_rows(p: Problem, block_m: int) -> int:
+    """Rows of the TMA dq-fused kernel's dq accumulator: the queries, each sequence's padded by a query
+    tile of block_m rows (`unpad_dq`)."""
+    return p.q_tokens + p.batch * block_m
+
+
+def unpad_dq(p: Problem, dq_acc, q_offsets, block_m: int):
+    """dq, float32 of q's shape, from the TMA dq-fused kernel's accumulator dq_acc, [padded_dq_rows,
+    H * D], in which sequence b's queries start at row start_b + b * block_m, so that its last query
+    tile's rows past them (0, or NaN where the sequence has an inf key) land in padding that no token
+    takes: token t takes row t + b * block_m of the last sequence b whose start (clamped, as the kernels
+    clamp it: `jagged.sequence_bounds`) is at or before t, when t is among b's first min(length,
+    max_seq_len) tokens; every other token takes 0."""
+    if p.batch == 0:
+        return jnp.zeros(p.q_shape, jnp.float32)
+    starts, lengths = sequence_bounds(q_offsets.reshape(-1)[:p.batch + 1], p.q_tokens, p.max_seq_len)
+    tokens = jnp.arange(p.q_tokens, dtype=jnp.int32)
+    owners = jnp.full(p.q_tokens + 1, -1, jnp.int32).at[starts].max(jnp.arange(p.batch, dtype=jnp.int32))
+    owners = jax.lax.cummax(owners[:p.q_tokens])  # the last sequence starting at or before each token
+    owner = jnp.maximum(owners, 0)
+    keep = (owners >= 0) & (tokens - starts[owner] < lengths[owner])
+    rows = dq_acc[tokens + owner * block_m].reshape(p.q_tokens, p.num_heads, p.head_dim)
+    dq = jnp.where(keep[:, None, None], rows, 0.0)
+    return dq if p.layout == "THD" else dq.transpose(1, 0, 2)
+
+
 def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_offsets, kv_offsets, o, lse, do,
                     slopes=None, dlse=None):
     """The Hopper backward: the portable preprocess (`delta`), then a dk/dv launch and a dq launch, each
@@ -441,9 +468,10 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
     them. With config.fused_dq, the dk/dv launch alone, of its dq-fused kernel, which adds dq into a
     float32 array of q's shape, zeroed, then cast to q's dtype: the tokens no sequence attends, and the
     queries that see no key, stay 0 (nothing, or zeros, add there). Where Triton's Gluon has the TMA
-    reduce-add (`_compat.gluon_tma_reduce`), the kernel adding dq by it from shared memory, dq_acc zeros
-    of q's 2-D view passed as a descriptor of [dk/dv's query tile, 64] blocks (a warpgroup's columns) and
-    updated in place; else the kernel adding it by atomics, dq_acc an output the launch zeroes."""
+    reduce-add (`_compat.gluon_tma_reduce`), the kernel adding dq by it from shared memory in whole tiles,
+    dq_acc float32 zeros of [padded_dq_rows, H * D] passed as a descriptor of [dk/dv's query tile, 64]
+    blocks (a warpgroup's columns) and updated in place, the sequences' rows then gathered from it
+    (`unpad_dq`); else the kernel adding it by atomics, dq_acc an output the launch zeroes."""
     if p.empty:
         return _zero_gradients(p, q, k, v)
     delta_ = delta(run, p, config.preprocess_block_m, o, do, lse, dlse)
@@ -461,9 +489,9 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
                              k=(64, p.head_dim), v=(64, p.head_dim))
     if config.fused_dq and _compat.gluon_tma_reduce():
         dkdv_spec = spec.HOPPER_BWD_DKDV_DQ_TMA
-        (q_view,) = _tma_views(p, (q,), ())
-        inputs["dq_acc"] = jnp.zeros(q_view.shape, jnp.float32)
-        updated["dq_acc"] = jax.ShapeDtypeStruct(q_view.shape, jnp.float32)
+        padded = (padded_dq_rows(p, dkdv.block_m), p.num_heads * p.head_dim)
+        inputs["dq_acc"] = jnp.zeros(padded, jnp.float32)
+        updated["dq_acc"] = jax.ShapeDtypeStruct(padded, jnp.float32)
         descriptor_blocks["dq_acc"] = (dkdv.block_m, dkdv.block_n // 2)  # a warpgroup's 64 columns of dQ
     elif config.fused_dq:
         dkdv_spec = spec.HOPPER_BWD_DKDV_DQ
@@ -475,7 +503,10 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
         updated)
     if config.fused_dq:
         results = dict(zip(dkdv_spec.results, launch(run, dkdv_call, **inputs)))
-        return results["dq_acc"].reshape(p.q_shape).astype(q.dtype), results["dk"], results["dv"]
+        dq_acc = results["dq_acc"]
+        if dkdv_spec is spec.HOPPER_BWD_DKDV_DQ_TMA:
+            dq_acc = unpad_dq(p, dq_acc, q_offsets, dkdv.block_m)
+        return dq_acc.reshape(p.q_shape).astype(q.dtype), results["dk"], results["dv"]
     dk, dv, _ = launch(run, dkdv_call, **inputs)
     dq_call = _hopper_call(
         spec.HOPPER_BWD_DQ, p, config, dq, dict(dq=jax.ShapeDtypeStruct(p.q_shape, q.dtype)),

@@ -118,19 +118,16 @@ def add_columns(base, token_stride, acc_t, stage, col0, n):
 
 
 @gluon.jit
-def reduce_columns(desc, origin, acc_t, stage, col0, n, D0: gl.constexpr):
-    """acc_t, a float32 [64, COLS] wgmma accumulator of 64 columns d of rows transposed, added into the
-    rows col0 + [0, COLS), columns D0 + [0, 64) of a sequence's head from origin (`tile_origin`) in the
-    2-D view of `desc` (float32, blocks [COLS, 64]) by one asynchronous TMA reduce-add (`tma_reduce_add`,
-    triton >= 3.7), through `stage` (a [COLS, 64] buffer of one warpgroup's, desc's layout), once
-    the warpgroup's last reduce-add has read it. The box covers whole tiles: its rows at or past n (the
-    next sequence's tokens, or none: the copy engine clips the tile at the array's end) add 0, acc_t's
-    columns there selected to 0 (not 0 by arithmetic: dS is 0 there, but an inf in the sequence's keys
-    makes dS K NaN). The warpgroup waits for its last reduce-add (tma.store_wait(0)) before the kernel
-    ends."""
+def reduce_columns(desc, origin, acc_t, stage, col0, D0: gl.constexpr):
+    """acc_t, a float32 [64, COLS] wgmma accumulator of 64 columns d of rows transposed, added whole into
+    the rows col0 + [0, COLS), columns D0 + [0, 64) of a sequence's head from origin in the 2-D view of
+    `desc` (float32, blocks [COLS, 64]) by one asynchronous TMA reduce-add (`tma_reduce_add`, triton >=
+    3.7), through `stage` (a [COLS, 64] buffer of one warpgroup's, desc's layout), once the warpgroup's
+    last reduce-add has read it. The rows past the sequence's queries are added too (0, or NaN where the
+    sequence has an inf key): desc's array must give them rows of their own, which no one reads (the
+    dq-fused backward's padded accumulator). The warpgroup waits for its last reduce-add
+    (tma.store_wait(0)) before the kernel ends."""
     row, col = origin
-    cols = gl.arange(0, acc_t.shape[1], layout=gl.SliceLayout(0, acc_t.type.layout))
-    acc_t = gl.where(gl.expand_dims(cols < n - col0, 0), acc_t, 0.0)
     tma.store_wait(0)  # the last reduce-add has read `stage` (issued by one thread: then the barrier)
     partition_barrier()
     stage.permute((1, 0)).store(acc_t)

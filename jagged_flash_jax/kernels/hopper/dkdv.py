@@ -20,8 +20,9 @@ atomic adds (so not deterministic). dS^T goes to shared memory, where dK's produ
 K^T dS^T over the block's 128 keys read it; each warpgroup adds 64 columns of dQ (at D = 64 one
 warpgroup the whole tile, in turn), never holding a third accumulator of D columns beside dK and dV.
 `attention_bwd_dkdv_dq_tma_kernel` adds them as FlashAttention-3 does, by an asynchronous TMA reduce-add
-of the tile from shared memory (Gluon's tma.async_atomic_add, triton >= 3.7), where
-`attention_bwd_dkdv_dq_kernel` adds them from registers by relaxed vector atomics.
+of the whole tile from shared memory (Gluon's tma.async_atomic_add, triton >= 3.7) into an accumulator
+padded per sequence, where `attention_bwd_dkdv_dq_kernel` adds them from registers by relaxed vector
+atomics, masked.
 """
 
 from triton.experimental import gluon
@@ -59,7 +60,7 @@ from .pipeline import (
     zero_rows,
     zero_tail_tile,
 )
-from .scheduler import dkdv_barriers, fetch, hand_out, key_block, receive
+from .scheduler import dkdv_barriers, fetch, hand_out, item_position, key_block, receive
 from .scores import alibi_slope, capped_biased
 
 # The dq-fused program's ways of adding a tile's dQ into dq_acc (its FUSED_DQ; 0: dq is not fused).
@@ -137,10 +138,12 @@ def attention_bwd_dkdv_dq_tma_kernel(
     STRIDE_ALIGN: gl.constexpr, FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
-    """`attention_bwd_dkdv_dq_kernel` with each warpgroup's dQ tile added by a TMA reduce-add from shared
-    memory (triton >= 3.7): dq_acc_desc a descriptor of [BLOCK_M, 64] float32 blocks over dq_acc (q's 2-D
-    view, zeroed by the launcher), which the kernel updates in place. A tile's rows past n_q add 0 to
-    whatever tokens follow (selected: a non-finite key of the sequence stays out of them); not
+    """`attention_bwd_dkdv_dq_kernel` with each warpgroup's dQ tile added whole by a TMA reduce-add from
+    shared memory (triton >= 3.7): dq_acc_desc a descriptor of [BLOCK_M, 64] float32 blocks over dq_acc,
+    float32 [q_tokens + batch * BLOCK_M, H * D] zeroed by the launcher and updated in place, in which
+    sequence b's queries start at row q_start + b * BLOCK_M, so that a last tile's rows past n_q (0, or
+    NaN where the sequence has an inf key) land in rows of its own, as FlashAttention-3 pads its varlen
+    dq accumulator; the launcher gathers each sequence's first n_q rows (`calls.unpad_dq`). Not
     deterministic."""
     SHAPE: gl.constexpr = (NUM_KV_HEADS, KV_GROUP, D)
     LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)
@@ -366,8 +369,9 @@ def _dkdv_consumer_loop(pipe, schedule, sequences, arrays, SHAPE: gl.constexpr, 
     item = receive(ring, i)
     while item < end:
         block = key_block(sequences, item, blocks, SHAPE[0], LENGTHS, TILES[1])
-        t, tail_phases = _dkdv_consume(pipe, arrays, block, (t, i & 1, tail_phases), SHAPE, TILES, BAND,
-                                       SCORES, SCALES, WG, FUSED_DQ)
+        sequence, _, _ = item_position(item, blocks, SHAPE[0], TILES[1], LAST_FIRST=False)  # dq's padding
+        t, tail_phases = _dkdv_consume(pipe, arrays, block, sequence, (t, i & 1, tail_phases), SHAPE, TILES,
+                                       BAND, SCORES, SCALES, WG, FUSED_DQ)
         i += 1
         item = receive(ring, i)
     if FUSED_DQ == DQ_TMA_REDUCE:
@@ -375,8 +379,9 @@ def _dkdv_consumer_loop(pipe, schedule, sequences, arrays, SHAPE: gl.constexpr, 
 
 
 @gluon.jit
-def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.constexpr, BAND: gl.constexpr,
-                  SCORES: gl.constexpr, SCALES: gl.constexpr, WG: gl.constexpr, FUSED_DQ: gl.constexpr):
+def _dkdv_consume(pipe, arrays, block, sequence, position, SHAPE: gl.constexpr, TILES: gl.constexpr,
+                  BAND: gl.constexpr, SCORES: gl.constexpr, SCALES: gl.constexpr, WG: gl.constexpr,
+                  FUSED_DQ: gl.constexpr):
     """One consumer warpgroup's work for one key block (`key_block`'s tuple): dK, dV of keys
     key0 + 64 WG + [0, 64) over the query tiles the producer streams into the ring from its position t
     (the block's K and V behind kv_bar at phase kvp), stored (rows < n_k; zero where no query sees them)
@@ -384,7 +389,8 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
     tile is masked unless every query of it sees every key of this warpgroup's and it has no row past n_q.
     With FUSED_DQ (fused = (dq_acc, q_layout, ds_smem, ds_full, stage), else None) also each tile's
     DS_SCALE * dS K into dq_acc (`_dq_tile`): this warpgroup's dS^T rows, masked past n_k (where K's rows,
-    zeroed here, are other tokens), go to the slot's ds_smem tile, which dK's product then reads.
+    zeroed here, are other tokens), go to the slot's ds_smem tile, which dK's product then reads;
+    `sequence` (the block's) places its rows in the TMA dq-fused kernel's padded dq_acc.
     position = (t, kvp, tail_phases), tail_phases the per-slot tail barriers' parities (a bit per slot);
     returns the ring's position and tail_phases after the block."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_free, ready, empty, tail_bar = pipe
@@ -441,8 +447,8 @@ def _dkdv_consume(pipe, arrays, block, position, SHAPE: gl.constexpr, TILES: gl.
     for g in range(KV_GROUP):
         head = kv_head * KV_GROUP + g
         slope = alibi_slope(slopes_ptr, head, SCORES[1])
-        if FUSED_DQ == DQ_TMA_REDUCE:
-            dq_base = tile_origin(q_start, head, q_layout)
+        if FUSED_DQ == DQ_TMA_REDUCE:  # the head's first query in the padded dq_acc, (row, column)
+            dq_base = ((q_start + sequence * BLOCK_M).to(gl.int32), (head * D).to(gl.int32))
         elif FUSED_DQ:
             dq_base = row_base(dq_acc, q_start, head, q_layout)
         for tile in range(t0, ntiles):
@@ -582,8 +588,9 @@ def _dq_tile(fused, smem, products, rows, DS_SCALE: gl.constexpr, D: gl.constexp
     consumers wrote their dS^T rows: at D = 128 each warpgroup takes 64 columns d, at D = 64 one takes
     the whole tile, warpgroup i % 2 (the other only releases the slot). [64, BLOCK_M] float32 of dQ^T in
     registers, added into dq_acc after the ring slot is released: by atomics (`add_columns`; dq_base a
-    pointer from `row_base`), or under DQ_TMA_REDUCE by a TMA reduce-add (`reduce_columns`; dq_base the
-    head's (row, column) from `tile_origin`, the rows at or past n_q adding 0). Both warpgroups
+    pointer from `row_base`), or under DQ_TMA_REDUCE by a TMA reduce-add of the whole tile
+    (`reduce_columns`; dq_base the head's (row, column) in the padded dq_acc, where the rows at or past
+    n_q land in the sequence's padding). Both warpgroups
     release it only after their products that read its dS^T, and write the slot's dS^T again only once
     the producer has loaded its next tile, which waits for both releases: no other barrier guards
     ds_smem."""
@@ -605,7 +612,7 @@ def _dq_tile(fused, smem, products, rows, DS_SCALE: gl.constexpr, D: gl.constexp
         dqt = warpgroup_mma_wait(0, deps=(dqt, ))
         mbarrier.arrive(empty.index(slot), count=1)
         if FUSED_DQ == DQ_TMA_REDUCE:
-            reduce_columns(dq_acc, dq_base, dqt * DS_SCALE, stage.index(WG), m0, n_q, D0)
+            reduce_columns(dq_acc, dq_base, dqt * DS_SCALE, stage.index(WG), m0, D0)
         else:
             add_columns(dq_base + D0, token_stride, dqt * DS_SCALE, stage.index(WG), m0, n_q)
     else:
@@ -616,7 +623,7 @@ def _dq_tile(fused, smem, products, rows, DS_SCALE: gl.constexpr, D: gl.constexp
             dqt = warpgroup_mma_wait(0, deps=(dqt, ))
             mbarrier.arrive(empty.index(slot), count=1)
             if FUSED_DQ == DQ_TMA_REDUCE:
-                reduce_columns(dq_acc, dq_base, dqt * DS_SCALE, stage.index(WG), m0, n_q, 0)
+                reduce_columns(dq_acc, dq_base, dqt * DS_SCALE, stage.index(WG), m0, 0)
             else:
                 add_columns(dq_base, token_stride, dqt * DS_SCALE, stage.index(WG), m0, n_q)
         else:

@@ -196,7 +196,7 @@ def _check_offsets_case(offsets, int64: bool, where, hopper: bool, variant: str)
     """Forward and vjp of both ops on `where` (see `_ops`) with these offsets (the kv offsets, reversed,
     for cross-attention): every output finite, zero on tokens nothing attends."""
     rng = np.random.default_rng(11)
-    hopper_dim = 256 if variant == "hopper D256" else HOPPER_DIM
+    hopper_dim = {"hopper D64": 64, "hopper D256": 256}.get(variant, HOPPER_DIM)
     dtype, dim = (jnp.bfloat16, hopper_dim) if hopper else (jnp.float32, DIM)
     q = jnp.asarray(rng.standard_normal((TOKENS, HEADS, dim)), dtype)
     kv = jnp.asarray(rng.standard_normal((KV_TOKENS, HEADS, dim)), dtype)
@@ -241,12 +241,13 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False,
     D >= 64 take: their transposes, and key and query windows that start before their sequence). With
     `hopper` (a Hopper GPU), bfloat16 at D = 128 on the Hopper kernels alone (a spy says they ran), whose
     tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens, at D = 256
-    ("hopper D256": the dk/dv kernel whose warpgroups split the columns), then with
+    ("hopper D256": the dk/dv kernel whose warpgroups split the columns) and at D = 64 ("hopper D64",
+    its own tiles), then with
     dq fused into dk/dv ("hopper-fused-dq"), then HSTU attention on its Hopper forward and backward
     ("hstu-hopper", named: auto takes it from 1024 tokens only). `only`: the names of the variants to run
     (default all)."""
     spy = Spy("hopper")
-    variants = ({"hopper": spy, "hopper D256": spy, "hopper fused dq": FusedDq(spy.calls),
+    variants = ({"hopper": spy, "hopper D256": spy, "hopper D64": spy, "hopper fused dq": FusedDq(spy.calls),
                  "hstu hopper": "hstu-hopper"} if hopper
                 else {"as chosen": backend, "key-major": variant(backend, key_major=True)})
     variants = {name: where for name, where in variants.items() if only is None or name in only}

@@ -14,23 +14,25 @@
 #   6  triton 3.9: memcheck (dq fused by TMA, HSTU Hopper) beside HSTU's Hopper kernels' GPU tests, their
 #      timing, then the softmax rows 3.9 has not measured
 #   7  the GPU suite with the portable kernels forced, under TRITON (3.9 by default; 3.6 as well: "3.6 3.9")
-#   8  triton 3.9 (after 5): the TMA dq-fused backward's tail variant (profile/2026-12-03_fused_dq_tails.mbox,
-#      applied to a copy of the tree with patch): its dq-fused GPU tests beside its memcheck, then its timing
-#      against the default backward, and the same timing on the tree as it is
+#   8  triton 3.9 (after 5): the TMA dq-fused backward (its padded dq accumulator): its dq-fused GPU tests
+#      beside its memcheck, then its timing against the default backward in one process
 #   9  every GPU test of HSTU under auto, triton 3.6, and 3.9 where 5 installed it (TRITONS="3.9": 3.9 only)
 #  10  the D = 256 Hopper backward (dk/dv's warpgroups splitting the columns) and auto's backward choices
 #      (D = 256; D = 64 from triton 3.7): the GPU suite under auto beside memcheck of the D = 256 Hopper
 #      kernels, then their timing against the portable backward; on triton 3.6, staging .t39a; with
-#      TRITON=3.9 (after STAGE_ONLY=1 2-4 and staging .t39e) installing 3.9 first
+#      TRITON=3.9 (after STAGE_ONLY=1 2-4 and staging .t39e) installing 3.9 first. D64_TRITON="3, 6"
+#      lowers configs.HOPPER_BACKWARD_D64_TRITON in the call's copy of the tree (auto's D = 64 backward);
+#      MEMCHECK (default "['hopper D256']") the Hopper variants memcheck runs; M32=0 leaves out the timing
+#      of D = 256's query tiles of 32
 #  11  triton 3.6: Nsight Compute of the D = 256 Hopper backward's kernels (L4096-D256, one step), the
 #      account its timing lacks: speed of light, memory and warp states of dk/dv (SPLIT_D) and dq
 #  12  TRITON (3.9 by default, after its install): the Hopper backward's tiles at D = 64 (deeper rings; the
 #      table's entry was swept on older kernels), each a tuned table's entry (every one compiles within
 #      shared memory with 0 spills under 3.9), against the table's, on L4096-D64
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next: 10
-# (3.6: the suite with D = 64's Hopper backward under auto, HOPPER_BACKWARD_D64_TRITON lowered to 3.6 in
-# the copy, if that is to be adopted), STAGE_ONLY=1 2-4, 8 after 5's install (the tail variant, its
-# offsets [0] fix), 12 (D = 64's tiles), 11 (ncu), then 3 and 6's benchmarks.
+# with D64_TRITON="3, 6" MEMCHECK="['hopper D64']" (3.6: the suite with D = 64's Hopper backward under
+# auto, memcheck of its D = 64 kernels), STAGE_ONLY=1 2-4, 5's install then 8 (the padded TMA dq-fused
+# backward), 12 (D = 64's tiles under 3.9), then 3 and 6's benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..12}
@@ -73,10 +75,6 @@ hstu_jax() {  # $1 triton, $2 PYTHONPATH, $3 impls, $4 limit, cases after
     --impls "$impls" --seconds 0.3 > "$out/hstu-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hstu-triton$triton.log"
   cp "/tmp/hstu$triton/hstu_results.json" "$out/hstu-triton$triton.json" 2>/dev/null
   grep "^\[hstu\]" "$out/hstu-triton$triton.log"
-}
-patched_copy() {  # $1 a folder, $2 a patch file of benchmarks/results/profile/: the tree there, patched
-  rm -rf "$1" && mkdir "$1" && cp -r jagged_flash_jax tests benchmarks docs README.md pyproject.toml "$1/" \
-    && (cd "$1" && patch -s -p1 < "$OLDPWD/benchmarks/results/profile/$2")
 }
 site36=/tmp/site:$PWD
 site39=/tmp/site39:/tmp/site:$PWD
@@ -140,17 +138,14 @@ case $call in
   7) for triton in ${TRITON:-3.9}; do
        TRITON=$triton LIMIT=${LIMIT:-260} bash tests/gpu/run.sh suite-portable > /dev/null 2>&1
      done; elapsed "call 7"; summary ;;
-  8) patched_copy /tmp/tails 2026-12-03_fused_dq_tails.mbox || exit 1
-     tails=/tmp/site39:/tmp/site:/tmp/tails
-     (cd /tmp/tails && PYTHONPATH=$tails timeout 200 python3 -m pytest tests/test_hopper.py -m gpu -k "fused or inf_key" \
-        -p xdist -n 8 -o addopts=-ra -q > "$out/tails-tests-triton3.9.log" 2>&1
-      echo "rc=$?" >> "$out/tails-tests-triton3.9.log") &
-     (cd /tmp/tails && out=$out && memcheck 3.9 "$tails" 200 "['hopper fused dq']" False "-tails")
-     wait; tail -2 "$out/tails-tests-triton3.9.log"; elapsed "tests, memcheck"
-     cases=long,long-causal,rec-long,dlrm-long,L1024,L2048,L16384
-     (cd /tmp/tails && softmax_bench tails-triton3.9 "$cases" jfa-triton,jfa-triton-fused-dq 120 "$tails")
-     softmax_bench selected-triton3.9 "$cases" jfa-triton-fused-dq 60 "$site39"
-     grep -h "fwd+bwd" "$out"/bench-tails-triton3.9.log "$out"/bench-selected-triton3.9.log; elapsed "call 8" ;;
+  8) (PYTHONPATH=$site39 timeout 200 python3 -m pytest tests/test_hopper.py -m gpu -k "fused or inf_key" \
+        -p xdist -n 8 -o addopts=-ra -q > "$out/fused-dq-tests-triton3.9.log" 2>&1
+      echo "rc=$?" >> "$out/fused-dq-tests-triton3.9.log") &
+     memcheck 3.9 "$site39" 200 "['hopper fused dq']" False "-fused-dq"
+     wait; tail -2 "$out/fused-dq-tests-triton3.9.log"; elapsed "tests, memcheck"
+     softmax_bench fused-dq-triton3.9 "long,long-causal,rec-long,dlrm-long,L1024,L2048,L8192,L16384" \
+       jfa-triton,jfa-triton-fused-dq ${BUDGET:-150} "$site39"
+     grep -h "fwd+bwd" "$out"/bench-fused-dq-triton3.9.log; elapsed "call 8" ;;
   9) for triton in ${TRITONS:-3.6 3.9}; do
        [ $triton = 3.9 ] && [ ! -d /tmp/site39/triton ] && continue
        path=$([ $triton = 3.9 ] && echo "$site39" || echo "$site36")
@@ -167,7 +162,10 @@ case $call in
       else
         stage .t39a; path=$site36
       fi
-      memcheck "$triton" "$path" 300 "['hopper D256']" False "-d256" &
+      [ -n "${D64_TRITON:-}" ] && sed -i "s/^HOPPER_BACKWARD_D64_TRITON = .*/HOPPER_BACKWARD_D64_TRITON = ($D64_TRITON)/" \
+        jagged_flash_jax/configs.py && grep -n "^HOPPER_BACKWARD_D64_TRITON" jagged_flash_jax/configs.py
+      variants=${MEMCHECK:-"['hopper D256']"}
+      memcheck "$triton" "$path" 300 "$variants" False "-$(echo "$variants" | grep -o "D[0-9]*" | tr D d | paste -sd-)" &
       TRITON=$triton LIMIT=${LIMIT:-330} bash tests/gpu/run.sh suite > /dev/null 2>&1
       wait; elapsed "suite, memcheck"; summary
       softmax_bench "d256-triton$triton" "L4096-D256,L4096-D64" \
@@ -176,7 +174,7 @@ case $call in
       echo '[{"gpu": "NVIDIA H200", "kernels": "hopper", "bits": 16, "head_dim": 256, "max_seq_len": null,
               "fwd": [128, 64, 4, 2, 168], "dkdv": [32, 64, 4, 3, 168], "dq": [128, 32, 4, 2, 168]}]' \
         > /tmp/d256-m32.json
-      JAGGED_FLASH_JAX_TUNED_CONFIGS=/tmp/d256-m32.json softmax_bench "d256-m32-triton$triton" L4096-D256 \
+      [ "${M32:-1}" = 1 ] && JAGGED_FLASH_JAX_TUNED_CONFIGS=/tmp/d256-m32.json softmax_bench "d256-m32-triton$triton" L4096-D256 \
         jfa-triton 40 "$path"
       grep -h "fwd+bwd" "$out"/bench-d256*-triton$triton.log; elapsed "call 10" ;;
   11) for kernel in bwd_dkdv bwd_dq; do

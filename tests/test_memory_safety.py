@@ -171,7 +171,10 @@ def _ops(where):
     compilations. The softmax ops are None for HSTU's Hopper forward, named (they have no such
     implementation)."""
     hstu_only = where == "hstu-hopper"
-    where = dict(backend=where) if isinstance(where, str) and not hstu_only else dict(implementation=where)
+    if isinstance(where, tuple):  # (the forward's implementation, the backward's)
+        where = dict(implementation=where[0], backward_implementation=where[1])
+    else:
+        where = dict(backend=where) if isinstance(where, str) and not hstu_only else dict(implementation=where)
     # HSTU attention (its own implementations: on a backend's name, or its Hopper forward named), every
     # mask option on: targets read per sequence, a window and a context prefix.
     hstu_op = jax.jit(lambda q, k, v, o, targets: jfa.hstu_attention(
@@ -241,13 +244,15 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False,
     D >= 64 take: their transposes, and key and query windows that start before their sequence). With
     `hopper` (a Hopper GPU), bfloat16 at D = 128 on the Hopper kernels alone (a spy says they ran), whose
     tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens, at D = 256
-    ("hopper D256": the dk/dv kernel whose warpgroups split the columns) and at D = 64 ("hopper D64",
-    its own tiles), then with
+    ("hopper D256": the dk/dv kernel whose warpgroups split the columns) and the Hopper backward at
+    D = 64 ("hopper D64", its own tiles, after the portable forward), then with
     dq fused into dk/dv ("hopper-fused-dq"), then HSTU attention on its Hopper forward and backward
     ("hstu-hopper", named: auto takes it from 1024 tokens only). `only`: the names of the variants to run
     (default all)."""
     spy = Spy("hopper")
-    variants = ({"hopper": spy, "hopper D256": spy, "hopper D64": spy, "hopper fused dq": FusedDq(spy.calls),
+    # At D = 64 the Hopper backward alone: the Hopper forward has no tiles there.
+    variants = ({"hopper": spy, "hopper D256": spy, "hopper D64": ("portable", spy),
+                 "hopper fused dq": FusedDq(spy.calls),
                  "hstu hopper": "hstu-hopper"} if hopper
                 else {"as chosen": backend, "key-major": variant(backend, key_major=True)})
     variants = {name: where for name, where in variants.items() if only is None or name in only}

@@ -29,13 +29,16 @@
 #  12  TRITON (3.9 by default, after its install): the Hopper backward's tiles at D = 64 (deeper rings; the
 #      table's entry was swept on older kernels), each a tuned table's entry (every one compiles within
 #      shared memory with 0 spills under 3.9), against the table's, on L4096-D64
+#  13  triton 3.6, staging .t39a: memcheck of the Hopper backward at D = 64, then the D = 64 rows with
+#      auto taking it (HOPPER_BACKWARD_D64_TRITON lowered to 3.6 in the call's copy) against the portable
+#      backward and cuDNN
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next: 10
 # with D64_TRITON="3, 6" MEMCHECK="['hopper D64']" (3.6: the suite with D = 64's Hopper backward under
 # auto, memcheck of its D = 64 kernels), STAGE_ONLY=1 2-4, 5's install then 8 (the padded TMA dq-fused
 # backward), 12 (D = 64's tiles under 3.9), then 3 and 6's benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..12}
+call=${1:?usage: bash tests/gpu/session.sh 1..13}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -141,7 +144,7 @@ case $call in
   8) (PYTHONPATH=$site39 timeout 200 python3 -m pytest tests/test_hopper.py -m gpu -k "fused or inf_key" \
         -p xdist -n 8 -o addopts=-ra -q > "$out/fused-dq-tests-triton3.9.log" 2>&1
       echo "rc=$?" >> "$out/fused-dq-tests-triton3.9.log") &
-     memcheck 3.9 "$site39" 200 "['hopper fused dq']" False "-fused-dq"
+     memcheck 3.9 "$site39" ${MEMCHECK_S:-200} "${MEMCHECK:-"['hopper fused dq']"}" False "-fused-dq"
      wait; tail -2 "$out/fused-dq-tests-triton3.9.log"; elapsed "tests, memcheck"
      softmax_bench fused-dq-triton3.9 "long,long-causal,rec-long,dlrm-long,L1024,L2048,L8192,L16384" \
        jfa-triton,jfa-triton-fused-dq ${BUDGET:-150} "$site39"
@@ -197,5 +200,11 @@ case $call in
           L4096-D64 jfa-triton-hopper-bwd 40 "$path"
       done
       grep -h "fwd+bwd" "$out"/bench-d64-*.log; elapsed "call 12" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..12" >&2; exit 2 ;;
+  13) stage .t39a
+      memcheck 3.6 "$site36" 250 "['hopper D64']" False "-d64"; summary
+      sed -i "s/^HOPPER_BACKWARD_D64_TRITON = .*/HOPPER_BACKWARD_D64_TRITON = (3, 6)/" jagged_flash_jax/configs.py
+      softmax_bench d64-triton3.6 "L4096-D64,gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal" \
+        jfa-triton,jfa-triton-portable-bwd,cudnn-packed,cudnn-padded ${BUDGET:-120} "$site36"
+      grep -h "fwd+bwd" "$out"/bench-d64-triton3.6.log; elapsed "call 13" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..13" >&2; exit 2 ;;
 esac

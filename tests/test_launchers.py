@@ -1254,9 +1254,10 @@ def test_the_tma_fused_dq_hopper_backward_is_one_launch(hopper_backward_gpu, mon
     """Where Triton's Gluon has the TMA reduce-add (`_compat.gluon_tma_reduce`), the one launch after the
     preprocess is the dq-fused dk/dv kernel that adds dq by it: the unfused dk/dv launch's arguments (q,
     do, k, v as the same descriptors, the statistics, offsets and slopes, the same runtime parameters,
-    warps, stages, register cap and constants) with dq_acc before the runtime parameters, a descriptor of
-    [dk/dv's query tile, 64] blocks over float32 [the 40 queries and a query tile per sequence, H * D]
-    in either layout (`calls.unpad_dq`), which the kernel updates in place (jax-triton's
+    warps, stages, register cap and constants) with dq_acc and dq_rows before the runtime parameters:
+    a descriptor of [dk/dv's query tile, 64] blocks over float32 [the 40 queries and a query tile per
+    sequence, H * D] in either layout (`calls.unpad_dq`), and each sequence's first row in it, int32
+    [B] (`calls.dq_rows`); the kernel updates dq_acc in place (jax-triton's
     input_output_aliases: its result after dk, dv and the counter, the counter alone zeroed); the
     gradient dq has q's shape and dtype."""
     monkeypatch.setattr(_compat, "gluon_tma_reduce", lambda: True)
@@ -1265,11 +1266,12 @@ def test_the_tma_fused_dq_hopper_backward_is_one_launch(hopper_backward_gpu, mon
     assert fused_call["kernel"] is kernels.hopper_attention_bwd_dkdv_dq_tma_kernel
     fused_call, dkdv = dict(fused_call, kernel=None), dict(dkdv, kernel=None)
     fused_args, args = fused_call.pop("args"), dkdv.pop("args")
-    dq_acc = fused_args[9]
+    dq_acc, rows = fused_args[9:11]
     assert [a.block_shape for a in fused_args[:4]] == [a.block_shape for a in args[:4]]
     assert [a.base.shape for a in fused_args[:4]] == [a.base.shape for a in args[:4]]
-    assert ([(a.shape, a.dtype) for a in fused_args[4:9] + fused_args[10:]]
+    assert ([(a.shape, a.dtype) for a in fused_args[4:9] + fused_args[11:]]
             == [(a.shape, a.dtype) for a in args[4:]])
+    assert (rows.shape, rows.dtype) == ((2,), jnp.int32)
     assert hopper_backward_gpu.params[id(fused_args[-1])] == hopper_backward_gpu.params[id(args[-1])]
     block_m = args[0].block_shape[0]
     view = (40 + 2 * block_m, 4 * 128)  # 2 sequences
@@ -1315,22 +1317,46 @@ def test_the_tma_fused_dq_launch_updates_float32_zeros(monkeypatch, layout):
         view = (300 + batch * config.tiles.dkdv.block_m, 4 * dim)
         dq_acc = arrays[spec.HOPPER_BWD_DKDV_DQ_TMA.index("dq_acc")]
         assert (dq_acc.shape, dq_acc.dtype) == (view, jnp.float32) and not np.any(np.asarray(dq_acc))
+        rows = arrays[spec.HOPPER_BWD_DKDV_DQ_TMA.index("dq_rows")]
+        assert rows.dtype == jnp.int32
+        np.testing.assert_array_equal(rows, [0, 40 + config.tiles.dkdv.block_m][:batch])
         assert dict(call.descriptors)[9] == (config.tiles.dkdv.block_m, 64)
         assert call.aliases == ((9, 3),) and call.zeroed_outputs == (2,)
         assert [(s.shape, s.dtype) for s in call.out_shapes[2:]] == [((1,), jnp.int32), (view, jnp.float32)]
         assert (dq.shape, dq.dtype, dk.shape, dv.shape) == (q_shape, jnp.float16, kv_shape, kv_shape)
 
 
+PADDED_DQ_OFFSETS = {
+    "lengths 5, 59, 0, 136, 133": [0, 5, 64, 64, 200, 333],
+    "tokens outside, lengths 17, 0, 130, 150": [3, 20, 20, 150, 300],
+    "none": [9],
+    # the sequences out of order: [300, 333) empty, [10, 240) (130 attended), [0, 5), [5, 5), [5, 9)
+    "unsorted": [300, 10, 240, -3, 5, 5, 9],
+    # empty sequences starting inside another's tokens: [0, 100), [100, 100), [30, 30)
+    "empty inside": [0, 100, 30, 20],
+}
+
+
+def _attended_rows(offsets, total, max_seq_len):
+    """(start, n) of each sequence, clamped as the kernels clamp them (n capped at max_seq_len)."""
+    bounds = []
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        start = min(max(start, 0), total)
+        end = min(max(end, start), total)
+        bounds.append((start, min(end - start, max_seq_len)))
+    return bounds
+
+
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
-@pytest.mark.parametrize("offsets", [[0, 5, 64, 64, 200, 333], [3, 20, 20, 150, 300], [9]],
-                         ids=["lengths 5, 59, 0, 136, 133", "tokens outside, lengths 17, 0, 130, 150",
-                              "none"])
+@pytest.mark.parametrize("offsets", PADDED_DQ_OFFSETS.values(), ids=PADDED_DQ_OFFSETS.keys())
 def test_the_tma_fused_dq_padded_rows_reach_their_sequences_queries_only(layout, offsets):
-    """calls.unpad_dq against a float64 model of what the TMA dq-fused kernel writes: sequence b's query
-    tiles of 16 rows whole, at rows start_b + 16 b + [0, 16 ceil(n_b / 16)) of the padded accumulator
-    (n_b = min(length, max_seq_len)), the last tile's rows past n_b NaN (as dS K is there where the
-    sequence has an inf key). dq is each sequence's first n_b rows and 0 at every other token (past
-    max_seq_len, before the first sequence, after the last): no NaN, no row of another sequence."""
+    """calls.dq_rows and calls.unpad_dq against a float64 model of what the TMA dq-fused kernel writes:
+    sequence b's query tiles of 16 rows whole, at rows dq_rows[b] + [0, 16 ceil(n_b / 16)) of the padded
+    accumulator (n_b = min(length, max_seq_len)), the last tile's rows past n_b NaN (as dS K is there
+    where the sequence has an inf key). Those rows lie within the accumulator and, in whatever order the
+    offsets give the sequences, no two sequences' overlap; dq is each sequence's first n_b rows and 0 at
+    every other token (past max_seq_len, before the first sequence, after the last): no NaN, no row of
+    another sequence."""
     rng = np.random.default_rng(3)
     total, heads, dim, block_m, max_seq_len = 333, 3, 8, 16, 130
     batch = len(offsets) - 1
@@ -1338,17 +1364,24 @@ def test_the_tma_fused_dq_padded_rows_reach_their_sequences_queries_only(layout,
                                             q_tokens=total, kv_tokens=total, max_seq_len=max_seq_len,
                                             kv_max_seq_len=max_seq_len, causal=False, dtype="bfloat16"),
                             layout=layout)
-    padded = np.zeros((total + batch * block_m, heads * dim))
+    offsets_ = jnp.asarray([offsets], jnp.int32)
+    rows = np.asarray(jax.jit(lambda o: calls.dq_rows(p, o, block_m)[0])(offsets_)) if batch else []
+    padded = np.zeros((calls.padded_dq_rows(p, block_m), heads * dim))
+    written = np.zeros(len(padded), int)
     want = np.zeros((total, heads, dim))
-    for b in range(batch):
-        start, n = offsets[b], min(offsets[b + 1] - offsets[b], max_seq_len)
-        rows = -(-n // block_m) * block_m
-        tiles = rng.standard_normal((rows, heads, dim))
+    for b, (start, n) in enumerate(_attended_rows(offsets, total, max_seq_len)):
+        if n == 0:
+            continue
+        tile_rows = -(-n // block_m) * block_m
+        assert 0 <= rows[b] and rows[b] + tile_rows <= len(padded), (b, rows[b])
+        tiles = rng.standard_normal((tile_rows, heads, dim))
         tiles[n:] = np.nan
-        padded[start + b * block_m:start + b * block_m + rows] += tiles.reshape(rows, heads * dim)
+        padded[rows[b]:rows[b] + tile_rows] += tiles.reshape(tile_rows, heads * dim)
+        written[rows[b]:rows[b] + tile_rows] += 1
         want[start:start + n] = tiles[:n]
+    assert written.max(initial=0) <= 1
     got = np.asarray(jax.jit(calls.unpad_dq, static_argnums=(0, 3))(
-        p, jnp.asarray(padded, jnp.float32), jnp.asarray([offsets], jnp.int32), block_m))
+        p, jnp.asarray(padded, jnp.float32), offsets_, block_m))
     want = want if layout == "THD" else want.transpose(1, 0, 2)
     np.testing.assert_array_equal(got, want.astype(np.float32))
 

@@ -173,8 +173,10 @@ def _ops(where):
     hstu_only = where == "hstu-hopper"
     if isinstance(where, tuple):  # (the forward's implementation, the backward's)
         where = dict(implementation=where[0], backward_implementation=where[1])
+    elif isinstance(where, str) and not hstu_only:
+        where = dict(backend=where)
     else:
-        where = dict(backend=where) if isinstance(where, str) and not hstu_only else dict(implementation=where)
+        where = dict(implementation=where)
     # HSTU attention (its own implementations: on a backend's name, or its Hopper forward named), every
     # mask option on: targets read per sequence, a window and a context prefix.
     hstu_op = jax.jit(lambda q, k, v, o, targets: jfa.hstu_attention(

@@ -436,27 +436,41 @@ def hopper_forward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_off
 
 def padded_dq_rows(p: Problem, block_m: int) -> int:
     """Rows of the TMA dq-fused kernel's dq accumulator: the queries, each sequence's padded by a query
-    tile of block_m rows (`unpad_dq`)."""
+    tile of block_m rows (`dq_rows`)."""
     return p.q_tokens + p.batch * block_m
+
+
+def dq_rows(p: Problem, q_offsets, block_m: int):
+    """(rows, starts, lengths, order), [B] int32: rows[b] the row of the TMA dq-fused kernel's
+    accumulator where sequence b's queries start, starts[b] + rank * block_m, rank its place in `order`,
+    the sequences ordered by (start, length) (clamped, as the kernels clamp them:
+    `jagged.sequence_bounds`). Whatever order the offsets give them, sequences whose tokens do not
+    overlap get rows that do not overlap, each with the block_m rows after it that its last query tile
+    reaches into; all within `padded_dq_rows`."""
+    starts, lengths = sequence_bounds(q_offsets.reshape(-1)[:p.batch + 1], p.q_tokens, p.max_seq_len)
+    order = jnp.lexsort((lengths, starts)).astype(jnp.int32)
+    rank = jnp.zeros(p.batch, jnp.int32).at[order].set(jnp.arange(p.batch, dtype=jnp.int32))
+    return starts + rank * block_m, starts, lengths, order
 
 
 def unpad_dq(p: Problem, dq_acc, q_offsets, block_m: int):
     """dq, float32 of q's shape, from the TMA dq-fused kernel's accumulator dq_acc, [padded_dq_rows,
-    H * D], in which sequence b's queries start at row start_b + b * block_m, so that its last query
-    tile's rows past them (0, or NaN where the sequence has an inf key) land in padding that no token
-    takes: token t takes row t + b * block_m of the last sequence b whose start (clamped, as the kernels
-    clamp it: `jagged.sequence_bounds`) is at or before t, when t is among b's first min(length,
-    max_seq_len) tokens; every other token takes 0."""
+    H * D], in which sequence b's queries start at row `dq_rows`[b]: token t takes its row of the last
+    sequence with tokens in `dq_rows`' order that starts at or before t, when t is among that sequence's
+    first min(length, max_seq_len) tokens; every other token takes 0 (so do the rows past each
+    sequence, 0 or NaN where the sequence has an inf key)."""
     if p.batch == 0:
         return jnp.zeros(p.q_shape, jnp.float32)
-    starts, lengths = sequence_bounds(q_offsets.reshape(-1)[:p.batch + 1], p.q_tokens, p.max_seq_len)
+    rows, starts, lengths, order = dq_rows(p, q_offsets, block_m)
     tokens = jnp.arange(p.q_tokens, dtype=jnp.int32)
-    owners = jnp.full(p.q_tokens + 1, -1, jnp.int32).at[starts].max(jnp.arange(p.batch, dtype=jnp.int32))
-    owners = jax.lax.cummax(owners[:p.q_tokens])  # the last sequence starting at or before each token
-    owner = jnp.maximum(owners, 0)
+    ranks = jnp.arange(p.batch, dtype=jnp.int32)
+    owners = jnp.full(p.q_tokens + 1, -1, jnp.int32).at[starts[order]].max(
+        jnp.where(lengths[order] > 0, ranks, -1))
+    owners = jax.lax.cummax(owners[:p.q_tokens])  # the rank of that sequence, -1 where none
+    owner = order[jnp.maximum(owners, 0)]
     keep = (owners >= 0) & (tokens - starts[owner] < lengths[owner])
-    rows = dq_acc[tokens + owner * block_m].reshape(p.q_tokens, p.num_heads, p.head_dim)
-    dq = jnp.where(keep[:, None, None], rows, 0.0)
+    picked = dq_acc[tokens + rows[owner] - starts[owner]].reshape(p.q_tokens, p.num_heads, p.head_dim)
+    dq = jnp.where(keep[:, None, None], picked, 0.0)
     return dq if p.layout == "THD" else dq.transpose(1, 0, 2)
 
 
@@ -491,6 +505,7 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
         dkdv_spec = spec.HOPPER_BWD_DKDV_DQ_TMA
         padded = (padded_dq_rows(p, dkdv.block_m), p.num_heads * p.head_dim)
         inputs["dq_acc"] = jnp.zeros(padded, jnp.float32)
+        inputs["dq_rows"] = dq_rows(p, q_offsets, dkdv.block_m)[0]
         updated["dq_acc"] = jax.ShapeDtypeStruct(padded, jnp.float32)
         descriptor_blocks["dq_acc"] = (dkdv.block_m, dkdv.block_n // 2)  # a warpgroup's 64 columns of dQ
     elif config.fused_dq:

@@ -123,14 +123,14 @@ def attention_bwd_dkdv_dq_kernel(
     BUILD: gl.constexpr = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS)
     _dkdv_program((q_desc, do_desc, k_desc, v_desc),
                   (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr),
-                  (dk_ptr, dv_ptr, dq_acc_ptr, counter_ptr), SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
-                  BUILD, FUSED_DQ=DQ_ATOMIC_ADDS)
+                  (dk_ptr, dv_ptr, (dq_acc_ptr, None), counter_ptr), SHAPE, LENGTHS, BAND, SCORES, SCALES,
+                  TILES, BUILD, FUSED_DQ=DQ_ATOMIC_ADDS)
 
 
 @gluon.jit
 def attention_bwd_dkdv_dq_tma_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
-    dq_acc_desc, params_ptr, dk_ptr, dv_ptr, counter_ptr,
+    dq_acc_desc, dq_rows_ptr, params_ptr, dk_ptr, dv_ptr, counter_ptr,
     NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
     KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
@@ -141,10 +141,11 @@ def attention_bwd_dkdv_dq_tma_kernel(
     """`attention_bwd_dkdv_dq_kernel` with each warpgroup's dQ tile added whole by a TMA reduce-add from
     shared memory (triton >= 3.7): dq_acc_desc a descriptor of [BLOCK_M, 64] float32 blocks over dq_acc,
     float32 [q_tokens + batch * BLOCK_M, H * D] zeroed by the launcher and updated in place, in which
-    sequence b's queries start at row q_start + b * BLOCK_M, so that a last tile's rows past n_q (0, or
-    NaN where the sequence has an inf key) land in rows of its own, as FlashAttention-3 pads its varlen
-    dq accumulator; the launcher gathers each sequence's first n_q rows (`calls.unpad_dq`). Not
-    deterministic."""
+    sequence b's queries start at row dq_rows_ptr[b] (int32, the launcher's `calls.dq_rows`: its start
+    plus BLOCK_M per sequence that starts before it), so that a last tile's rows past n_q (0, or NaN
+    where the sequence has an inf key) land in rows of its own, as FlashAttention-3 pads its varlen dq
+    accumulator, whatever order the offsets put the sequences in; the launcher gathers each sequence's
+    first n_q rows (`calls.unpad_dq`). Not deterministic."""
     SHAPE: gl.constexpr = (NUM_KV_HEADS, KV_GROUP, D)
     LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)
     BAND: gl.constexpr = (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
@@ -154,8 +155,8 @@ def attention_bwd_dkdv_dq_tma_kernel(
     BUILD: gl.constexpr = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS)
     _dkdv_program((q_desc, do_desc, k_desc, v_desc),
                   (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr),
-                  (dk_ptr, dv_ptr, dq_acc_desc, counter_ptr), SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
-                  BUILD, FUSED_DQ=DQ_TMA_REDUCE)
+                  (dk_ptr, dv_ptr, (dq_acc_desc, dq_rows_ptr), counter_ptr), SHAPE, LENGTHS, BAND, SCORES,
+                  SCALES, TILES, BUILD, FUSED_DQ=DQ_TMA_REDUCE)
 
 
 @gluon.jit
@@ -164,14 +165,15 @@ def _dkdv_program(descs, inputs, outputs, SHAPE: gl.constexpr, LENGTHS: gl.const
                   FUSED_DQ: gl.constexpr):
     """Any entry's program: the zero fills of dk and dv, then the warp-specialized region. descs =
     (q_desc, do_desc, k_desc, v_desc); inputs = (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr,
-    slopes_ptr, params_ptr); outputs = (dk_ptr, dv_ptr, dq_acc, counter_ptr), dq_acc None unless FUSED_DQ
-    (DQ_ATOMIC_ADDS: a pointer; DQ_TMA_REDUCE: a descriptor); BUILD = (STRIDE_ALIGN, FILL_BLOCK,
+    slopes_ptr, params_ptr); outputs = (dk_ptr, dv_ptr, dq, counter_ptr), dq None unless FUSED_DQ, else
+    (dq_acc, dq_rows) (DQ_ATOMIC_ADDS: a pointer and None; DQ_TMA_REDUCE: a descriptor and the pointer to
+    each sequence's first row in it); BUILD = (STRIDE_ALIGN, FILL_BLOCK,
     CONSUMER_REGS, PRODUCER_REGS). Without FUSED_DQ nothing of dq's reaches the partitions (None is a
     constant, which they do not capture), so the unfused kernel compiles as if the option did not
     exist."""
     q_desc, do_desc, k_desc, v_desc = descs
     lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr = inputs
-    dk_ptr, dv_ptr, dq_acc, counter_ptr = outputs
+    dk_ptr, dv_ptr, dq, counter_ptr = outputs
     NUM_KV_HEADS: gl.constexpr = SHAPE[0]
     D: gl.constexpr = SHAPE[2]
     BLOCK_M: gl.constexpr = TILES[0]
@@ -220,11 +222,11 @@ def _dkdv_program(descs, inputs, outputs, SHAPE: gl.constexpr, LENGTHS: gl.const
         fence_async_shared()
         if FUSED_DQ == DQ_TMA_REDUCE:
             # Each consumer's [BLOCK_M, 64] float32 tile of dQ for its TMA reduce-add (`reduce_columns`).
-            stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, CONSUMER_ROWS], dq_acc.layout)
+            stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, CONSUMER_ROWS], dq[0].layout)
         else:
             # Each consumer's [64, BLOCK_M] float32 of dQ^T on its way to the atomic adds (`add_columns`).
             stage = gl.allocate_shared_memory(gl.float32, [2, CONSUMER_ROWS, BLOCK_M], STAGE_LAYOUT)
-        arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, (dq_acc, q_layout, ds_smem, ds_full, stage))
+        arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, (dq[0], q_layout, ds_smem, ds_full, stage, dq[1]))
     elif KEY_TILES == 1:
         # SPLIT_D: P^T and dS^T of the current query tile, [64 keys, BLOCK_M / 2] per consumer (its half
         # of the queries): P^T of halves 0 and 1, then dS^T of both. Both consumers' dV and dK products
@@ -387,10 +389,10 @@ def _dkdv_consume(pipe, arrays, block, sequence, position, SHAPE: gl.constexpr, 
     (the block's K and V behind kv_bar at phase kvp), stored (rows < n_k; zero where no query sees them)
     at the end; arrays = (slopes_ptr, dk_ptr, dv_ptr, kv_layout, fused), SCALES = (DS_SCALE, OUT_SCALE). A
     tile is masked unless every query of it sees every key of this warpgroup's and it has no row past n_q.
-    With FUSED_DQ (fused = (dq_acc, q_layout, ds_smem, ds_full, stage), else None) also each tile's
+    With FUSED_DQ (fused = (dq_acc, q_layout, ds_smem, ds_full, stage, dq_rows), else None) also each tile's
     DS_SCALE * dS K into dq_acc (`_dq_tile`): this warpgroup's dS^T rows, masked past n_k (where K's rows,
     zeroed here, are other tokens), go to the slot's ds_smem tile, which dK's product then reads;
-    `sequence` (the block's) places its rows in the TMA dq-fused kernel's padded dq_acc.
+    `sequence` (the block's) finds its rows in the TMA dq-fused kernel's padded dq_acc (dq_rows).
     position = (t, kvp, tail_phases), tail_phases the per-slot tail barriers' parities (a bit per slot);
     returns the ring's position and tail_phases after the block."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_free, ready, empty, tail_bar = pipe
@@ -437,7 +439,9 @@ def _dkdv_consume(pipe, arrays, block, sequence, position, SHAPE: gl.constexpr, 
         _, clean_start, clean_end, _ = query_ranges(krow0, n_q, n_k, BLOCK_M, CONSUMER_ROWS, BAND)
     mbarrier.wait(kv_bar, kvp)  # always, tiles or none: kv_bar's phase runs on from block to block
     if FUSED_DQ:
-        dq_acc, q_layout, ds_smem, ds_full, _ = fused
+        dq_acc, q_layout, ds_smem, ds_full, _, dq_rows = fused
+        if FUSED_DQ == DQ_TMA_REDUCE:  # the row of dq_acc where the sequence's queries start
+            dq_row = gl.load(dq_rows + sequence)
         if krow0 + CONSUMER_ROWS > n_k:
             # K's rows past n_k (other tokens, maybe NaN), which dS K reads: zeroed by the warpgroup whose
             # half they are, before its first dS^T is published to the other (ds_full). The proxy fence
@@ -448,7 +452,7 @@ def _dkdv_consume(pipe, arrays, block, sequence, position, SHAPE: gl.constexpr, 
         head = kv_head * KV_GROUP + g
         slope = alibi_slope(slopes_ptr, head, SCORES[1])
         if FUSED_DQ == DQ_TMA_REDUCE:  # the head's first query in the padded dq_acc, (row, column)
-            dq_base = ((q_start + sequence * BLOCK_M).to(gl.int32), (head * D).to(gl.int32))
+            dq_base = (dq_row, (head * D).to(gl.int32))
         elif FUSED_DQ:
             dq_base = row_base(dq_acc, q_start, head, q_layout)
         for tile in range(t0, ntiles):
@@ -594,7 +598,7 @@ def _dq_tile(fused, smem, products, rows, DS_SCALE: gl.constexpr, D: gl.constexp
     release it only after their products that read its dS^T, and write the slot's dS^T again only once
     the producer has loaded its next tile, which waits for both releases: no other barrier guards
     ds_smem."""
-    dq_acc, q_layout, _, ds_full, stage = fused
+    dq_acc, q_layout, _, ds_full, stage, _ = fused
     token_stride = q_layout[1]
     k_smem, ds_smem, empty = smem
     dv_tok, dk_tok, p_op = products

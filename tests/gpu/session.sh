@@ -15,7 +15,8 @@
 #      timing, then the softmax rows 3.9 has not measured
 #   7  the GPU suite with the portable kernels forced, under TRITON (3.9 by default; 3.6 as well: "3.6 3.9")
 #   8  triton 3.9 (after 5): the TMA dq-fused backward (its padded dq accumulator): its dq-fused GPU tests
-#      beside its memcheck, then its timing against the default backward in one process
+#      beside its memcheck (MEMCHECK: the variants), then its timing against the default backward in one
+#      process (CASES: the rows)
 #   9  every GPU test of HSTU under auto, triton 3.6, and 3.9 where 5 installed it (TRITONS="3.9": 3.9 only)
 #  10  the D = 256 Hopper backward (dk/dv's warpgroups splitting the columns) and auto's backward choices
 #      (D = 256; D = 64 from triton 3.7): the GPU suite under auto beside memcheck of the D = 256 Hopper
@@ -146,7 +147,7 @@ case $call in
       echo "rc=$?" >> "$out/fused-dq-tests-triton3.9.log") &
      memcheck 3.9 "$site39" ${MEMCHECK_S:-200} "${MEMCHECK:-"['hopper fused dq']"}" False "-fused-dq"
      wait; tail -2 "$out/fused-dq-tests-triton3.9.log"; elapsed "tests, memcheck"
-     softmax_bench fused-dq-triton3.9 "long,long-causal,rec-long,dlrm-long,L1024,L2048,L8192,L16384" \
+     softmax_bench fused-dq-triton3.9 "${CASES:-long,long-causal,rec-long,dlrm-long,L1024,L2048,L8192,L16384}" \
        jfa-triton,jfa-triton-fused-dq ${BUDGET:-150} "$site39"
      grep -h "fwd+bwd" "$out"/bench-fused-dq-triton3.9.log; elapsed "call 8" ;;
   9) for triton in ${TRITONS:-3.6 3.9}; do

@@ -441,16 +441,17 @@ def padded_dq_rows(p: Problem, block_m: int) -> int:
 
 
 def dq_rows(p: Problem, q_offsets, block_m: int):
-    """(rows, starts, lengths, order), [B] int32: rows[b] the row of the TMA dq-fused kernel's
-    accumulator where sequence b's queries start, starts[b] + rank * block_m, rank its place in `order`,
-    the sequences ordered by (start, length) (clamped, as the kernels clamp them:
-    `jagged.sequence_bounds`). Whatever order the offsets give them, sequences whose tokens do not
-    overlap get rows that do not overlap, each with the block_m rows after it that its last query tile
-    reaches into; all within `padded_dq_rows`."""
+    """(rows, starts, lengths, order), [B]: rows[b] the row of the TMA dq-fused kernel's accumulator
+    where sequence b's queries start, starts[b] + rank * block_m, rank its place in `order`, the
+    sequences ordered by (start, length) (clamped, as the kernels clamp them: `jagged.sequence_bounds`).
+    Whatever order the offsets give them, sequences whose tokens do not overlap get rows that do not
+    overlap, each with the block_m rows after it that its last query tile reaches into; all within
+    `padded_dq_rows` (which the implementation bounds), so rows are int32 whatever the offsets' dtype,
+    as the kernel's TMA coordinates are."""
     starts, lengths = sequence_bounds(q_offsets.reshape(-1)[:p.batch + 1], p.q_tokens, p.max_seq_len)
     order = jnp.lexsort((lengths, starts)).astype(jnp.int32)
     rank = jnp.zeros(p.batch, jnp.int32).at[order].set(jnp.arange(p.batch, dtype=jnp.int32))
-    return starts + rank * block_m, starts, lengths, order
+    return (starts + rank * block_m).astype(jnp.int32), starts, lengths, order
 
 
 def unpad_dq(p: Problem, dq_acc, q_offsets, block_m: int):

@@ -128,8 +128,10 @@ def _user_lse(lse, q_offsets, problem: Problem):
     return jnp.swapaxes(lse, 0, 1).reshape(problem.num_heads, -1)
 
 
-def _plan(problem: Problem, backend, implementation, backward_implementation, block_sizes) -> Plan:
-    request = select.request(backend, implementation, backward_implementation, block_sizes)
+def _plan(problem: Problem, backend, implementation, backward_implementation, block_sizes,
+          deterministic: bool = True) -> Plan:
+    request = select.request(backend, implementation, backward_implementation, block_sizes,
+                             deterministic=deterministic)
     return select.choose(problem, request)
 
 
@@ -160,6 +162,7 @@ def jagged_attention(
     return_lse: bool = False,
     implementation: str | tuple[str, ...] | None = None,
     backward_implementation: str | tuple[str, ...] | None = None,
+    deterministic: bool = True,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Variable-length (jagged) multi-head attention with the standard semantics.
 
@@ -224,8 +227,13 @@ def jagged_attention(
         `backward_implementation` names the backward's.
       backward_implementation: the backward's, as `implementation`; also "hopper-fused-dq", the Hopper
         backward with dq added from the dk/dv kernel by float32 atomics (one launch instead of two; dq's
-        last bits vary run to run). The default backward writes every gradient element once (bitwise
-        reproducible) and measured faster on the H200 (docs/performance.md).
+        last bits vary run to run). Every other backward writes each gradient element once (bitwise
+        reproducible).
+      deterministic: static bool. True (the default): the backward is bitwise reproducible. False, as
+        FlashAttention's deterministic=False: `backend`'s choice may take "hopper-fused-dq", which it
+        does where that measured faster (Triton >= 3.7, sequences of 8192 tokens or more, D = 128: on
+        the H200 about 5% off a training step). Not with `implementation` or
+        `backward_implementation` (ValueError): name the backward there instead.
 
     Returns:
       The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v; forward
@@ -252,7 +260,8 @@ def jagged_attention(
         allow_tf32=checks.static_bool(allow_tf32, "allow_tf32"), self_attention=self_attention,
         validate=checks.static_bool(validate, "validate"), window=window,
         softcap=checks.static_softcap(softcap, scale), alibi=slopes is not None)
-    plan = _plan(problem, backend, implementation, backward_implementation, block_sizes)
+    plan = _plan(problem, backend, implementation, backward_implementation, block_sizes,
+                 checks.static_bool(deterministic, "deterministic"))
     o, lse = _call(q, k, v, offsets, kv_offsets, problem, plan, slopes)
     if return_lse:
         return o, _user_lse(lse, offsets, problem)
@@ -320,6 +329,7 @@ def multi_head_jagged_flash_attention(
     validate: bool = False,
     implementation: str | tuple[str, ...] | None = None,
     backward_implementation: str | tuple[str, ...] | None = None,
+    deterministic: bool = True,
 ) -> jax.Array:
     """FBGEMM's multi-head jagged flash attention: softmax(q k^T) v / max_seq_len, no scale.
 
@@ -336,8 +346,8 @@ def multi_head_jagged_flash_attention(
       offsets: [B+1] int32 or int64, non-decreasing, within [0, T]: checked as for `jagged_attention`
         (malformed traced offsets are clamped, never unsafe).
       max_seq_len: static Python int >= 1.
-      allow_tf32, backend, layout, block_sizes, validate, implementation, backward_implementation: as for
-        `jagged_attention`.
+      allow_tf32, backend, layout, block_sizes, validate, implementation, backward_implementation,
+        deterministic: as for `jagged_attention`.
 
     Returns:
       The output, with the shape and dtype of q. Differentiable (reverse mode) in q, k and v.
@@ -355,5 +365,6 @@ def multi_head_jagged_flash_attention(
         out_scale=1.0 / max_seq_len, causal=False, layout=layout,
         allow_tf32=checks.static_bool(allow_tf32, "allow_tf32"), self_attention=True,
         validate=checks.static_bool(validate, "validate"))
-    plan = _plan(problem, backend, implementation, backward_implementation, block_sizes)
+    plan = _plan(problem, backend, implementation, backward_implementation, block_sizes,
+                 checks.static_bool(deterministic, "deterministic"))
     return _call(q, k, v, offsets, offsets, problem, plan)[0]

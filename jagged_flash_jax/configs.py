@@ -107,12 +107,18 @@ HOPPER_SMS = 132
 # only: below, and elsewhere, the portable backward is as fast or faster (H200, docs/performance.md,
 # "Hopper kernels"). "hopper" runs it wherever the table has its tiles.
 HOPPER_BACKWARD_MIN_LENGTH = 512
-HOPPER_BACKWARD_AUTO_HEAD_DIMS = (128, 256)
-# ... and D = 64 from this Triton on, where the GPU suite has run with it chosen: under 3.9 the Hopper
-# backward measured faster there (L4096-D64 4.28-4.41 against 4.62-4.69 ms forward + backward,
-# gqa-16x4-L512-D64 2.50 against 2.78). Under 3.6 it measured slower before (4.89 against 4.71) and faster
-# on 2026-12-03 (4.27 against 4.70), but the suite has not run there with it chosen (docs/performance.md).
-HOPPER_BACKWARD_D64_TRITON = (3, 7)
+HOPPER_BACKWARD_AUTO_HEAD_DIMS = (64, 128, 256)
+# (D = 64 since the GPU suite and memcheck ran with it chosen, under 3.6 and 3.9 (2026-12-04): L4096-D64
+# 4.25 against the portable backward's 4.70 ms forward + backward under 3.6, 4.28-4.41 against 4.62-4.69
+# under 3.9; gqa-16x4-L512-D64 2.64 against 2.68 under 3.6, causal 2.00 against 2.20.)
+# With deterministic=False, "auto" takes the dq-fused Hopper backward ("hopper-fused-dq") where Triton's
+# Gluon has the TMA reduce-add (3.7 on), from sequences of this many tokens, at these head dimensions:
+# on the H200 under 3.9 it was faster from L8192 (10.18 against 10.68 ms forward + backward; L16384 20.83
+# against 21.92, L32768 58.20 against 62.51, L16384 causal 11.05 against 12.43), about even at L4096
+# (2.75 against 2.72) and slower below (L2048 3.43 against 3.20); by atomics from registers (3.6) slower on
+# every row (docs/performance.md).
+FUSED_DQ_MIN_LENGTH = 8192
+FUSED_DQ_AUTO_HEAD_DIMS = (128,)
 
 # HSTU's Hopper forward (kernels/hopper/hstu_forward.py, implementation "hstu-hopper"): its fixed tile,
 # 128 queries (two consumer warpgroups) by 64 keys in a 2-deep ring, the softmax forward's register

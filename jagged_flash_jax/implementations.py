@@ -6,7 +6,8 @@ not), chooses its configuration, and runs the forward and the backward. select.p
 - "interpret": the same kernels in Triton's interpreter on the CPU.
 - "hopper": the Hopper kernels in Gluon (kernels/hopper/), sm_90a.
 - "hopper-fused-dq": the same, whose backward adds dq from the dk/dv kernel by float32 atomics (TMA
-  reduce-adds where Triton's Gluon has them, 3.7 on; named only).
+  reduce-adds where Triton's Gluon has them, 3.7 on): not bitwise reproducible, so named, or taken by
+  auto with deterministic=False where it is faster (`Hopper.preferred`).
 
 HSTU attention's (HSTU_IMPLEMENTATIONS, below): "portable", "interpret", "xla", and "hstu-hopper", its
 Hopper forward and backward (auto's from configs.HSTU_HOPPER_AUTO_MIN_LENGTH tokens; the backward falls
@@ -26,8 +27,9 @@ import numpy as np
 
 from . import _compat, configs
 from .configs import (
+    FUSED_DQ_AUTO_HEAD_DIMS,
+    FUSED_DQ_MIN_LENGTH,
     HOPPER_BACKWARD_AUTO_HEAD_DIMS,
-    HOPPER_BACKWARD_D64_TRITON,
     HOPPER_BACKWARD_MIN_LENGTH,
     HOPPER_BITS,
     HOPPER_FORWARD_MIN_LENGTH,
@@ -200,13 +202,6 @@ def gluon_available() -> bool:
     return _hopper_modules_import("dkdv", "dq", "forward")
 
 
-def hopper_backward_auto_head_dims() -> tuple[int, ...]:
-    """The head dimensions at which "auto" prefers the Hopper backward under the installed Triton."""
-    if _compat.triton_release() >= HOPPER_BACKWARD_D64_TRITON:
-        return (64, *HOPPER_BACKWARD_AUTO_HEAD_DIMS)
-    return HOPPER_BACKWARD_AUTO_HEAD_DIMS
-
-
 def _segments_reason(p) -> str | None:
     """Why a Hopper kernel cannot take p's offsets segments (it takes one), or None."""
     if p.num_segments != 1:
@@ -241,8 +236,8 @@ class Hopper(Implementation):
     # The backward adds dq from the dk/dv kernel by float32 atomics (one launch and five products per
     # tile instead of seven; TMA reduce-adds from shared memory where Triton's Gluon has them, else
     # atomics from registers: launch/calls.hopper_backward) instead of its own dq kernel: not bitwise
-    # reproducible, and on the H200 it measured slower on every row (docs/performance.md, the atomics
-    # from registers), so only a caller who names it gets it.
+    # reproducible, so only a caller who names it, or asks for deterministic=False, gets it; auto then
+    # where it measured faster (configs.FUSED_DQ_MIN_LENGTH).
     fused_dq: bool = False
 
     def _kernels(self, backward: bool) -> tuple[str, ...]:
@@ -293,11 +288,22 @@ class Hopper(Implementation):
 
     def preferred(self, p, context, backward):
         longest = max(p.max_seq_len, p.kv_max_seq_len)
+        if backward and self.fused_dq:
+            if not _compat.gluon_tma_reduce():
+                return ("no TMA reduce-add in this Triton's Gluon (triton < 3.7: dq added by atomics from "
+                        "registers, slower than the deterministic backward)")
+            if longest < FUSED_DQ_MIN_LENGTH:
+                return (f"sequences of at most {FUSED_DQ_MIN_LENGTH - 1} tokens (the deterministic "
+                        f"backward is as fast or faster)")
+            if p.head_dim not in FUSED_DQ_AUTO_HEAD_DIMS:
+                return (f"head dimension {p.head_dim} (the dq-fused backward is measured faster at "
+                        f"{FUSED_DQ_AUTO_HEAD_DIMS} only)")
+            return None
         if backward:
             if longest < HOPPER_BACKWARD_MIN_LENGTH:
                 return (f"sequences of at most {HOPPER_BACKWARD_MIN_LENGTH - 1} tokens (the portable "
                         f"backward is faster)")
-            if p.head_dim not in hopper_backward_auto_head_dims():
+            if p.head_dim not in HOPPER_BACKWARD_AUTO_HEAD_DIMS:
                 return f"head dimension {p.head_dim} (the portable backward is faster)"
             return None
         if longest < HOPPER_FORWARD_MIN_LENGTH:

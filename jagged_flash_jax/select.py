@@ -138,13 +138,18 @@ def _implementations(value, argument: str, registry: dict) -> tuple[Implementati
 
 
 def request(backend: str = "auto", implementation=None, backward_implementation=None,
-            block_sizes: BlockSizes | None = None, registry: dict = IMPLEMENTATIONS) -> Request:
+            block_sizes: BlockSizes | None = None, registry: dict = IMPLEMENTATIONS,
+            deterministic: bool = True) -> Request:
     """The request of a call's arguments and of the environment: `implementation` (and
     `backward_implementation`) as given, else `backend`'s candidates, which $JAGGED_FLASH_JAX_FORWARD
     and $JAGGED_FLASH_JAX_BACKWARD narrow ("portable": no Hopper kernels; "hopper": the Hopper kernels
     wherever they can run). backend="auto" is "triton" on a GPU where jax-triton works, else "xla" (on a
     GPU, with a warning that says why), falling through to "xla" for what no kernel supports. `registry`:
-    the op's implementations by name (implementations.py: IMPLEMENTATIONS, HSTU_IMPLEMENTATIONS)."""
+    the op's implementations by name (implementations.py: IMPLEMENTATIONS, HSTU_IMPLEMENTATIONS).
+    deterministic=False puts the dq-fused Hopper backward ("hopper-fused-dq", where the op has one)
+    before the Hopper one among the backward's candidates: auto takes it where it is faster, "hopper"
+    ($JAGGED_FLASH_JAX_BACKWARD) wherever it can run; a named implementation runs as named, so naming one
+    with deterministic=False raises."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if implementation is not None and backend != "auto":
@@ -155,6 +160,10 @@ def request(backend: str = "auto", implementation=None, backward_implementation=
     if block_sizes is not None and None in (block_sizes.fwd, block_sizes.dkdv, block_sizes.dq):
         raise TypeError(f"block_sizes needs a KernelConfig for each of fwd, dkdv and dq, got {block_sizes}")
     table_path = os.environ.get(TUNED_CONFIGS_ENV) or None
+    if not deterministic and (implementation is not None or backward_implementation is not None):
+        raise ValueError("deterministic=False lets the backend's choice take a non-deterministic backward; "
+                         "with implementation or backward_implementation named, name the backward instead "
+                         "(backward_implementation='hopper-fused-dq') and leave deterministic at True")
     if implementation is not None:
         forward = _implementations(implementation, "implementation", registry)
         backward = forward if backward_implementation is None else _implementations(
@@ -173,6 +182,10 @@ def request(backend: str = "auto", implementation=None, backward_implementation=
         kept = tuple(c for c in candidates if not c.hopper) if choice == "portable" else candidates
         passes.append((kept, choice == "auto"))
     (forward, prefer_forward), (backward, prefer_backward) = passes
+    fused = registry.get("hopper-fused-dq")
+    if not deterministic and fused is not None and registry.get("hopper") in backward:
+        at = backward.index(registry["hopper"])
+        backward = (*backward[:at], fused, *backward[at:])
     if backward_implementation is not None:
         backward = _implementations(backward_implementation, "backward_implementation", registry)
         prefer_backward = False

@@ -5,6 +5,7 @@ backend choice when jax-triton cannot run, and the tuned tile table."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
@@ -1085,11 +1086,11 @@ def test_the_environment_chooses_the_backward(hopper_backward_gpu, monkeypatch):
         assert _backward_kernels(hopper_backward_gpu, max_seq_len=max_seq_len) == want, (value, max_seq_len)
     monkeypatch.setenv(select.BACKWARD_ENV, "auto")
     assert _backward_kernels(hopper_backward_gpu, cross=True, kv_max_seq_len=shortest) == HOPPER_BACKWARD
-    # "auto" keeps D = 64 on the portable backward under Triton 3.6 (the faster there), and takes the
-    # Hopper one from 3.7; "hopper" runs it (above). D = 256 takes the Hopper one.
-    for release, want in (((3, 6, 0), portable), ((3, 7, 0), hopper), ((3, 9, 0), hopper)):
+    # D = 64 and 256 take the Hopper one too, under any Triton.
+    for release in ((3, 6, 0), (3, 9, 0)):
         monkeypatch.setattr(_compat, "triton_release", lambda release=release: release)
-        assert _backward_kernels(hopper_backward_gpu, dim=64, max_seq_len=4096) == want, release
+        assert _backward_kernels(hopper_backward_gpu, dim=64, max_seq_len=4096) == hopper, release
+    assert _backward_kernels(hopper_backward_gpu, dim=64, max_seq_len=shortest - 1) == portable
     assert _backward_kernels(hopper_backward_gpu, dim=256, max_seq_len=4096) == hopper
     assert _backward_kernels(hopper_backward_gpu, dim=256, max_seq_len=shortest - 1) == portable
     # The options too, a causal soft cap included (the forward's rule against it is the forward's).
@@ -1103,6 +1104,50 @@ def test_the_environment_chooses_the_backward(hopper_backward_gpu, monkeypatch):
     monkeypatch.setenv(select.BACKWARD_ENV, "hoper")
     with pytest.raises(ValueError, match=f"{select.BACKWARD_ENV}='hoper'.*'portable', 'hopper'"):
         _backward_kernels(hopper_backward_gpu)
+
+
+def test_deterministic_false_lets_auto_take_the_dq_fused_backward_where_faster(hopper_backward_gpu,
+                                                                               monkeypatch):
+    """deterministic=False: the TMA dq-fused kernel alone from FUSED_DQ_MIN_LENGTH tokens (the longer of
+    max_seq_len and kv_max_seq_len) at D = 128 where Triton's Gluon has the TMA reduce-add; the two
+    Hopper kernels below that length, at D = 64 and 256 (no dq-fused tiles there), and where dq would be
+    added by atomics (triton 3.6, slower); the portable backward where auto takes it; "hopper" in the
+    environment the dq-fused kernel wherever it runs, "portable" none. The default never fuses."""
+    longest = configs.FUSED_DQ_MIN_LENGTH
+    fused = (FUSED_DQ[True],)
+    monkeypatch.setattr(_compat, "gluon_tma_reduce", lambda: True)
+    monkeypatch.setenv(select.BACKWARD_ENV, "auto")
+    run = functools.partial(_backward_kernels, hopper_backward_gpu, deterministic=False)
+    assert run(max_seq_len=longest) == fused
+    assert run(max_seq_len=longest, causal=True, layout="HTD") == fused
+    assert run(max_seq_len=longest, fbgemm=True) == fused
+    assert run(cross=True, max_seq_len=64, kv_max_seq_len=longest) == fused
+    assert run(max_seq_len=longest - 1) == HOPPER_BACKWARD
+    assert run(max_seq_len=longest, dim=64) == HOPPER_BACKWARD
+    assert run(max_seq_len=longest, dim=256) == HOPPER_BACKWARD
+    assert run(max_seq_len=32) == PORTABLE_BACKWARD
+    assert _backward_kernels(hopper_backward_gpu, max_seq_len=longest) == HOPPER_BACKWARD
+    monkeypatch.setenv(select.BACKWARD_ENV, "hopper")
+    assert run(max_seq_len=32) == fused
+    monkeypatch.setenv(select.BACKWARD_ENV, "portable")
+    assert run(max_seq_len=longest) == PORTABLE_BACKWARD
+    monkeypatch.setenv(select.BACKWARD_ENV, "auto")
+    monkeypatch.setattr(_compat, "gluon_tma_reduce", lambda: False)
+    assert run(max_seq_len=longest) == HOPPER_BACKWARD
+
+
+def test_deterministic_is_a_static_bool_for_the_backends_choice_only():
+    """deterministic=False with an implementation named raises, saying to name the backward instead; a
+    value that is not a bool raises, naming it. On the CPU nothing changes."""
+    q = jnp.ones((40, 2, 16), jnp.float32)
+    offsets = jnp.asarray([0, 15, 40], jnp.int32)
+    for named in (dict(implementation="xla"), dict(backward_implementation="portable")):
+        with pytest.raises(ValueError, match="deterministic=False.*name the backward"):
+            jfa.jagged_attention(q, q, q, offsets, 32, deterministic=False, **named)
+    with pytest.raises(TypeError, match="deterministic"):
+        jfa.multi_head_jagged_flash_attention(q, q, q, offsets, 32, layout="THD", deterministic="no")
+    np.testing.assert_array_equal(jfa.jagged_attention(q, q, q, offsets, 32, deterministic=False),
+                                  jfa.jagged_attention(q, q, q, offsets, 32))
 
 
 def test_vmap_keeps_the_hopper_backward_only_with_one_segment(hopper_backward_gpu):
@@ -1366,6 +1411,9 @@ def test_the_tma_fused_dq_padded_rows_reach_their_sequences_queries_only(layout,
                             layout=layout)
     offsets_ = jnp.asarray([offsets], jnp.int32)
     rows = np.asarray(jax.jit(lambda o: calls.dq_rows(p, o, block_m)[0])(offsets_)) if batch else []
+    with jax.enable_x64(True):  # int64 offsets: the kernel's rows int32 still (its TMA coordinates)
+        rows64 = calls.dq_rows(p, jnp.asarray([offsets], jnp.int64), block_m)[0]
+        assert rows64.dtype == jnp.int32 and np.array_equal(rows64, rows)
     padded = np.zeros((calls.padded_dq_rows(p, block_m), heads * dim))
     written = np.zeros(len(padded), int)
     want = np.zeros((total, heads, dim))

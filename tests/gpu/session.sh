@@ -19,24 +19,20 @@
 #      process (CASES: the rows)
 #   9  every GPU test of HSTU under auto, triton 3.6, and 3.9 where 5 installed it (TRITONS="3.9": 3.9 only)
 #  10  the D = 256 Hopper backward (dk/dv's warpgroups splitting the columns) and auto's backward choices
-#      (D = 256; D = 64 from triton 3.7): the GPU suite under auto beside memcheck of the D = 256 Hopper
-#      kernels, then their timing against the portable backward; on triton 3.6, staging .t39a; with
-#      TRITON=3.9 (after STAGE_ONLY=1 2-4 and staging .t39e) installing 3.9 first. D64_TRITON="3, 6"
-#      lowers configs.HOPPER_BACKWARD_D64_TRITON in the call's copy of the tree (auto's D = 64 backward);
-#      MEMCHECK (default "['hopper D256']") the Hopper variants memcheck runs; M32=0 leaves out the timing
-#      of D = 256's query tiles of 32
+#      (D = 64 and 256): the GPU suite under auto beside memcheck of the D = 256 Hopper kernels, then
+#      their timing against the portable backward; on triton 3.6, staging .t39a; with TRITON=3.9 (after
+#      STAGE_ONLY=1 2-4 and staging .t39e) installing 3.9 first. MEMCHECK (default "['hopper D256']") the
+#      Hopper variants memcheck runs; M32=0 leaves out the timing of D = 256's query tiles of 32
 #  11  triton 3.6: Nsight Compute of the D = 256 Hopper backward's kernels (L4096-D256, one step), the
 #      account its timing lacks: speed of light, memory and warp states of dk/dv (SPLIT_D) and dq
 #  12  TRITON (3.9 by default, after its install): the Hopper backward's tiles at D = 64 (deeper rings; the
 #      table's entry was swept on older kernels), each a tuned table's entry (every one compiles within
 #      shared memory with 0 spills under 3.9), against the table's, on L4096-D64
-#  13  triton 3.6, staging .t39a: memcheck of the Hopper backward at D = 64, then the D = 64 rows with
-#      auto taking it (HOPPER_BACKWARD_D64_TRITON lowered to 3.6 in the call's copy) against the portable
-#      backward and cuDNN
-# STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next: 10
-# with D64_TRITON="3, 6" MEMCHECK="['hopper D64']" (3.6: the suite with D = 64's Hopper backward under
-# auto, memcheck of its D = 64 kernels), STAGE_ONLY=1 2-4, 5's install then 8 (the padded TMA dq-fused
-# backward), 12 (D = 64's tiles under 3.9), then 3 and 6's benchmarks.
+#  13  triton 3.6, staging .t39a: memcheck of the Hopper backward at D = 64, then the D = 64 rows (auto
+#      takes it) against the portable backward and cuDNN
+# STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next: 1 (the
+# suite and memcheck under 3.6), STAGE_ONLY=1 2-4, 5 (3.9's install, suite and memcheck), 7 (the
+# portable kernels forced, "3.6 3.9"), then 3 and 6's benchmarks with deterministic=False's rows.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..13}
@@ -166,8 +162,6 @@ case $call in
       else
         stage .t39a; path=$site36
       fi
-      [ -n "${D64_TRITON:-}" ] && sed -i "s/^HOPPER_BACKWARD_D64_TRITON = .*/HOPPER_BACKWARD_D64_TRITON = ($D64_TRITON)/" \
-        jagged_flash_jax/configs.py && grep -n "^HOPPER_BACKWARD_D64_TRITON" jagged_flash_jax/configs.py
       variants=${MEMCHECK:-"['hopper D256']"}
       memcheck "$triton" "$path" 300 "$variants" False "-$(echo "$variants" | grep -o "D[0-9]*" | tr D d | paste -sd-)" &
       TRITON=$triton LIMIT=${LIMIT:-330} bash tests/gpu/run.sh suite > /dev/null 2>&1
@@ -203,7 +197,6 @@ case $call in
       grep -h "fwd+bwd" "$out"/bench-d64-*.log; elapsed "call 12" ;;
   13) stage .t39a
       memcheck 3.6 "$site36" 250 "['hopper D64']" False "-d64"; summary
-      sed -i "s/^HOPPER_BACKWARD_D64_TRITON = .*/HOPPER_BACKWARD_D64_TRITON = (3, 6)/" jagged_flash_jax/configs.py
       softmax_bench d64-triton3.6 "L4096-D64,gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal" \
         jfa-triton,jfa-triton-portable-bwd,cudnn-packed,cudnn-padded ${BUDGET:-120} "$site36"
       grep -h "fwd+bwd" "$out"/bench-d64-triton3.6.log; elapsed "call 13" ;;

@@ -75,7 +75,7 @@ def _check_int(value, name: str) -> int:
 
 
 def _check_config(*, num_heads, num_kv_heads, semantics, causal, scale, backend, heads_axis,
-                  window=(None, None), softcap=None, alibi_slopes=None) -> int:
+                  window=(None, None), softcap=None, alibi_slopes=None, deterministic=True) -> int:
     """Checks the layer's settings (those that do not depend on the input); returns num_kv_heads."""
     _check_int(num_heads, "num_heads")
     num_kv_heads = num_heads if num_kv_heads is None else _check_int(num_kv_heads, "num_kv_heads")
@@ -107,6 +107,8 @@ def _check_config(*, num_heads, num_kv_heads, semantics, causal, scale, backend,
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if heads_axis is not None and not isinstance(heads_axis, str):
         raise ValueError(f"heads_axis must be a mesh axis name (str) or None, got {heads_axis!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise ValueError(f"deterministic must be a bool, got {deterministic!r}")
     return num_kv_heads
 
 
@@ -145,7 +147,7 @@ def _out_sharding(a) -> NamedSharding | None:
 
 
 def _attend(q, k, v, offsets, max_seq_len, *, semantics, causal, scale, backend, allow_tf32,
-            window=(None, None), softcap=None, alibi_slopes=None, return_lse=False):
+            window=(None, None), softcap=None, alibi_slopes=None, return_lse=False, deterministic=True):
     """The op on projections q [T, H, D], k, v [T, H_kv, D], read token-major (no transposes); with
     return_lse, (a, lse [T, H])."""
     if semantics == "fbgemm":
@@ -153,11 +155,11 @@ def _attend(q, k, v, offsets, max_seq_len, *, semantics, causal, scale, backend,
             raise ValueError("return_lse=True needs semantics='standard' (jagged_attention); FBGEMM's op "
                              "has no log-sum-exp output")
         return multi_head_jagged_flash_attention(q, k, v, offsets, max_seq_len, allow_tf32=allow_tf32,
-                                                 backend=backend, layout="THD")
+                                                 backend=backend, layout="THD", deterministic=deterministic)
     slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
     return jagged_attention(q, k, v, offsets, max_seq_len, scale=scale, causal=causal, layout="THD",
                             backend=backend, allow_tf32=allow_tf32, window=tuple(window), softcap=softcap,
-                            alibi_slopes=slopes, return_lse=return_lse)
+                            alibi_slopes=slopes, return_lse=return_lse, deterministic=deterministic)
 
 
 class JaggedMultiHeadAttention(nnx.Module):
@@ -223,6 +225,9 @@ class JaggedMultiHeadAttention(nnx.Module):
       rngs: `nnx.Rngs` with a `params` stream.
       backend: backend of the op: "auto", "triton", "interpret" or "xla".
       allow_tf32: whether float32 attention may use TF32 on the GPU.
+      deterministic: the op's `deterministic` (the backward's reproducibility: this layer has no
+        dropout). False lets the backend's choice take the faster, non-deterministic dq-fused backward
+        on long sequences (see `jagged_attention`).
     """
 
     def __init__(
@@ -249,11 +254,12 @@ class JaggedMultiHeadAttention(nnx.Module):
         rngs: nnx.Rngs,
         backend: str = "auto",
         allow_tf32: bool = True,
+        deterministic: bool = True,
     ):
         self.num_kv_heads = _check_config(num_heads=num_heads, num_kv_heads=num_kv_heads,
                                           semantics=semantics, causal=causal, scale=scale, backend=backend,
                                           heads_axis=heads_axis, window=window, softcap=softcap,
-                                          alibi_slopes=alibi_slopes)
+                                          alibi_slopes=alibi_slopes, deterministic=deterministic)
         self.num_heads = num_heads = int(num_heads)
         self.in_features = _check_int(in_features, "in_features")
         self.qkv_features = qkv_features if qkv_features is not None else in_features
@@ -270,6 +276,7 @@ class JaggedMultiHeadAttention(nnx.Module):
         self.param_dtype = param_dtype
         self.backend = backend
         self.allow_tf32 = allow_tf32
+        self.deterministic = bool(deterministic)
         specs = _partitioning(heads_axis)
 
         def linear(in_f, out_f, axis, kind):
@@ -305,7 +312,8 @@ class JaggedMultiHeadAttention(nnx.Module):
         q, k, v = self.query(x), self.key(x), self.value(x)  # [T, H, D], [T, H_kv, D] x 2
         a = _attend(q, k, v, offsets, max_seq_len, semantics=self.semantics, causal=self.causal,
                     scale=self.scale, backend=self.backend, allow_tf32=self.allow_tf32, window=self.window,
-                    softcap=self.softcap, alibi_slopes=self.alibi_slopes, return_lse=return_lse)
+                    softcap=self.softcap, alibi_slopes=self.alibi_slopes, return_lse=return_lse,
+                    deterministic=self.deterministic)
         if return_lse:
             a, lse = a
             return self.out(a, out_sharding=_out_sharding(a)), lse
@@ -392,11 +400,13 @@ class JaggedMultiHeadDotProductAttention(nn.Module):
     bias_init: Callable = _default_bias_init
     backend: str = "auto"
     allow_tf32: bool = True
+    deterministic: bool = True
 
     def __post_init__(self):
         _check_config(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, semantics=self.semantics,
                       causal=self.causal, scale=self.scale, backend=self.backend, heads_axis=self.heads_axis,
-                      window=self.window, softcap=self.softcap, alibi_slopes=self.alibi_slopes)
+                      window=self.window, softcap=self.softcap, alibi_slopes=self.alibi_slopes,
+                      deterministic=self.deterministic)
         super().__post_init__()
 
     @nn.compact
@@ -424,7 +434,8 @@ class JaggedMultiHeadDotProductAttention(nn.Module):
         k, v = (dense((num_kv_heads, head_dim), -1, name, "qkv")(x) for name in ("key", "value"))
         a = _attend(q, k, v, offsets, max_seq_len, semantics=self.semantics, causal=self.causal,
                     scale=self.scale, backend=self.backend, allow_tf32=self.allow_tf32, window=self.window,
-                    softcap=self.softcap, alibi_slopes=self.alibi_slopes, return_lse=return_lse)
+                    softcap=self.softcap, alibi_slopes=self.alibi_slopes, return_lse=return_lse,
+                    deterministic=self.deterministic)
         if return_lse:
             a, lse = a
             return dense(out_features, (-2, -1), "out", "out", _out_sharding(a))(a), lse

@@ -34,6 +34,7 @@ from helpers import (  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from jagged_flash_jax import flax as jfa_flax  # noqa: E402
 from jagged_flash_jax import pack_data_parallel  # noqa: E402
 from jagged_flash_jax.flax import (  # noqa: E402
     JaggedMultiHeadAttention,
@@ -283,6 +284,7 @@ def test_shapes_defaults_and_dtype_promotion():
     (dict(semantics="standard", scale="1"), "scale must be a finite float"),
     (dict(backend="cuda"), "backend must be one of"),
     (dict(heads_axis=("model",)), "heads_axis must be a mesh axis name"),
+    (dict(deterministic="no"), "deterministic must be a bool"),
 ])
 def test_argument_errors(kwargs, match):
     """nnx raises at construction, linen at construction or (for shapes) at init; the same messages."""
@@ -293,6 +295,27 @@ def test_argument_errors(kwargs, match):
     x, offsets = _batch()
     with pytest.raises(ValueError, match=match):
         JaggedMultiHeadDotProductAttention(num_heads, **kwargs).init(jax.random.key(0), x, offsets, 8)
+
+
+@pytest.mark.parametrize("config", ["fbgemm", "standard"])
+def test_layers_pass_deterministic_to_the_op(config, monkeypatch):
+    """Both layers hand their `deterministic` to the op (True by default), with either semantics."""
+    seen = []
+
+    def recording(op):
+        def call(*args, **kwargs):
+            seen.append(kwargs["deterministic"])
+            return op(*args, **kwargs)
+        return call
+
+    for name in ("jagged_attention", "multi_head_jagged_flash_attention"):
+        monkeypatch.setattr(jfa_flax, name, recording(getattr(jfa_flax, name)))
+    x, offsets = _batch()
+    for deterministic in (True, False):
+        kw = {} if deterministic else dict(deterministic=False)
+        _layer(config, **kw)(x, offsets, MAX_SEQ_LEN)
+        _linen(config, **kw).init(jax.random.key(0), x, offsets, MAX_SEQ_LEN)
+    assert seen == [True, True, False, False]
 
 
 def test_call_errors():

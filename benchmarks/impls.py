@@ -40,11 +40,14 @@ def _packed(s: InputSet) -> tuple:
     return s.q, s.k, s.v, s.do, (s.offsets, s.kv_offsets)
 
 
-def jfa(case: Case, backend: str, block_sizes=None, allow_tf32: bool = True, backward_implementation=None):
+def jfa(case: Case, backend: str, block_sizes=None, allow_tf32: bool = True, backward_implementation=None,
+        deterministic: bool = True):
     """This library; the fbgemm cases through multi_head_jagged_flash_attention."""
     options = {} if case.fbgemm else _options(case)
     if backward_implementation is not None:
         options["backward_implementation"] = backward_implementation
+    if not deterministic:
+        options["deterministic"] = False
 
     def attend(q, k, v, offsets, kv_offsets):
         if case.fbgemm:
@@ -119,6 +122,8 @@ def cudnn_packed(case: Case):
 
 IMPLS = {  # name -> (make(case), needs a GPU)
     "jfa-triton": (lambda case: jfa(case, "triton"), True),
+    # deterministic=False: what auto then runs (the dq-fused backward where it measured faster)
+    "jfa-triton-nondeterministic": (lambda case: jfa(case, "triton", deterministic=False), True),
     # the Hopper backward with dq fused into dk/dv (float32 adds: TMA reduce-adds under triton >= 3.7,
     # atomics under 3.6), where it runs
     "jfa-triton-fused-dq": (lambda case: jfa(case, "triton", backward_implementation=(

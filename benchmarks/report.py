@@ -12,7 +12,8 @@ OURS = "jfa-triton"
 FBGEMM = "fbgemm-pytorch"
 FBGEMM_LABEL = "fbgemm-pytorch (measured separately with its PyTorch kernel)"
 # NAME-3.9: the same kernels under triton 3.9, where a run is filed so (benchmarks.merge --rename)
-IMPL_ORDER = (OURS, "jfa-triton-3.9", "jfa-triton-fused-dq", "jfa-triton-fused-dq-3.9",
+IMPL_ORDER = (OURS, "jfa-triton-3.9", "jfa-triton-nondeterministic", "jfa-triton-nondeterministic-3.9",
+              "jfa-triton-fused-dq", "jfa-triton-fused-dq-3.9",
               "jfa-triton-hopper-bwd", "jfa-triton-hopper-bwd-3.9", "jfa-triton-portable-bwd",
               "jfa-triton-portable-bwd-3.9", "jfa-xla", "cudnn-packed", "cudnn-padded", FBGEMM)
 

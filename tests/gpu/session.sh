@@ -30,9 +30,10 @@
 #      shared memory with 0 spills under 3.9), against the table's, on L4096-D64
 #  13  triton 3.6, staging .t39a: memcheck of the Hopper backward at D = 64, then the D = 64 rows (auto
 #      takes it) against the portable backward and cuDNN
-# STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next: 1 (the
-# suite and memcheck under 3.6), STAGE_ONLY=1 2-4, 5 (3.9's install, suite and memcheck), 7 (the
-# portable kernels forced, "3.6 3.9"), then 3 and 6's benchmarks with deterministic=False's rows.
+# STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next:
+# STAGE_ONLY=1 2-4 after 13's staging, 5 (3.9's install, its suite and memcheck on HEAD's kernels), 7 (the
+# portable kernels forced, "3.6 3.9"), then `rec-long-causal` (never measured on these kernels) and 3 and
+# 6's rows with jfa-triton-nondeterministic beside jfa-triton.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..13}

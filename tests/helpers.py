@@ -147,15 +147,23 @@ class Batch:
         return cast(self.q), cast(self.k), cast(self.v), cast(self.do)
 
 
-def attended_counts(offsets, total: int, max_seq_len: int) -> np.ndarray:
-    """Int [T]: how many sequences have token t among their first max_seq_len tokens, each offset
-    clamped into [0, T] and each end to at least its start, as the kernels do with any offsets (more
-    than one where malformed offsets make sequences overlap)."""
-    counts = np.zeros(total, int)
+def clamped_sequences(offsets, total: int, max_seq_len: int) -> list[tuple[int, int]]:
+    """(start, n) of each sequence: each offset clamped into [0, T] and each end to at least its start,
+    as the kernels do with any offsets, n the tokens attended (at most max_seq_len)."""
+    bounds = []
     for start, end in zip(offsets[:-1], offsets[1:]):
         start = min(max(int(start), 0), total)
         end = min(max(int(end), start), total)
-        counts[start:start + min(end - start, max_seq_len)] += 1
+        bounds.append((start, min(end - start, max_seq_len)))
+    return bounds
+
+
+def attended_counts(offsets, total: int, max_seq_len: int) -> np.ndarray:
+    """Int [T]: how many sequences have token t among their first max_seq_len tokens (`clamped_sequences`;
+    more than one where malformed offsets make sequences overlap)."""
+    counts = np.zeros(total, int)
+    for start, n in clamped_sequences(offsets, total, max_seq_len):
+        counts[start:start + n] += 1
     return counts
 
 

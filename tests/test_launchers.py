@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import triton
 import triton.language as tl
-from helpers import Batch, FusedDq, reference
+from helpers import Batch, FusedDq, clamped_sequences, reference
 
 import jagged_flash_jax as jfa
 from jagged_flash_jax import _compat, checks, configs, implementations, kernels, select, transforms
@@ -1382,16 +1382,6 @@ PADDED_DQ_OFFSETS = {
 }
 
 
-def _attended_rows(offsets, total, max_seq_len):
-    """(start, n) of each sequence, clamped as the kernels clamp them (n capped at max_seq_len)."""
-    bounds = []
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        start = min(max(start, 0), total)
-        end = min(max(end, start), total)
-        bounds.append((start, min(end - start, max_seq_len)))
-    return bounds
-
-
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
 @pytest.mark.parametrize("offsets", PADDED_DQ_OFFSETS.values(), ids=PADDED_DQ_OFFSETS.keys())
 def test_the_tma_fused_dq_padded_rows_reach_their_sequences_queries_only(layout, offsets):
@@ -1417,7 +1407,7 @@ def test_the_tma_fused_dq_padded_rows_reach_their_sequences_queries_only(layout,
     padded = np.zeros((calls.padded_dq_rows(p, block_m), heads * dim))
     written = np.zeros(len(padded), int)
     want = np.zeros((total, heads, dim))
-    for b, (start, n) in enumerate(_attended_rows(offsets, total, max_seq_len)):
+    for b, (start, n) in enumerate(clamped_sequences(offsets, total, max_seq_len)):
         if n == 0:
             continue
         tile_rows = -(-n // block_m) * block_m

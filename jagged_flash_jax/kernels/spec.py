@@ -160,7 +160,7 @@ HOPPER_BWD_DKDV_DQ = KernelSpec(
 # The same with dq added by TMA reduce-adds from shared memory (`attention_bwd_dkdv_dq_tma_kernel`, where
 # Triton's Gluon has them: 3.7 on): dq_acc, float32 [q_tokens + batch * BLOCK_M, H * D] (each sequence's
 # queries padded by a query tile, which its last tile's rows past the sequence land in; dq_rows, int32
-# [B], the row where each sequence's start), is an input passed as a TMA descriptor that the kernel
+# [B], the row where each sequence's queries start), is an input passed as a TMA descriptor that the kernel
 # updates in place (jax-triton makes descriptors over inputs only), zeros made by the launcher, which
 # gathers the sequences' rows from it and casts them to q's dtype.
 HOPPER_BWD_DKDV_DQ_TMA = KernelSpec(

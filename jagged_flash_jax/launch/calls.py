@@ -454,15 +454,16 @@ def dq_rows(p: Problem, q_offsets, block_m: int):
     return (starts + rank * block_m).astype(jnp.int32), starts, lengths, order
 
 
-def unpad_dq(p: Problem, dq_acc, q_offsets, block_m: int):
+def unpad_dq(p: Problem, dq_acc, placement):
     """dq, float32 of q's shape, from the TMA dq-fused kernel's accumulator dq_acc, [padded_dq_rows,
-    H * D], in which sequence b's queries start at row `dq_rows`[b]: token t takes its row of the last
-    sequence with tokens in `dq_rows`' order that starts at or before t, when t is among that sequence's
-    first min(length, max_seq_len) tokens; every other token takes 0 (so do the rows past each
-    sequence, 0 or NaN where the sequence has an inf key)."""
+    H * D], laid out by `placement` (`dq_rows`' tuple, whose rows the kernel took: sequence b's queries
+    start at row rows[b]): token t takes its row of the last sequence with tokens in `dq_rows`' order
+    that starts at or before t, when t is among that sequence's first min(length, max_seq_len) tokens;
+    every other token takes 0 (so do the rows past each sequence, 0 or NaN where the sequence has an inf
+    key)."""
     if p.batch == 0:
         return jnp.zeros(p.q_shape, jnp.float32)
-    rows, starts, lengths, order = dq_rows(p, q_offsets, block_m)
+    rows, starts, lengths, order = placement
     tokens = jnp.arange(p.q_tokens, dtype=jnp.int32)
     ranks = jnp.arange(p.batch, dtype=jnp.int32)
     owners = jnp.full(p.q_tokens + 1, -1, jnp.int32).at[starts[order]].max(
@@ -506,7 +507,8 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
         dkdv_spec = spec.HOPPER_BWD_DKDV_DQ_TMA
         padded = (padded_dq_rows(p, dkdv.block_m), p.num_heads * p.head_dim)
         inputs["dq_acc"] = jnp.zeros(padded, jnp.float32)
-        inputs["dq_rows"] = dq_rows(p, q_offsets, dkdv.block_m)[0]
+        placement = dq_rows(p, q_offsets, dkdv.block_m)
+        inputs["dq_rows"] = placement[0]
         updated["dq_acc"] = jax.ShapeDtypeStruct(padded, jnp.float32)
         descriptor_blocks["dq_acc"] = (dkdv.block_m, dkdv.block_n // 2)  # a warpgroup's 64 columns of dQ
     elif config.fused_dq:
@@ -521,7 +523,7 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
         results = dict(zip(dkdv_spec.results, launch(run, dkdv_call, **inputs)))
         dq_acc = results["dq_acc"]
         if dkdv_spec is spec.HOPPER_BWD_DKDV_DQ_TMA:
-            dq_acc = unpad_dq(p, dq_acc, q_offsets, dkdv.block_m)
+            dq_acc = unpad_dq(p, dq_acc, placement)
         return dq_acc.reshape(p.q_shape).astype(q.dtype), results["dk"], results["dv"]
     dk, dv, _ = launch(run, dkdv_call, **inputs)
     dq_call = _hopper_call(

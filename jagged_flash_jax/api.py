@@ -129,9 +129,9 @@ def _user_lse(lse, q_offsets, problem: Problem):
 
 
 def _plan(problem: Problem, backend, implementation, backward_implementation, block_sizes,
-          deterministic: bool = True) -> Plan:
+          deterministic) -> Plan:
     request = select.request(backend, implementation, backward_implementation, block_sizes,
-                             deterministic=deterministic)
+                             deterministic=checks.static_bool(deterministic, "deterministic"))
     return select.choose(problem, request)
 
 
@@ -260,8 +260,7 @@ def jagged_attention(
         allow_tf32=checks.static_bool(allow_tf32, "allow_tf32"), self_attention=self_attention,
         validate=checks.static_bool(validate, "validate"), window=window,
         softcap=checks.static_softcap(softcap, scale), alibi=slopes is not None)
-    plan = _plan(problem, backend, implementation, backward_implementation, block_sizes,
-                 checks.static_bool(deterministic, "deterministic"))
+    plan = _plan(problem, backend, implementation, backward_implementation, block_sizes, deterministic)
     o, lse = _call(q, k, v, offsets, kv_offsets, problem, plan, slopes)
     if return_lse:
         return o, _user_lse(lse, offsets, problem)
@@ -365,6 +364,5 @@ def multi_head_jagged_flash_attention(
         out_scale=1.0 / max_seq_len, causal=False, layout=layout,
         allow_tf32=checks.static_bool(allow_tf32, "allow_tf32"), self_attention=True,
         validate=checks.static_bool(validate, "validate"))
-    plan = _plan(problem, backend, implementation, backward_implementation, block_sizes,
-                 checks.static_bool(deterministic, "deterministic"))
+    plan = _plan(problem, backend, implementation, backward_implementation, block_sizes, deterministic)
     return _call(q, k, v, offsets, offsets, problem, plan)[0]

@@ -30,13 +30,19 @@
 #      shared memory with 0 spills under 3.9), against the table's, on L4096-D64
 #  13  triton 3.6, staging .t39a: memcheck of the Hopper backward at D = 64, then the D = 64 rows (auto
 #      takes it) against the portable backward and cuDNN
+#  14  triton 3.6, staging .t39a: the GPU suite under auto beside the portable kernels forced (5 workers
+#      each), beside memcheck of the portable and default Hopper kernels and of the dq-fused, D = 64 and
+#      D = 256 Hopper backwards
+#  15  triton 3.9 (after STAGE_ONLY=1 2-4): its install, then 14's work under it
+#  16  rec-long-causal against cuDNN (3.9, 3.6), the causal forward's probe (benchmarks/probes/
+#      causal_forward.py: the band per warpgroup, 64-key tiles), jfa-triton-nondeterministic rows (3.9)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next:
 # STAGE_ONLY=1 2-4 after 13's staging, 5 (3.9's install, its suite and memcheck on HEAD's kernels), 7 (the
 # portable kernels forced, "3.6 3.9"), then `rec-long-causal` (never measured on these kernels) and 3 and
 # 6's rows with jfa-triton-nondeterministic beside jfa-triton.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..13}
+call=${1:?usage: bash tests/gpu/session.sh 1..16}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -201,5 +207,26 @@ case $call in
       softmax_bench d64-triton3.6 "L4096-D64,gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal" \
         jfa-triton,jfa-triton-portable-bwd,cudnn-packed,cudnn-padded ${BUDGET:-120} "$site36"
       grep -h "fwd+bwd" "$out"/bench-d64-triton3.6.log; elapsed "call 13" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..13" >&2; exit 2 ;;
+  14|15) # the whole GPU suite under auto beside the portable kernels forced, and memcheck of every kernel
+     # family (portable and the default Hopper ones in one process, fused dq, D = 64 and D = 256 in another)
+     if [ $call = 14 ]; then stage .t39a; triton=3.6; path=$site36
+     else
+       stage .t39e && bash tests/gpu/install_triton39.sh > "$out/install-triton3.9.log" 2>&1
+       echo "rc=$?" >> "$out/install-triton3.9.log"; tail -2 "$out/install-triton3.9.log"; triton=3.9; path=$site39
+     fi
+     memcheck $triton "$path" 480 "['hopper']" True "-portable-hopper" &
+     memcheck $triton "$path" 480 "['hopper fused dq', 'hopper D64', 'hopper D256']" False "-fused-dq-d64-d256" &
+     TRITON=$triton WORKERS=5 LIMIT=480 bash tests/gpu/run.sh suite > /dev/null 2>&1 &
+     TRITON=$triton WORKERS=5 LIMIT=480 bash tests/gpu/run.sh suite-portable > /dev/null 2>&1
+     wait; elapsed "call $call"; summary ;;
+  16) # rec-long-causal against cuDNN under both tritons, the causal forward's variants (the band per
+      # warpgroup, 64-key tiles), and jfa-triton-nondeterministic beside jfa-triton under 3.9
+      PYTHONPATH=$site39 timeout 150 python3 -m benchmarks.probes.causal_forward > "$out/causal-forward-triton3.9.log" 2>&1
+      echo "rc=$?" >> "$out/causal-forward-triton3.9.log"; grep "^\[causal" "$out/causal-forward-triton3.9.log"
+      softmax_bench rec-long-causal-triton3.9 rec-long-causal jfa-triton,cudnn-packed,cudnn-padded 60 "$site39"
+      softmax_bench rec-long-causal-triton3.6 rec-long-causal jfa-triton,cudnn-packed,cudnn-padded 60 "$site36"
+      softmax_bench nondeterministic-triton3.9 "long,L8192,L16384,L16384-causal" \
+        jfa-triton,jfa-triton-nondeterministic ${BUDGET:-120} "$site39"
+      grep -h "^\[bench\].*ms" "$out"/bench-*.log | cut -c1-150; elapsed "call 16" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..16" >&2; exit 2 ;;
 esac

@@ -18,8 +18,9 @@ import tempfile
 
 import jax
 
-from .. import cases, impls, timing
 from jagged_flash_jax import select
+
+from .. import cases, impls, timing
 
 
 def _time(case, sets, iterations: int) -> float:
@@ -52,7 +53,8 @@ def main(argv=None) -> None:
             with open(path, "w") as f:
                 json.dump([entry], f)
             os.environ[select.TUNED_CONFIGS_ENV] = path
-        variants = [("causal", case), ("window (None, 0)", band)] + ([("unmasked", full)] if tile is None else [])
+        variants = [("causal", case), ("window (None, 0)", band)]
+        variants += [("unmasked", full)] if tile is None else []
         for name, c in variants:
             ms, kernels = _time(c, sets, args.iterations)
             print(f"[causal-forward] {case.name} {name} tiles {tile or 'table'}: {ms:.4f} ms {kernels}",

@@ -49,13 +49,16 @@ class BlockSizes:
 
     dk/dv and dq programs share one backward launch when they have the same num_warps, num_stages and
     max_registers, and run in a launch each otherwise. In the table's "hopper" entries a kernel that has
-    no Hopper version at the entry's head dimension is None (the portable one runs there).
+    no Hopper version at the entry's head dimension is None (the portable one runs there), and
+    fwd_causal, where not None, is the Hopper forward's tiles under causal=True (`hopper_block_sizes`
+    puts it in fwd's place); the portable kernels have none (their fwd serves every mask).
     """
 
     fwd: KernelConfig | None
     dkdv: KernelConfig | None
     dq: KernelConfig | None
     preprocess_block_m: int = 64
+    fwd_causal: KernelConfig | None = None
 
     @property
     def one_backward_launch(self) -> bool:
@@ -159,8 +162,9 @@ KERNEL_FAMILIES = ("portable", "hopper")
 
 def entry_to_json(key: TableKey, tiles: BlockSizes) -> dict:
     gpu, kernels, bits, head_dim, max_seq_len = key
+    names = ("fwd", "dkdv", "dq") + (("fwd_causal",) if tiles.fwd_causal is not None else ())
     configs = {name: None if getattr(tiles, name) is None else list(dataclasses.astuple(getattr(tiles, name)))
-               for name in ("fwd", "dkdv", "dq")}
+               for name in names}
     return dict(gpu=gpu, kernels=kernels, bits=bits, head_dim=head_dim, max_seq_len=max_seq_len, **configs,
                 preprocess_block_m=tiles.preprocess_block_m)
 
@@ -171,10 +175,13 @@ def entry_from_json(entry: dict) -> tuple[TableKey, BlockSizes]:
     if kernels not in KERNEL_FAMILIES:
         raise ValueError(f"a tile table entry's kernels must be one of {KERNEL_FAMILIES}, got {kernels!r}")
     key = (str(entry["gpu"]), kernels, int(entry["bits"]), int(entry["head_dim"]), entry.get("max_seq_len"))
-    tiles = BlockSizes(*(None if entry.get(name) is None else KernelConfig(*entry[name])
-                         for name in ("fwd", "dkdv", "dq")), entry.get("preprocess_block_m", 64))
+    config = lambda name: None if entry.get(name) is None else KernelConfig(*entry[name])  # noqa: E731
+    tiles = BlockSizes(config("fwd"), config("dkdv"), config("dq"), entry.get("preprocess_block_m", 64),
+                       config("fwd_causal"))
     if kernels == "portable" and None in (tiles.fwd, tiles.dkdv, tiles.dq):
         raise ValueError(f"a portable tile table entry needs fwd, dkdv and dq tiles, got {entry}")
+    if kernels == "portable" and tiles.fwd_causal is not None:
+        raise ValueError(f"fwd_causal is the Hopper forward's (a hopper entry's), got a portable entry {entry}")
     if kernels == "hopper" and key[2] != HOPPER_BITS:
         raise ValueError(f"a hopper tile table entry's bits must be {HOPPER_BITS} (the Hopper kernels take "
                          f"16-bit inputs only), got {entry}")
@@ -196,6 +203,9 @@ def table_from_json(entries: list[dict]) -> dict:
 # the sweeps of docs/performance.md, "Hopper kernels": bands of at most 512 keys (a sliding window's,
 # or sequences as short) take 64-key tiles in the forward and in dq, where a consumer warpgroup
 # computes only the key tiles its own 64 queries see; 3 stages of 128 keys exceed shared memory at D = 128.
+# So do causal forwards at D = 128 on sequences of at most 1024 tokens (fwd_causal: 3 stages of 64 keys,
+# warpgroup 0 passing the diagonal block's last tile; H200, rec-long-causal under 3.9: 0.161 against
+# 0.189 ms with the 128-key tiles, and 0.169 where both warpgroups compute every tile; cuDNN 0.178).
 # At D = 256 dK and dV of 64 rows x 256 in float32 alone would need a consumer thread's 256 registers:
 # dk/dv takes blocks of 64 keys, both consumers', each with half of the columns (kernels/hopper/dkdv.py,
 # SPLIT_D), and dq key tiles of 32 (two stages of 64 exceed shared memory).
@@ -227,6 +237,8 @@ BUILTIN_TABLE = table_from_json([
          dkdv=[64, 128, 4, 2, 168], dq=[128, 128, 4, 3, 168]),
     dict(gpu=_H200, kernels="hopper", bits=16, head_dim=128, max_seq_len=512, fwd=[128, 64, 4, 2, 168],
          dkdv=[64, 128, 4, 2, 168], dq=[128, 64, 4, 2, 168]),
+    dict(gpu=_H200, kernels="hopper", bits=16, head_dim=128, max_seq_len=1024, fwd=[128, 128, 4, 2, 168],
+         fwd_causal=[128, 64, 4, 3, 168], dkdv=[64, 128, 4, 2, 168], dq=[128, 128, 4, 2, 168]),
     dict(gpu=_H200, kernels="hopper", bits=16, head_dim=128, max_seq_len=None, fwd=[128, 128, 4, 2, 168],
          dkdv=[64, 128, 4, 2, 168], dq=[128, 128, 4, 2, 168]),
     dict(gpu=_H200, kernels="hopper", bits=16, head_dim=256, max_seq_len=None, fwd=[128, 64, 4, 2, 168],
@@ -339,14 +351,19 @@ def default_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: 
 
 
 def hopper_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None,
-                       band: int | None = None, *, table: dict | None = None,
+                       band: int | None = None, *, causal: bool = False, table: dict | None = None,
                        gpu: str = FALLBACK_GPU) -> BlockSizes | None:
     """Tiles for the Hopper kernels, as `default_block_sizes` chooses them from the table's "hopper"
     entries, of exactly this head dimension (the kernels do not pad it) and not fitted (their shapes are
-    fixed); None where there is no entry (no Hopper kernel runs). A kernel whose tiles are None runs its
-    portable version."""
+    fixed), the entry's fwd_causal as fwd where causal; None where there is no entry (no Hopper kernel
+    runs). A kernel whose tiles are None runs its portable version."""
     key, table, _ = _entry("hopper", head_dim, dtype, max_seq_len, kv_max_seq_len, band, table, gpu)
     if key is None:
         return None
     _, _, _, entry_head_dim, _ = key
-    return table[key] if entry_head_dim == head_dim else None
+    if entry_head_dim != head_dim:
+        return None
+    tiles = table[key]
+    if causal and tiles.fwd_causal is not None:
+        return dataclasses.replace(tiles, fwd=tiles.fwd_causal, fwd_causal=None)
+    return tiles

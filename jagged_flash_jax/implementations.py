@@ -247,8 +247,8 @@ class Hopper(Implementation):
         if p.head_dim > configs.MAX_HEAD_DIM:
             return None
         tiles = configs.hopper_block_sizes(p.head_dim, p.dtype, p.max_seq_len, p.kv_max_seq_len,
-                                           band_width(p.window, p.causal), table=context.table,
-                                           gpu=context.device.kind)
+                                           band_width(p.window, p.causal), causal=p.causal,
+                                           table=context.table, gpu=context.device.kind)
         if tiles is None or None in (getattr(tiles, kernel) for kernel in self._kernels(backward)):
             return None
         # The backward's preprocess is the portable kernel: its row block is the portable table's.

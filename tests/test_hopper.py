@@ -382,6 +382,10 @@ CASES = {
     # A soft cap above 64 (its tanh takes the series near 0: shared.SERIES_CAP_LOG2), scores far below it.
     "softcap-above-64": dict(lengths=[300, 0, 129, 64], heads=2, dim=128, max_seq_len=256, scale=1.0,
                              softcap=200.0),
+    # Causal from 513 to 1024 tokens (the table's fwd_causal: 64-key tiles in 3 stages, warpgroup 0
+    # passing the diagonal block's last tile): sequences past max_seq_len, empty, of 1, GQA.
+    "self-causal-long-gqa": dict(lengths=[700, 0, 1000, 1, 300, 513], heads=4, kv_heads=2, dim=128,
+                                 max_seq_len=900, causal=True),
     # Everything at once, causal with n_q > n_k (whole query blocks see no key), GQA.
     "cross-causal-all-options-gqa": dict(lengths=[200, 9, 130], kv_lengths=[60, 9, 300], heads=4, kv_heads=2,
                                          dim=128, max_seq_len=256, kv_max_seq_len=100, causal=True,

@@ -731,7 +731,8 @@ def test_vmap_keeps_the_hopper_forward_only_with_one_segment(hopper_gpu):
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
 def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     """q [40, 4, 128] bfloat16, k, v [50, 2, 128] (GQA), 2 sequences, max_seq_len 600, kv_max_seq_len 30,
-    causal: one launch of a persistent grid, one program per SM of the device (78 here), q, k, v as TMA
+    causal (the table's fwd_causal tiles, 64 keys in 3 stages, up to 1024 tokens): one launch of a
+    persistent grid, one program per SM of the device (78 here), q, k, v as TMA
     descriptors over 2-D views one token stride wide, o and the log-sum-exp as outputs (no pre-filled
     input: the kernel zeroes what it does not compute) and the programs' int32 counter of query blocks,
     which alone the launch zeroes, 4 warps asked (the launch takes the compiled 12 from the PTX) and a
@@ -752,7 +753,7 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     assert call.pop("grid") == (78,)
     args = call.pop("args")
     views = ((40, 512), (50, 256)) if layout == "THD" else ((160, 128), (100, 128))
-    blocks = ((64, 128), (128, 128), (128, 128))
+    blocks = ((64, 128), (64, 128), (64, 128))
     for desc, view, block in zip(args[:3], (views[0], views[1], views[1]), blocks):
         assert isinstance(desc, hopper_gpu.TensorDescriptor)
         assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
@@ -771,8 +772,33 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     assert call == dict(NUM_HEADS=4, KV_GROUP=2, D=128, Q_MAX_LEN=600, KV_MAX_LEN=30, CAUSAL=True,
                         WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
                         QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, FILL_BLOCK=calls.FILL_BLOCK, OUT_SCALE=1.0,
-                        BLOCK_M=128, BLOCK_N=128, STAGES=2, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
+                        BLOCK_M=128, BLOCK_N=64, STAGES=3, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
                         PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS)
+
+
+@pytest.mark.parametrize("max_seq_len", [512, 1024, 1025])
+def test_causal_forwards_take_the_hopper_entry_fwd_causal(max_seq_len):
+    """A Hopper entry's fwd_causal is the forward's tiles under causal (D = 128: 64-key tiles in 3
+    stages from 513 to 1024 tokens), in fwd's place, the backward's unchanged; elsewhere, and without
+    causal, fwd; the JSON form keeps it; portable entries and the block_sizes argument refuse it."""
+    causal = configs.hopper_block_sizes(128, jnp.bfloat16, max_seq_len, causal=True, gpu=H200)
+    plain = configs.hopper_block_sizes(128, jnp.bfloat16, max_seq_len, gpu=H200)
+    key = configs.table_key(128, jnp.bfloat16, max_seq_len, gpu=H200, kernels="hopper")
+    entry = configs.BUILTIN_TABLE[key]
+    assert plain == entry and (causal.dkdv, causal.dq) == (entry.dkdv, entry.dq)
+    assert causal.fwd == (entry.fwd_causal or entry.fwd) and causal.fwd_causal is None
+    assert (causal.fwd.block_n, causal.fwd.num_stages) == ((64, 3) if max_seq_len == 1024 else
+                                                          (plain.fwd.block_n, plain.fwd.num_stages))
+    assert configs.entry_from_json(configs.entry_to_json(key, entry)) == (key, entry)
+    with pytest.raises(ValueError, match="fwd_causal"):
+        portable = (*PORTABLE, 16, 128, None)
+        configs.entry_from_json(dict(configs.entry_to_json(portable, configs.BUILTIN_TABLE[portable]),
+                                     fwd_causal=[64, 64, 4, 2]))
+    q = jnp.ones((8, 1, 16), jnp.float32)
+    tiles = dataclasses.replace(configs.INTERPRET_BLOCK_SIZES, fwd_causal=configs.KernelConfig(16, 16))
+    with pytest.raises(TypeError, match="block_sizes.fwd_causal"):
+        jfa.jagged_attention(q, q, q, jnp.asarray([0, 8], jnp.int32), 8, causal=True, block_sizes=tiles,
+                             backend="interpret")
 
 
 def test_the_hopper_launch_passes_the_options(hopper_gpu):
@@ -808,14 +834,19 @@ def test_narrow_bands_take_the_hopper_kernels_narrow_tiles(hopper_gpu, monkeypat
                                                            max_seq_len, narrow):
     """At D = 128 a band of at most 512 keys (left + right, right 0 under causal; a side without a
     bound is no narrow band, nor is causal alone), or sequences as short, take the table's 64-key tiles
-    in the forward and dq (dk/dv's are the same in both entries); the rest 128-key tiles."""
+    in the forward and dq (dk/dv's are the same in both entries); the rest 128-key tiles, but the
+    forward under causal up to 1024 tokens (the entry's fwd_causal: 64-key tiles in 3 stages)."""
     monkeypatch.setenv(select.BACKWARD_ENV, "hopper")
     forward, *_, dkdv, dq = _step_launches(hopper_gpu, 1040, max_seq_len, window=window, causal=causal)
     assert (forward["kernel"], dq["kernel"]) == (kernels.hopper_attention_fwd_kernel,
                                                  kernels.hopper_attention_bwd_dq_kernel)
     want = configs.BUILTIN_TABLE[(configs.FALLBACK_GPU, "hopper", 16, 128, 512 if narrow else None)]
     assert want.fwd.block_n == want.dq.block_n == (64 if narrow else 128)
-    for call, tiles in ((forward, want.fwd), (dq, want.dq)):
+    fwd = want.fwd
+    if causal and not narrow:
+        fwd = configs.BUILTIN_TABLE[(configs.FALLBACK_GPU, "hopper", 16, 128, 1024)].fwd_causal
+        assert (fwd.block_n, fwd.num_stages) == (64, 3)
+    for call, tiles in ((forward, fwd), (dq, want.dq)):
         assert (call["BLOCK_M"], call["BLOCK_N"], call["STAGES"]) == (tiles.block_m, tiles.block_n,
                                                                       tiles.num_stages)
         assert tuple(call["args"][2].block_shape) == (tiles.block_n, 128)  # v's TMA tile
@@ -835,7 +866,7 @@ def test_the_hopper_tiles_come_from_the_table(hopper_gpu, tmp_path, monkeypatch)
     # D = 256: dk/dv on blocks of 64 keys (the two warpgroups split the columns), dq on key tiles of 32.
     d256 = configs.hopper_block_sizes(256, jnp.bfloat16, 4096)
     assert (d256.dkdv.block_m, d256.dkdv.block_n, d256.dq.block_m, d256.dq.block_n) == (64, 64, 128, 32)
-    entry = dict(gpu=H200, kernels="hopper", bits=16, head_dim=128, max_seq_len=None,
+    entry = dict(gpu=H200, kernels="hopper", bits=16, head_dim=128, max_seq_len=1024,
                  fwd=[128, 32, 4, 3, 160], dkdv=None, dq=[128, 32, 4, 4, 160])
     monkeypatch.setenv(select.TUNED_CONFIGS_ENV, _override(tmp_path, entry))
     forward, *_, backward = _step_launches(hopper_gpu, 1040, 1024)

@@ -215,12 +215,13 @@ def _consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constexpr,
     _, clean_start, clean_end, _ = key_ranges(row0, n_q, n_k, CONSUMER_ROWS, BLOCK_N, BAND)
 
     # The tiles each warpgroup computes, [lo, hi): under a window a warpgroup's band may start or end a
-    # tile from the block's (more often with narrow bands' 64-key tiles); it passes the tiles outside,
-    # leaving the tensor cores to the other. Warpgroup 1 (the block's last rows) always ends at the
-    # block's last tile, which warpgroup 0 computes too unless it ends before. (Without a window the
-    # code is that of every tile computed by both.)
-    WINDOWED: gl.constexpr = BAND[1] >= 0 or BAND[2] >= 0
-    if WINDOWED:
+    # tile from the block's (more often with narrow bands' 64-key tiles), and under causal with key
+    # tiles narrower than the block warpgroup 0's ends a tile before the diagonal block's last; it
+    # passes the tiles outside, leaving the tensor cores to the other. Warpgroup 1 (the block's last
+    # rows) always ends at the block's last tile, which warpgroup 0 computes too unless it ends before.
+    # (Elsewhere the code is that of every tile computed by both: no warpgroup's band ends a tile early.)
+    OWN_TILES: gl.constexpr = BAND[1] >= 0 or BAND[2] >= 0 or (BAND[0] and BLOCK_N < TILES[0])
+    if OWN_TILES:
         lo, hi = _own_tiles(row0, n_q, n_k, key_first, num_key_blocks, BLOCK_N, BAND)
         if WG == 0:  # warpgroup 0's range: its own
             lo0 = lo
@@ -244,7 +245,7 @@ def _consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constexpr,
     acc = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bars.index(WG), qp)  # always: the load must land before the program may end
-    if WINDOWED:
+    if OWN_TILES:
         _pass_tiles(pipe, t, t + lo, STAGES)
     if hi > lo:
         # S_lo alone; then S_j with P_{j-1} V_{j-1} in flight; then the last P V.
@@ -296,7 +297,7 @@ def _consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constexpr,
         mbarrier.arrive(v_empty.index(vs), count=1)  # the slot's next use (the ring goes on)
     elif WG == 0:
         mbarrier.arrive(q_free.index(0), count=1)
-    if WINDOWED:
+    if OWN_TILES:
         _pass_tiles(pipe, t + hi, t + num_key_blocks, STAGES)
     # Warpgroup 1 frees its query tile only once it is past its wait for a hand-over (above, or here
     # when it did not compute the last tile, after its passes, which warpgroup 0 may need): the producer

@@ -181,7 +181,7 @@ def entry_from_json(entry: dict) -> tuple[TableKey, BlockSizes]:
     if kernels == "portable" and None in (tiles.fwd, tiles.dkdv, tiles.dq):
         raise ValueError(f"a portable tile table entry needs fwd, dkdv and dq tiles, got {entry}")
     if kernels == "portable" and tiles.fwd_causal is not None:
-        raise ValueError(f"fwd_causal is the Hopper forward's (a hopper entry's), got a portable entry {entry}")
+        raise ValueError(f"fwd_causal is the Hopper forward's (a hopper entry's), got portable entry {entry}")
     if kernels == "hopper" and key[2] != HOPPER_BITS:
         raise ValueError(f"a hopper tile table entry's bits must be {HOPPER_BITS} (the Hopper kernels take "
                          f"16-bit inputs only), got {entry}")

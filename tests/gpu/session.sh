@@ -36,9 +36,9 @@
 #  15  triton 3.9 (after STAGE_ONLY=1 2-4): its install, then 14's work under it
 #  16  rec-long-causal against cuDNN (3.9, 3.6), the causal forward's probe (benchmarks/probes/
 #      causal_forward.py: the band per warpgroup, 64-key tiles), jfa-triton-nondeterministic rows (3.9)
-#  17  triton 3.6, staging .t39a: the Hopper forward's GPU tests beside memcheck of the Hopper kernels,
-#      the causal forward's probe (PROBE_CASE, PROBE_TILES) and rec-long-causal against cuDNN packed
-#  18  triton 3.9 (after STAGE_ONLY=1 2-4): its install, what the suite logs REST did not reach, then 17's
+#  17  triton 3.6, staging .t39a: the Hopper forward's GPU tests beside memcheck of the Hopper kernels
+#      (MEMCHECK=0: none), then rec-long-causal's timing (IMPLS, default jfa-triton)
+#  18  triton 3.9 (after STAGE_ONLY=1 2-4): its install, what the suite logs REST did not reach, and 17's
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next:
 # STAGE_ONLY=1 2-4 after 13's staging, 5 (3.9's install, its suite and memcheck on HEAD's kernels), 7 (the
 # portable kernels forced, "3.6 3.9"), then `rec-long-causal` (never measured on these kernels) and 3 and
@@ -71,7 +71,7 @@ for hopper in ([False] if $portable else []) + [True]:
 }
 summary() {
   for f in "$out"/*.log; do echo "== $(basename "$f"): $(grep -E "passed|failed|ERROR SUMMARY|all ok|rc=" "$f" | tail -3 | tr '\n' ' ')"; done
-  grep -h "^FAILED\|^ERROR" "$out"/suite-*.log 2>/dev/null | head -40
+  grep -h "^FAILED\|^ERROR" "$out"/*.log 2>/dev/null | head -40
 }
 softmax_bench() {  # $1 tag, $2 cases, $3 impls, $4 budget (s), $5 PYTHONPATH
   PYTHONPATH="$5" timeout $(( $4 + 40 )) python3 -m benchmarks.run --out "/tmp/bench-$1" --cases "$2" \
@@ -231,32 +231,29 @@ case $call in
       softmax_bench nondeterministic-triton3.9 "long,L8192,L16384,L16384-causal" \
         jfa-triton,jfa-triton-nondeterministic ${BUDGET:-120} "$site39"
       grep -h "^\[bench\].*ms" "$out"/bench-*.log | cut -c1-150; elapsed "call 16" ;;
-  17|18) # the causal forward's own tiles (fwd_causal): the Hopper forward's GPU tests beside memcheck of
-     # the Hopper kernels, and rec-long-causal against cuDNN; 18 (triton 3.9, after STAGE_ONLY=1 2-4)
-     # first installs 3.9 and runs what call 15's suites left (REST: their logs, tests/gpu/remaining.py)
+  17|18) # the causal forward's own tiles (fwd_causal): the Hopper forward's GPU tests (beside memcheck of
+     # the Hopper kernels where MEMCHECK=1), then rec-long-causal's timing (IMPLS); 18 (triton 3.9, after
+     # STAGE_ONLY=1 2-4) first installs 3.9 and runs what the suite logs REST did not reach
+     # (tests/gpu/remaining.py), the portable kernels forced for a suite-portable log
      if [ $call = 17 ]; then stage .t39a; triton=3.6; path=$site36
      else
        stage .t39e && bash tests/gpu/install_triton39.sh > "$out/install-triton3.9.log" 2>&1
        echo "rc=$?" >> "$out/install-triton3.9.log"; tail -2 "$out/install-triton3.9.log"; triton=3.9; path=$site39
      fi
-     memcheck $triton "$path" 300 "['hopper']" False "-hopper" &
-     (PYTHONPATH=$path timeout 300 python3 -m pytest tests/test_hopper.py -m gpu -k "not backward and not fused" \
-        -p xdist -n 6 -o addopts=-ra -q -p no:cacheprovider > "$out/forward-tests-triton$triton.log" 2>&1
+     [ "${MEMCHECK:-1}" = 1 ] && memcheck $triton "$path" 240 "['hopper']" False "-hopper" &
+     (PYTHONPATH=$path timeout 200 python3 -m pytest tests/test_hopper.py -m gpu -k "not backward and not fused" \
+        -p xdist -n ${WORKERS_FWD:-6} -o addopts=-ra -q -p no:cacheprovider > "$out/forward-tests-triton$triton.log" 2>&1
       echo "rc=$?" >> "$out/forward-tests-triton$triton.log") &
      for log in ${REST:-}; do
        tag=$(basename "$log" .log)
        PYTHONPATH=$path python3 tests/gpu/remaining.py "$log" > "/tmp/rest-$tag.txt" 2> "$out/rest-$tag.log"
        mapfile -t rest < "/tmp/rest-$tag.txt"
-       if [[ $tag == *portable* ]]; then export JAGGED_FLASH_JAX_FORWARD=portable JAGGED_FLASH_JAX_BACKWARD=portable; fi
-       PYTHONPATH=$path timeout 300 python3 -m pytest "${rest[@]}" -m gpu -v -p xdist -n 4 -o addopts=-ra \
-         -p no:cacheprovider >> "$out/rest-$tag.log" 2>&1; echo "rc=$?" >> "$out/rest-$tag.log"
-       unset JAGGED_FLASH_JAX_FORWARD JAGGED_FLASH_JAX_BACKWARD
+       forced=(); [[ $tag == *portable* ]] && forced=(JAGGED_FLASH_JAX_FORWARD=portable JAGGED_FLASH_JAX_BACKWARD=portable)
+       env "${forced[@]}" PYTHONPATH=$path timeout 150 python3 -m pytest "${rest[@]}" -m gpu -v -p xdist -n 6 \
+         -o addopts=-ra -p no:cacheprovider >> "$out/rest-$tag.log" 2>&1; echo "rc=$?" >> "$out/rest-$tag.log"
      done
      wait; elapsed "tests, memcheck"; summary
-     PYTHONPATH=$path timeout 100 python3 -m benchmarks.probes.causal_forward --case ${PROBE_CASE:-rec-long-causal} \
-       --tiles ${PROBE_TILES:-} > "$out/causal-forward-triton$triton.log" 2>&1
-     grep "^\[causal" "$out/causal-forward-triton$triton.log"
-     softmax_bench "rec-long-causal-triton$triton" rec-long-causal jfa-triton,cudnn-packed 50 "$path"
+     softmax_bench "rec-long-causal-triton$triton" rec-long-causal ${IMPLS:-jfa-triton} 40 "$path"
      grep -h "^\[bench\].*ms" "$out"/bench-*.log | cut -c1-150; elapsed "call $call" ;;
   *) echo "usage: bash tests/gpu/session.sh 1..18" >&2; exit 2 ;;
 esac

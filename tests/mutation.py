@@ -55,6 +55,7 @@ MUTANTS = [
  ("calls: bfloat16 takes a key-major v", "jagged_flash_jax/launch/calls.py", "p.input_precision == \"tf32\" and p.itemsize == 4", "p.input_precision == \"tf32\" and p.itemsize >= 2", "tests/test_launchers.py"),
  ("calls: key-major operands at any head dimension", "jagged_flash_jax/launch/calls.py", "head_block(p.head_dim) in KEY_MAJOR_HEAD_DIMS[operands]", "head_block(p.head_dim) > 0", "tests/test_launchers.py"),
  ("configs: a window's width does not key the tiles", "jagged_flash_jax/configs.py", "longest if band is None else min(longest, band)", "longest", "tests/test_launchers.py -k window"),
+ ("configs: causal forwards ignore the entry's fwd_causal", "jagged_flash_jax/configs.py", "    if causal and tiles.fwd_causal is not None:", "    if False and tiles.fwd_causal is not None:", 'tests/test_launchers.py -k "fwd_causal or narrow_bands or hopper_forward"'),
  ("configs: query blocks not fitted to max_seq_len", "jagged_flash_jax/configs.py", "block_m = min(c.block_m, q_rows)", "block_m = c.block_m", "tests/test_launchers.py"),
  ("kernels: the key-major transpose writes past its padded tokens", "jagged_flash_jax/kernels/portable/transpose.py", "mask=(cols[:, None] < D) & (rows[None, :] < padded - first))", "mask=(cols[:, None] < D) & (rows[None, :] < padded - first + 16))", "tests/test_memory_safety.py -k adversarial"),
  ("interpret: triton.language left patched after an interpreted run", "jagged_flash_jax/launch/interpret.py", "        _restore_language(state)\n", "\n", "tests/test_launchers.py -k triton_language"),

@@ -40,9 +40,10 @@
 #      (MEMCHECK=0: none), then rec-long-causal's timing (IMPLS, default jfa-triton)
 #  18  triton 3.9 (after STAGE_ONLY=1 2-4): its install, what the suite logs REST did not reach, and 17's
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next:
-# STAGE_ONLY=1 2-4 after 13's staging, 5 (3.9's install, its suite and memcheck on HEAD's kernels), 7 (the
-# portable kernels forced, "3.6 3.9"), then `rec-long-causal` (never measured on these kernels) and 3 and
-# 6's rows with jfa-triton-nondeterministic beside jfa-triton.
+# 14, STAGE_ONLY=1 2-4, 15 with LIMIT raised or WORKERS 6 (3.9's suites took more than 480 s beside each
+# other and memcheck) on a9daf3b's kernels (the causal forward's own 64-key tiles: memcheck of "hopper
+# D256" has not run on them), then the causal rows of 3 and 6 (D = 256 causal and causal L <= 512 take
+# the own-tiles path now; fwd_causal's 3 stages were measured at 513-1024 tokens only).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..18}

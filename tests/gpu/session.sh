@@ -23,8 +23,9 @@
 #      their timing against the portable backward; on triton 3.6, staging .t39a; with TRITON=3.9 (after
 #      STAGE_ONLY=1 2-4 and staging .t39e) installing 3.9 first. MEMCHECK (default "['hopper D256']") the
 #      Hopper variants memcheck runs; M32=0 leaves out the timing of D = 256's query tiles of 32
-#  11  triton 3.6: Nsight Compute of the D = 256 Hopper backward's kernels (L4096-D256, one step), the
-#      account its timing lacks: speed of light, memory and warp states of dk/dv (SPLIT_D) and dq
+#  11  triton 3.6: Nsight Compute of the Hopper backward's kernels on CASE (default L4096-D256, one step),
+#      the account its timing lacks: speed of light, memory and warp states of dk/dv and dq (CASE=L4096-D64:
+#      D = 64's, the account its 0.93x still lacks)
 #  12  TRITON (3.9 by default, after its install): the Hopper backward's tiles at D = 64 (deeper rings; the
 #      table's entry was swept on older kernels), each a tuned table's entry (every one compiles within
 #      shared memory with 0 spills under 3.9), against the table's, on L4096-D64
@@ -40,7 +41,7 @@
 #      (MEMCHECK=0: none), then rec-long-causal's timing (IMPLS, default jfa-triton)
 #  18  triton 3.9 (after STAGE_ONLY=1 2-4): its install, what the suite logs REST did not reach, and 17's
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next:
-# 14, STAGE_ONLY=1 2-4, 15 with LIMIT raised or WORKERS 6 (3.9's suites took more than 480 s beside each
+# CASE=L4096-D64 11 (D = 64's missing Nsight account), 14, STAGE_ONLY=1 2-4, 15 with LIMIT raised or WORKERS 6 (3.9's suites took more than 480 s beside each
 # other and memcheck) on a9daf3b's kernels (the causal forward's own 64-key tiles: memcheck of "hopper
 # D256" has not run on them), then the causal rows of 3 and 6 (D = 256 causal and causal L <= 512 take
 # the own-tiles path now; fwd_causal's 3 stages were measured at 513-1024 tokens only).
@@ -190,9 +191,10 @@ case $call in
         PYTHONPATH=$site36 timeout 200 ncu --clock-control none --target-processes all \
           --kernel-name "regex:^attention_${kernel}_kernel$" --launch-count 1 --section SpeedOfLight \
           --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
-          --section Occupancy python3 -m benchmarks.probes.one_step --case L4096-D256 --mode fwd+bwd \
-          > "$out/ncu-d256-$kernel.txt" 2>&1
-        grep -E "Duration|Compute \(SM\) Throughput|Shared Memory|No Eligible|Local Memory" "$out/ncu-d256-$kernel.txt"
+          --section Occupancy python3 -m benchmarks.probes.one_step --case ${CASE:-L4096-D256} --mode fwd+bwd \
+          > "$out/ncu-${CASE:-L4096-D256}-$kernel.txt" 2>&1
+        grep -E "Duration|Compute \(SM\) Throughput|Shared Memory|No Eligible|Local Memory" \
+          "$out/ncu-${CASE:-L4096-D256}-$kernel.txt"
       done; elapsed "call 11" ;;
   12) triton=${TRITON:-3.9}
       path=$([ "$triton" = 3.9 ] && echo "$site39" || echo "$site36")

@@ -41,10 +41,11 @@
 #      (MEMCHECK=0: none), then rec-long-causal's timing (IMPLS, default jfa-triton)
 #  18  triton 3.9 (after STAGE_ONLY=1 2-4): its install, what the suite logs REST did not reach, and 17's
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next:
-# CASE=L4096-D64 11 (D = 64's missing Nsight account), 14, STAGE_ONLY=1 2-4, 15 with LIMIT raised or WORKERS 6 (3.9's suites took more than 480 s beside each
-# other and memcheck) on a9daf3b's kernels (the causal forward's own 64-key tiles: memcheck of "hopper
-# D256" has not run on them), then the causal rows of 3 and 6 (D = 256 causal and causal L <= 512 take
-# the own-tiles path now; fwd_causal's 3 stages were measured at 513-1024 tokens only).
+# CASE=L4096-D64 11 (D = 64's missing Nsight account), 14, STAGE_ONLY=1 2-4, 15 with LIMIT raised or
+# WORKERS 6 (3.9's suites took more than 480 s beside each other and memcheck) on a9daf3b's kernels (the
+# causal forward's own 64-key tiles: memcheck of "hopper D256" has not run on them), then the causal rows
+# of 3 and 6 (D = 256 causal and causal L <= 512 take the own-tiles path now; fwd_causal's 3 stages were
+# measured at 513-1024 tokens only).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..18}

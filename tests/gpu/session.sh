@@ -91,6 +91,17 @@ hstu_jax() {  # $1 triton, $2 PYTHONPATH, $3 impls, $4 limit, cases after
 }
 site36=/tmp/site:$PWD
 site39=/tmp/site39:/tmp/site:$PWD
+# use_triton 3.6|3.9: triton and path (PYTHONPATH) for the call; 3.6 stages the first chunk of the 3.9
+# wheel, 3.9 stages the last and installs the wheel (after the other chunks' calls)
+use_triton() {
+  triton=$1
+  if [ "$triton" = 3.9 ]; then
+    stage .t39e && bash tests/gpu/install_triton39.sh > "$out/install-triton3.9.log" 2>&1
+    echo "rc=$?" >> "$out/install-triton3.9.log"; tail -2 "$out/install-triton3.9.log"; path=$site39
+  else
+    stage .t39a; path=$site36
+  fi
+}
 hstu_hopper() {  # $1 triton: HSTU's Hopper kernels' GPU tests (beside their memcheck on 3.6), then their timing
   local triton=$1 path
   path=$([ "$triton" = 3.9 ] && echo "$site39" || echo "$site36")
@@ -134,8 +145,7 @@ case $call in
        echo "$spec: $(grep -E "^b[0-9]" "$out/gr-$tag.log" | tail -1) $(grep -m1 -E "Error|error:" "$out/gr-$tag.log" | cut -c1-160) $(tail -1 "$out/gr-$tag.log")"
        [ $(( $(date +%s) - start )) -gt 400 ] && break
      done; elapsed "call 4" ;;
-  5) stage .t39e && bash tests/gpu/install_triton39.sh > "$out/install-triton3.9.log" 2>&1
-     echo "rc=$?" >> "$out/install-triton3.9.log"; tail -2 "$out/install-triton3.9.log"
+  5) use_triton 3.9
      memcheck 3.9 "$site39" 300 "[]" True "" &
      memcheck 3.9 "$site39" 300 "['hopper']" False "-hopper" &
      TRITON=3.9 LIMIT=340 bash tests/gpu/run.sh suite > /dev/null 2>&1
@@ -168,13 +178,7 @@ case $call in
           > "$out/hstu-auto-tests-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hstu-auto-tests-triton$triton.log")
        tail -2 "$out/hstu-auto-tests-triton$triton.log"
      done; elapsed "call 9" ;;
-  10) triton=${TRITON:-3.6}
-      if [ "$triton" = 3.9 ]; then
-        stage .t39e && bash tests/gpu/install_triton39.sh > "$out/install-triton3.9.log" 2>&1
-        echo "rc=$?" >> "$out/install-triton3.9.log"; tail -2 "$out/install-triton3.9.log"; path=$site39
-      else
-        stage .t39a; path=$site36
-      fi
+  10) use_triton "${TRITON:-3.6}"
       variants=${MEMCHECK:-"['hopper D256']"}
       memcheck "$triton" "$path" 300 "$variants" False "-$(echo "$variants" | grep -o "D[0-9]*" | tr D d | paste -sd-)" &
       TRITON=$triton LIMIT=${LIMIT:-330} bash tests/gpu/run.sh suite > /dev/null 2>&1
@@ -216,11 +220,7 @@ case $call in
       grep -h "fwd+bwd" "$out"/bench-d64-triton3.6.log; elapsed "call 13" ;;
   14|15) # the whole GPU suite under auto beside the portable kernels forced, and memcheck of every kernel
      # family (portable and the default Hopper ones in one process, fused dq, D = 64 and D = 256 in another)
-     if [ $call = 14 ]; then stage .t39a; triton=3.6; path=$site36
-     else
-       stage .t39e && bash tests/gpu/install_triton39.sh > "$out/install-triton3.9.log" 2>&1
-       echo "rc=$?" >> "$out/install-triton3.9.log"; tail -2 "$out/install-triton3.9.log"; triton=3.9; path=$site39
-     fi
+     use_triton $([ $call = 14 ] && echo 3.6 || echo 3.9)
      memcheck $triton "$path" 480 "['hopper']" True "-portable-hopper" &
      memcheck $triton "$path" 480 "['hopper fused dq', 'hopper D64', 'hopper D256']" False "-fused-dq-d64-d256" &
      TRITON=$triton WORKERS=5 LIMIT=480 bash tests/gpu/run.sh suite > /dev/null 2>&1 &
@@ -239,11 +239,7 @@ case $call in
      # the Hopper kernels where MEMCHECK=1), then rec-long-causal's timing (IMPLS); 18 (triton 3.9, after
      # STAGE_ONLY=1 2-4) first installs 3.9 and runs what the suite logs REST did not reach
      # (tests/gpu/remaining.py), the portable kernels forced for a suite-portable log
-     if [ $call = 17 ]; then stage .t39a; triton=3.6; path=$site36
-     else
-       stage .t39e && bash tests/gpu/install_triton39.sh > "$out/install-triton3.9.log" 2>&1
-       echo "rc=$?" >> "$out/install-triton3.9.log"; tail -2 "$out/install-triton3.9.log"; triton=3.9; path=$site39
-     fi
+     use_triton $([ $call = 17 ] && echo 3.6 || echo 3.9)
      [ "${MEMCHECK:-1}" = 1 ] && memcheck $triton "$path" 240 "['hopper']" False "-hopper" &
      (PYTHONPATH=$path timeout 200 python3 -m pytest tests/test_hopper.py -m gpu -k "not backward and not fused" \
         -p xdist -n ${WORKERS_FWD:-6} -o addopts=-ra -q -p no:cacheprovider > "$out/forward-tests-triton$triton.log" 2>&1

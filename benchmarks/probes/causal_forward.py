@@ -23,7 +23,8 @@ from jagged_flash_jax import select
 from .. import cases, impls, timing
 
 
-def _time(case, sets, iterations: int) -> float:
+def _time(case, sets, iterations: int) -> tuple[float, dict | str | None]:
+    """The forward's CUPTI device time (ms; NaN off the GPU) and its kernels (else why no timing)."""
     attend, prepare = impls.jfa(case, "triton")
     args = [impls.arguments(prepare(s), "fwd") for s in sets]
     fn = impls.timed_function(attend, "fwd")

@@ -142,10 +142,10 @@ def attention_bwd_dkdv_dq_tma_kernel(
     shared memory (triton >= 3.7): dq_acc_desc a descriptor of [BLOCK_M, 64] float32 blocks over dq_acc,
     float32 [q_tokens + batch * BLOCK_M, H * D] zeroed by the launcher and updated in place, in which
     sequence b's queries start at row dq_rows_ptr[b] (int32, the launcher's `calls.dq_rows`: its start
-    plus BLOCK_M per sequence that starts before it), so that a last tile's rows past n_q (0, or NaN
-    where the sequence has an inf key) land in rows of its own, as FlashAttention-3 pads its varlen dq
-    accumulator, whatever order the offsets put the sequences in; the launcher gathers each sequence's
-    first n_q rows (`calls.unpad_dq`). Not deterministic."""
+    plus BLOCK_M per sequence ordered before it by (start, length)), so that a last tile's rows past n_q
+    (0, or NaN where the sequence has an inf key) land in rows of its own, as FlashAttention-3 pads its
+    varlen dq accumulator, whatever order the offsets put the sequences in; the launcher gathers each
+    sequence's first n_q rows (`calls.unpad_dq`). Not deterministic."""
     SHAPE: gl.constexpr = (NUM_KV_HEADS, KV_GROUP, D)
     LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)
     BAND: gl.constexpr = (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)

@@ -98,6 +98,8 @@ CASES = (  # name, group, B, H, D, L, min_len
     Case("long-causal", "causal", 16, 8, 128, 4096, 1, causal=True),
     _sweep("causal", 4096, "L4096-causal", causal=True),
     _sweep("causal", 16384, "L16384-causal", causal=True),
+    _sweep("causal", 4096, "L4096-D64-causal", head_dim=64, causal=True),
+    _sweep("causal", 4096, "L4096-D256-causal", head_dim=256, causal=True),
     _sweep("gqa", 4096, "gqa-16x2", heads=16, kv_heads=2),
     _sweep("gqa", 4096, "gqa-16x4", heads=16, kv_heads=4),
     # Shorter sequences, recommender-sized: where launch and tail costs weigh more.

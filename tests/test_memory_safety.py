@@ -201,7 +201,7 @@ def _check_offsets_case(offsets, int64: bool, where, hopper: bool, variant: str)
     """Forward and vjp of both ops on `where` (see `_ops`) with these offsets (the kv offsets, reversed,
     for cross-attention): every output finite, zero on tokens nothing attends."""
     rng = np.random.default_rng(11)
-    hopper_dim = {"hopper D64": 64, "hopper D256": 256}.get(variant, HOPPER_DIM)
+    hopper_dim = {"hopper D64": 64, "hopper D256": 256, "hopper fused dq D64": 64}.get(variant, HOPPER_DIM)
     dtype, dim = (jnp.bfloat16, hopper_dim) if hopper else (jnp.float32, DIM)
     q = jnp.asarray(rng.standard_normal((TOKENS, HEADS, dim)), dtype)
     kv = jnp.asarray(rng.standard_normal((KV_TOKENS, HEADS, dim)), dtype)
@@ -248,13 +248,15 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False,
     tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens, at D = 256
     ("hopper D256": the dk/dv kernel whose warpgroups split the columns) and the Hopper backward at
     D = 64 ("hopper D64", its own tiles, after the portable forward), then with
-    dq fused into dk/dv ("hopper-fused-dq"), then HSTU attention on its Hopper forward and backward
+    dq fused into dk/dv ("hopper-fused-dq"; at D = 64 too, "hopper fused dq D64", where one warpgroup
+    adds a tile's whole dQ), then HSTU attention on its Hopper forward and backward
     ("hstu-hopper", named: auto takes it from 1024 tokens only). `only`: the names of the variants to run
     (default all)."""
     spy = Spy("hopper")
     # At D = 64 the Hopper backward alone: the Hopper forward has no tiles there.
     variants = ({"hopper": spy, "hopper D256": spy, "hopper D64": ("portable", spy),
                  "hopper fused dq": FusedDq(spy.calls),
+                 "hopper fused dq D64": ("portable", FusedDq(spy.calls)),
                  "hstu hopper": "hstu-hopper"} if hopper
                 else {"as chosen": backend, "key-major": variant(backend, key_major=True)})
     variants = {name: where for name, where in variants.items() if only is None or name in only}

@@ -48,7 +48,7 @@
 # measured at 513-1024 tokens only).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..18}
+call=${1:?usage: bash tests/gpu/session.sh 1..20}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -218,13 +218,17 @@ case $call in
       softmax_bench d64-triton3.6 "L4096-D64,gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal" \
         jfa-triton,jfa-triton-portable-bwd,cudnn-packed,cudnn-padded ${BUDGET:-120} "$site36"
       grep -h "fwd+bwd" "$out"/bench-d64-triton3.6.log; elapsed "call 13" ;;
-  14|15) # the whole GPU suite under auto beside the portable kernels forced, and memcheck of every kernel
-     # family (portable and the default Hopper ones in one process, fused dq, D = 64 and D = 256 in another)
+  14|15) # the whole GPU suite under auto beside the portable kernels forced (SUITES: "suite" alone takes
+     # 10 workers), and memcheck of every kernel family (portable and the default Hopper ones in one
+     # process, fused dq at D = 128 and 64, D = 64 and D = 256 in another)
      use_triton $([ $call = 14 ] && echo 3.6 || echo 3.9)
-     memcheck $triton "$path" 480 "['hopper']" True "-portable-hopper" &
-     memcheck $triton "$path" 480 "['hopper fused dq', 'hopper D64', 'hopper D256']" False "-fused-dq-d64-d256" &
-     TRITON=$triton WORKERS=5 LIMIT=480 bash tests/gpu/run.sh suite > /dev/null 2>&1 &
-     TRITON=$triton WORKERS=5 LIMIT=480 bash tests/gpu/run.sh suite-portable > /dev/null 2>&1
+     memcheck $triton "$path" ${LIMIT:-480} "['hopper']" True "-portable-hopper" &
+     memcheck $triton "$path" ${LIMIT:-480} "['hopper fused dq', 'hopper fused dq D64', 'hopper D64', 'hopper D256']" \
+       False "-fused-dq-d64-d256" &
+     suites=(${SUITES:-suite suite-portable})
+     for suite in "${suites[@]}"; do
+       TRITON=$triton WORKERS=$(( 10 / ${#suites[@]} )) LIMIT=${LIMIT:-480} bash tests/gpu/run.sh $suite > /dev/null 2>&1 &
+     done
      wait; elapsed "call $call"; summary ;;
   16) # rec-long-causal against cuDNN under both tritons, the causal forward's variants (the band per
       # warpgroup, 64-key tiles), and jfa-triton-nondeterministic beside jfa-triton under 3.9
@@ -255,5 +259,28 @@ case $call in
      wait; elapsed "tests, memcheck"; summary
      softmax_bench "rec-long-causal-triton$triton" rec-long-causal ${IMPLS:-jfa-triton} 40 "$path"
      grep -h "^\[bench\].*ms" "$out"/bench-*.log | cut -c1-150; elapsed "call $call" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..18" >&2; exit 2 ;;
+  19|20) # the D = 64 and D = 256 rows (causal too, and GQA at L512 D64) with dq fused (3.6: by atomics;
+     # 3.9: TMA reduce-adds) against the default backward and cuDNN; 19 (triton 3.6, staging .t39a) first
+     # profiles the Hopper backward's two kernels under Nsight Compute on each of CASES (default
+     # "L4096-D64 L4096": D = 64's account beside D = 128's; one step, both kernels in one run); 20 takes
+     # triton 3.9 as 15 installed it
+     if [ $call = 19 ]; then
+       use_triton 3.6
+       for case in ${CASES:-L4096-D64 L4096}; do
+         PYTHONPATH=$path timeout 200 ncu --clock-control none --target-processes all \
+           --kernel-name "regex:^attention_bwd_(dkdv|dq)_kernel$" --launch-count 2 --section SpeedOfLight \
+           --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+           --section Occupancy --section SchedulerStats --section InstructionStats python3 -m benchmarks.probes.one_step \
+           --case "$case" --mode fwd+bwd > "$out/ncu-$case.txt" 2>&1
+         echo "rc=$?" >> "$out/ncu-$case.txt"
+         grep -E "attention_bwd|Duration|Compute \(SM\) Throughput|No Eligible|Issued Warp" "$out/ncu-$case.txt"
+       done; elapsed "ncu"
+     else
+       triton=3.9 path=$site39
+     fi
+     softmax_bench "d64-d256-triton$triton" \
+       "L4096-D64,L4096-D64-causal,L4096-D256-causal,gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal" \
+       jfa-triton,jfa-triton-fused-dq,cudnn-packed,cudnn-padded ${BUDGET:-150} "$path"
+     grep -h "^\[bench\].*ms" "$out"/bench-*.log | cut -c1-150; elapsed "call $call" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..20" >&2; exit 2 ;;
 esac

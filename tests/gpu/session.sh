@@ -259,8 +259,8 @@ case $call in
      wait; elapsed "tests, memcheck"; summary
      softmax_bench "rec-long-causal-triton$triton" rec-long-causal ${IMPLS:-jfa-triton} 40 "$path"
      grep -h "^\[bench\].*ms" "$out"/bench-*.log | cut -c1-150; elapsed "call $call" ;;
-  19|20) # the D = 64 and D = 256 rows (causal too, and GQA at L512 D64) with dq fused (3.6: by atomics;
-     # 3.9: TMA reduce-adds) against the default backward and cuDNN; 19 (triton 3.6, staging .t39a) first
+  19|20) # the D = 64 rows (causal too, and GQA at L512) with dq fused (3.6: by atomics; 3.9: TMA
+     # reduce-adds) against the default backward and cuDNN, and causal D = 256 against cuDNN; 19 (triton 3.6, staging .t39a) first
      # profiles the Hopper backward's two kernels under Nsight Compute on each of CASES (default
      # "L4096-D64 L4096": D = 64's account beside D = 128's; one step, both kernels in one run); 20 takes
      # triton 3.9 as 15 installed it
@@ -278,9 +278,10 @@ case $call in
      else
        triton=3.9 path=$site39
      fi
-     softmax_bench "d64-d256-triton$triton" \
-       "L4096-D64,L4096-D64-causal,L4096-D256-causal,gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal" \
-       jfa-triton,jfa-triton-fused-dq,cudnn-packed,cudnn-padded ${BUDGET:-150} "$path"
+     softmax_bench "d64-triton$triton" "L4096-D64,L4096-D64-causal,gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal" \
+       jfa-triton,jfa-triton-fused-dq,cudnn-packed,cudnn-padded ${BUDGET:-120} "$path"
+     # (dq is fused into blocks of 128 keys only: D = 256's are 64)
+     softmax_bench "d256-causal-triton$triton" L4096-D256-causal jfa-triton,cudnn-packed,cudnn-padded 40 "$path"
      grep -h "^\[bench\].*ms" "$out"/bench-*.log | cut -c1-150; elapsed "call $call" ;;
   *) echo "usage: bash tests/gpu/session.sh 1..20" >&2; exit 2 ;;
 esac

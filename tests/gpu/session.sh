@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call of a GPU session, by number, from the repository root: `bash tests/gpu/session.sh N`.
 # The calls run back to back (the machine is handed back after 30 s idle): 1 to 5 each carry .whl, .gr
-# (generative-recommenders' kernel, for 4) and one chunk of the triton 3.9 wheel (.t39a ... .t39e), stage
-# it, and do the session's triton 3.6 work; 5 installs triton 3.9 and runs its tests, 6 its benchmarks.
+# (generative-recommenders' kernel, for 4) and one chunk of the triton 3.9 wheel (.t39a ... .t39f, each
+# under 48 MiB so that it fits a call's 64 MiB beside the checkout), stage it, and do the session's triton
+# 3.6 work; `stage .t39e` stages the fifth alone; 5 (carrying .t39f) installs triton 3.9 and runs its
+# tests, 6 its benchmarks. "After staging" below means after STAGE_ONLY=1 2-4 and `stage .t39e`.
 # Logs go to $OUT, each ending with `rc=`; a call returns at most 8 files, so end a call's command with
 # `cd $OUT && tar czf callN.tgz --remove-files $(ls)`. BUDGET (s) bounds a call's benchmark run.
 #
@@ -21,7 +23,7 @@
 #  10  the D = 256 Hopper backward (dk/dv's warpgroups splitting the columns) and auto's backward choices
 #      (D = 64 and 256): the GPU suite under auto beside memcheck of the D = 256 Hopper kernels, then
 #      their timing against the portable backward; on triton 3.6, staging .t39a; with TRITON=3.9 (after
-#      STAGE_ONLY=1 2-4 and staging .t39e) installing 3.9 first. MEMCHECK (default "['hopper D256']") the
+#      staging; carrying .t39f) installing 3.9 first. MEMCHECK (default "['hopper D256']") the
 #      Hopper variants memcheck runs; M32=0 leaves out the timing of D = 256's query tiles of 32
 #  11  triton 3.6: Nsight Compute of the Hopper backward's kernels on CASE (default L4096-D256, one step),
 #      the account its timing lacks: speed of light, memory and warp states of dk/dv and dq (CASE=L4096-D64:
@@ -34,21 +36,20 @@
 #  14  triton 3.6, staging .t39a: the GPU suite under auto beside the portable kernels forced (5 workers
 #      each), beside memcheck of the portable and default Hopper kernels and of the dq-fused, D = 64 and
 #      D = 256 Hopper backwards
-#  15  triton 3.9 (after STAGE_ONLY=1 2-4): its install, then 14's work under it
+#  15  triton 3.9 (after staging): its install, then 14's work under it (SUITES=suite: the one under auto)
 #  16  rec-long-causal against cuDNN (3.9, 3.6), the causal forward's probe (benchmarks/probes/
 #      causal_forward.py: the band per warpgroup, 64-key tiles), jfa-triton-nondeterministic rows (3.9)
 #  17  triton 3.6, staging .t39a: the Hopper forward's GPU tests beside memcheck of the Hopper kernels
 #      (MEMCHECK=0: none), then rec-long-causal's timing (IMPLS, default jfa-triton)
-#  18  triton 3.9 (after STAGE_ONLY=1 2-4): its install, what the suite logs REST did not reach, and 17's
-# STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time). Next:
-# CASE=L4096-D64 11 (D = 64's missing Nsight account), 14, STAGE_ONLY=1 2-4, 15 with LIMIT raised or
-# WORKERS 6 (3.9's suites took more than 480 s beside each other and memcheck) on a9daf3b's kernels (the
-# causal forward's own 64-key tiles: memcheck of "hopper D256" has not run on them), then the causal rows
-# of 3 and 6 (D = 256 causal and causal L <= 512 take the own-tiles path now; fwd_causal's 3 stages were
-# measured at 513-1024 tokens only).
+#  18  triton 3.9 (after staging): its install, what the suite logs REST did not reach, and 17's
+#  19  triton 3.6, staging .t39a: Nsight Compute of the Hopper backward's kernels on CASES (D = 64's account
+#      beside D = 128's), then the D = 64 rows with dq fused (atomics) and causal D = 256, against cuDNN
+#  20  triton 3.9 (installed by 15): 19's rows
+# STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
+# does for any chunk folder.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..20}
+call=${1:?usage: bash tests/gpu/session.sh 1..20|stage DIR}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -96,7 +97,7 @@ site39=/tmp/site39:/tmp/site:$PWD
 use_triton() {
   triton=$1
   if [ "$triton" = 3.9 ]; then
-    stage .t39e && bash tests/gpu/install_triton39.sh > "$out/install-triton3.9.log" 2>&1
+    stage .t39f && bash tests/gpu/install_triton39.sh > "$out/install-triton3.9.log" 2>&1
     echo "rc=$?" >> "$out/install-triton3.9.log"; tail -2 "$out/install-triton3.9.log"; path=$site39
   else
     stage .t39a; path=$site36
@@ -119,6 +120,7 @@ hstu_hopper() {  # $1 triton: HSTU's Hopper kernels' GPU tests (beside their mem
 }
 long_hstu=(b32-l4096-random-targets b32-l8192-random-targets b32-l8192-uniform)
 case $call in
+  stage) stage "${2:?usage: bash tests/gpu/session.sh stage .t39X}" ;;
   1) stage .t39a
      memcheck 3.6 "$site36" 280 "[]" True "" &
      memcheck 3.6 "$site36" 280 "['hopper']" False "-hopper" &

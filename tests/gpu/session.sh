@@ -45,11 +45,13 @@
 #  19  triton 3.6, staging .t39a: Nsight Compute of the Hopper backward's kernels on CASES (D = 64's account
 #      beside D = 128's), then the D = 64 rows with dq fused (atomics) and causal D = 256, against cuDNN
 #  20  triton 3.9 (installed by 15): 19's rows
+#  21  triton 3.9 (after staging): its install, 20, then memcheck (MEMCHECK) under 3.9 beside the tests the
+#      3.6 suite logs REST did not reach
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..20|stage DIR}
+call=${1:?usage: bash tests/gpu/session.sh 1..21|stage DIR}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -285,5 +287,20 @@ case $call in
      # (dq is fused into blocks of 128 keys only: D = 256's are 64)
      softmax_bench "d256-causal-triton$triton" L4096-D256-causal jfa-triton,cudnn-packed,cudnn-padded 40 "$path"
      grep -h "^\[bench\].*ms" "$out"/bench-*.log | cut -c1-150; elapsed "call $call" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..20" >&2; exit 2 ;;
+  21) # triton 3.9 (after staging): its install, 20's rows, then beside each other memcheck of MEMCHECK's
+     # variants under 3.9 and, under 3.6, what the suite logs REST did not reach (the portable kernels
+     # forced for a suite-portable log)
+     use_triton 3.9
+     bash tests/gpu/session.sh 20
+     memcheck 3.9 "$site39" 200 "${MEMCHECK:-"['hopper fused dq D64']"}" False "-rest" &
+     for log in ${REST:-}; do
+       tag=$(basename "$log" .log)
+       PYTHONPATH=$site36 python3 tests/gpu/remaining.py "$log" > "/tmp/rest-$tag.txt" 2> "$out/rest-$tag.log"
+       mapfile -t rest < "/tmp/rest-$tag.txt"
+       forced=(); [[ $tag == *portable* ]] && forced=(JAGGED_FLASH_JAX_FORWARD=portable JAGGED_FLASH_JAX_BACKWARD=portable)
+       env "${forced[@]}" PYTHONPATH=$site36 timeout 200 python3 -m pytest "${rest[@]}" -m gpu -v -p xdist -n 5 \
+         -o addopts=-ra -p no:cacheprovider >> "$out/rest-$tag.log" 2>&1; echo "rc=$?" >> "$out/rest-$tag.log" &
+     done
+     wait; elapsed "call 21"; summary ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..21|stage DIR" >&2; exit 2 ;;
 esac

@@ -115,13 +115,14 @@ HOPPER_BACKWARD_AUTO_HEAD_DIMS = (64, 128, 256)
 # 4.25 against the portable backward's 4.70 ms forward + backward under 3.6, 4.28-4.41 against 4.62-4.69
 # under 3.9; gqa-16x4-L512-D64 2.64 against 2.68 under 3.6, causal 2.00 against 2.20.)
 # With deterministic=False, "auto" takes the dq-fused Hopper backward ("hopper-fused-dq") where Triton's
-# Gluon has the TMA reduce-add (3.7 on), from sequences of this many tokens, at these head dimensions:
-# on the H200 under 3.9 it was faster from L8192 (10.18 against 10.68 ms forward + backward; L16384 20.83
-# against 21.92, L32768 58.20 against 62.51, L16384 causal 11.05 against 12.43), about even at L4096
-# (2.75 against 2.72) and slower below (L2048 3.43 against 3.20); by atomics from registers (3.6) slower on
-# every row (docs/performance.md).
-FUSED_DQ_MIN_LENGTH = 8192
-FUSED_DQ_AUTO_HEAD_DIMS = (128,)
+# Gluon has the TMA reduce-add (3.7 on), at these head dimensions, from sequences of this many tokens
+# (head dimension: tokens). On the H200 under 3.9, forward + backward in ms: at D = 128 faster from L8192
+# (10.18 against 10.68; L16384 20.83 against 21.92, L32768 58.20 against 62.51, L16384 causal 11.05
+# against 12.43), about even at L4096 (2.75 against 2.72) and slower below (L2048 3.43 against 3.20); at
+# D = 64 faster wherever the Hopper backward runs (from 512 tokens): L4096-D64 3.79 against 4.28, causal
+# 2.35 against 2.50, gqa-16x4-L512-D64 2.41 against 2.50, causal 1.97 against 2.02. By atomics from
+# registers (3.6) slower on every D = 128 row, and on L4096-D64 (4.40 against 4.23) (docs/performance.md).
+FUSED_DQ_MIN_LENGTH = {64: 512, 128: 8192}
 
 # HSTU's Hopper forward (kernels/hopper/hstu_forward.py, implementation "hstu-hopper"): its fixed tile,
 # 128 queries (two consumer warpgroups) by 64 keys in a 2-deep ring, the softmax forward's register

@@ -27,7 +27,6 @@ import numpy as np
 
 from . import _compat, configs
 from .configs import (
-    FUSED_DQ_AUTO_HEAD_DIMS,
     FUSED_DQ_MIN_LENGTH,
     HOPPER_BACKWARD_AUTO_HEAD_DIMS,
     HOPPER_BACKWARD_MIN_LENGTH,
@@ -292,12 +291,12 @@ class Hopper(Implementation):
             if not _compat.gluon_tma_reduce():
                 return ("no TMA reduce-add in this Triton's Gluon (triton < 3.7: dq added by atomics from "
                         "registers, slower than the deterministic backward)")
-            if longest < FUSED_DQ_MIN_LENGTH:
-                return (f"sequences of at most {FUSED_DQ_MIN_LENGTH - 1} tokens (the deterministic "
-                        f"backward is as fast or faster)")
-            if p.head_dim not in FUSED_DQ_AUTO_HEAD_DIMS:
+            if p.head_dim not in FUSED_DQ_MIN_LENGTH:
                 return (f"head dimension {p.head_dim} (the dq-fused backward is measured faster at "
-                        f"{FUSED_DQ_AUTO_HEAD_DIMS} only)")
+                        f"{tuple(FUSED_DQ_MIN_LENGTH)} only)")
+            if longest < (shortest := FUSED_DQ_MIN_LENGTH[p.head_dim]):
+                return (f"sequences of at most {shortest - 1} tokens at head dimension {p.head_dim} (the "
+                        f"deterministic backward is as fast or faster)")
             return None
         if backward:
             if longest < HOPPER_BACKWARD_MIN_LENGTH:

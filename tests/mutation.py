@@ -87,7 +87,7 @@ MUTANTS = [
  ("configs: auto leaves D = 256 on the portable backward", "jagged_flash_jax/configs.py", "HOPPER_BACKWARD_AUTO_HEAD_DIMS = (64, 128, 256)", "HOPPER_BACKWARD_AUTO_HEAD_DIMS = (64, 128)", "tests/test_launchers.py -k environment_chooses"),
  ("configs: auto leaves D = 64 on the portable backward", "jagged_flash_jax/configs.py", "HOPPER_BACKWARD_AUTO_HEAD_DIMS = (64, 128, 256)", "HOPPER_BACKWARD_AUTO_HEAD_DIMS = (128, 256)", "tests/test_launchers.py -k environment_chooses"),
  ("select: deterministic=False leaves the dq-fused backward out", "jagged_flash_jax/select.py", "    if not deterministic and fused is not None", "    if False and fused is not None", "tests/test_launchers.py -k deterministic"),
- ("implementations: deterministic=False fuses dq at every length", "jagged_flash_jax/implementations.py", "            if longest < FUSED_DQ_MIN_LENGTH:", "            if longest < 0:", "tests/test_launchers.py -k deterministic"),
+ ("implementations: deterministic=False fuses dq at every length", "jagged_flash_jax/implementations.py", "            if longest < (shortest := FUSED_DQ_MIN_LENGTH[p.head_dim]):", "            if longest < (shortest := 0):", "tests/test_launchers.py -k deterministic"),
  ("kernels: D = 256's P^T and dS^T tiles once per ring slot (past shared memory)", "jagged_flash_jax/kernels/hopper/dkdv.py", "        pds_smem = gl.allocate_shared_memory(dtype, [4, CONSUMER_ROWS, BLOCK_M // 2], half_layout)", "        pds_smem = gl.allocate_shared_memory(dtype, [4 * STAGES, CONSUMER_ROWS, BLOCK_M // 2], half_layout)", 'tests/test_hopper.py -k "backward_compiles_for_sm90a and 256"'),
 ]
 

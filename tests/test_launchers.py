@@ -1139,12 +1139,14 @@ def test_the_environment_chooses_the_backward(hopper_backward_gpu, monkeypatch):
 
 def test_deterministic_false_lets_auto_take_the_dq_fused_backward_where_faster(hopper_backward_gpu,
                                                                                monkeypatch):
-    """deterministic=False: the TMA dq-fused kernel alone from FUSED_DQ_MIN_LENGTH tokens (the longer of
-    max_seq_len and kv_max_seq_len) at D = 128 where Triton's Gluon has the TMA reduce-add; the two
-    Hopper kernels below that length, at D = 64 and 256 (no dq-fused tiles there), and where dq would be
-    added by atomics (triton 3.6, slower); the portable backward where auto takes it; "hopper" in the
-    environment the dq-fused kernel wherever it runs, "portable" none. The default never fuses."""
-    longest = configs.FUSED_DQ_MIN_LENGTH
+    """deterministic=False: the TMA dq-fused kernel alone from FUSED_DQ_MIN_LENGTH's tokens for the head
+    dimension (the longer of max_seq_len and kv_max_seq_len) at D = 128 and 64 where Triton's Gluon has
+    the TMA reduce-add; the two Hopper kernels below that length, at D = 256 (no dq-fused tiles there),
+    and where dq would be added by atomics (triton 3.6, slower); the portable backward where auto takes
+    it; "hopper" in the environment the dq-fused kernel wherever it runs, "portable" none. The default
+    never fuses."""
+    longest, longest64 = configs.FUSED_DQ_MIN_LENGTH[128], configs.FUSED_DQ_MIN_LENGTH[64]
+    assert longest64 < longest
     fused = (FUSED_DQ[True],)
     monkeypatch.setattr(_compat, "gluon_tma_reduce", lambda: True)
     monkeypatch.setenv(select.BACKWARD_ENV, "auto")
@@ -1154,7 +1156,9 @@ def test_deterministic_false_lets_auto_take_the_dq_fused_backward_where_faster(h
     assert run(max_seq_len=longest, fbgemm=True) == fused
     assert run(cross=True, max_seq_len=64, kv_max_seq_len=longest) == fused
     assert run(max_seq_len=longest - 1) == HOPPER_BACKWARD
-    assert run(max_seq_len=longest, dim=64) == HOPPER_BACKWARD
+    assert run(max_seq_len=longest64, dim=64) == fused
+    assert run(max_seq_len=longest64, dim=64, causal=True) == fused
+    assert run(max_seq_len=longest64) == HOPPER_BACKWARD
     assert run(max_seq_len=longest, dim=256) == HOPPER_BACKWARD
     assert run(max_seq_len=32) == PORTABLE_BACKWARD
     assert _backward_kernels(hopper_backward_gpu, max_seq_len=longest) == HOPPER_BACKWARD
@@ -1165,6 +1169,7 @@ def test_deterministic_false_lets_auto_take_the_dq_fused_backward_where_faster(h
     monkeypatch.setenv(select.BACKWARD_ENV, "auto")
     monkeypatch.setattr(_compat, "gluon_tma_reduce", lambda: False)
     assert run(max_seq_len=longest) == HOPPER_BACKWARD
+    assert run(max_seq_len=longest64, dim=64) == HOPPER_BACKWARD
 
 
 def test_deterministic_is_a_static_bool_for_the_backends_choice_only():

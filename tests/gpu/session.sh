@@ -48,7 +48,9 @@
 #  21  triton 3.9 (after staging): its install, 20, then memcheck (MEMCHECK) under 3.9 beside the tests the
 #      3.6 suite logs REST did not reach
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
-# does for any chunk folder.
+# does for any chunk folder. Next: 3.9's suite with the portable kernels forced (SUITES=suite-portable 15;
+# last run in session 7, on the same portable kernels), and the kernels' next change (the softmax's
+# arithmetic as FFMA: docs/performance.md, the D = 64 account) under 19, 14 and 15.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..21|stage DIR}

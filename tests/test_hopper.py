@@ -42,7 +42,7 @@ from helpers import (
 import jagged_flash_jax as jfa
 from benchmarks.probes import ptx
 from jagged_flash_jax import checks, configs, implementations, select
-from jagged_flash_jax.launch import calls
+from jagged_flash_jax.launch import calls, gpu
 from jagged_flash_jax.launch.calls import HopperConfig
 from jagged_flash_jax.problem import Problem
 
@@ -123,11 +123,12 @@ def compile_for_sm90(call, arrays):
     launch = dict(constants=call.constants, arrays=[described(i, a) for i, a in enumerate(arrays)],
                   out=[dict(dtype=jnp.dtype(s.dtype).name) for s in outputs])
     signature, attrs = ptx.kernel_signature(call.kernel, launch)
+    backend_options = dict(gpu.COMPILE_OPTIONS, maxnreg=call.max_registers)
     text, metadata = ptx.compile_for_sm90(call.kernel, signature, call.constants, attrs, call.num_warps,
-                                          call.num_stages, dict(maxnreg=call.max_registers))
+                                          call.num_stages, backend_options)
     backend = CUDABackend(GPUTarget("cuda", 90, 128))
     options = backend.parse_options(dict(num_warps=call.num_warps, num_stages=call.num_stages,
-                                         maxnreg=call.max_registers))
+                                         **backend_options))
     backend.make_cubin(text, metadata, options, 90)
     return text, metadata
 

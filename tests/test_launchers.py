@@ -297,6 +297,9 @@ def _check_call(fake, call, kernel, grid, arrays, params, out_shapes, constants,
     assert tuple(call.pop("out_type")) == out_shapes
     assert call.pop("num_warps") == num_warps
     assert call.pop("num_stages") == num_stages
+    # Triton's options: every kernel's (FP fusion asked for), and those `constants` names (a register cap).
+    constants = dict(constants)
+    assert call.pop("backend_options") == {**gpu.COMPILE_OPTIONS, **constants.pop("backend_options", {})}
     # The compile-time constants, and nothing else: no zeroed_outputs either (the portable kernels write
     # every element they own; zeroing would cost a memset per launch).
     assert call == constants
@@ -767,7 +770,7 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
     assert hopper_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, 1, 20)
     assert tuple(call.pop("out_type")) == (_sds(q_shape, bf16), _sds((1, 4, 40), f32), _sds((1,), i32))
     options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
-    assert options == (4, configs.HOPPER_FWD_TRITON_STAGES, {"maxnreg": 168})
+    assert options == (4, configs.HOPPER_FWD_TRITON_STAGES, dict(gpu.COMPILE_OPTIONS, maxnreg=168))
     assert call.pop("zeroed_outputs") == (2,)
     assert call == dict(NUM_HEADS=4, KV_GROUP=2, D=128, Q_MAX_LEN=600, KV_MAX_LEN=30, CAUSAL=True,
                         WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
@@ -871,7 +874,8 @@ def test_the_hopper_tiles_come_from_the_table(hopper_gpu, tmp_path, monkeypatch)
     monkeypatch.setenv(select.TUNED_CONFIGS_ENV, _override(tmp_path, entry))
     forward, *_, backward = _step_launches(hopper_gpu, 1040, 1024)
     assert forward["kernel"] is kernels.hopper_attention_fwd_kernel
-    assert (forward["BLOCK_N"], forward["STAGES"], forward["backend_options"]) == (32, 3, {"maxnreg": 160})
+    assert (forward["BLOCK_N"], forward["STAGES"], forward["backend_options"]) == (
+        32, 3, dict(gpu.COMPILE_OPTIONS, maxnreg=160))
     # dk/dv has no tiles in the entry: the whole backward stays portable (one kernel family per pass).
     assert backward["kernel"] is kernels.attention_bwd_kernel
 
@@ -1244,7 +1248,7 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
         assert hopper_backward_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, *params)
         assert tuple(call.pop("out_type")) == outputs
         options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
-        assert options == (4, configs.HOPPER_BWD_TRITON_STAGES, {"maxnreg": 168})
+        assert options == (4, configs.HOPPER_BWD_TRITON_STAGES, dict(gpu.COMPILE_OPTIONS, maxnreg=168))
         if kernel is kernels.hopper_attention_bwd_dkdv_kernel:
             heads = dict(NUM_KV_HEADS=2, OUT_SCALE=1.0, BLOCK_M=64, BLOCK_N=128, STAGES=2)
         else:
@@ -1850,10 +1854,10 @@ def test_gpu_launcher_passes_register_caps(fake_jax_triton):
     o, vjp = jax.vjp(op, q)
     vjp(jnp.ones_like(o))
     options = [(call["kernel"], call.get("backend_options")) for call in fake_jax_triton.calls]
-    assert options == [(kernels.attention_fwd_kernel, {"maxnreg": 96}),
-                       (kernels.attention_bwd_preprocess_kernel, None),
-                       (kernels.attention_bwd_kernel, None),  # the dq launch
-                       (kernels.attention_bwd_kernel, {"maxnreg": 128})]
+    assert options == [(kernels.attention_fwd_kernel, dict(gpu.COMPILE_OPTIONS, maxnreg=96)),
+                       (kernels.attention_bwd_preprocess_kernel, gpu.COMPILE_OPTIONS),
+                       (kernels.attention_bwd_kernel, gpu.COMPILE_OPTIONS),  # the dq launch
+                       (kernels.attention_bwd_kernel, dict(gpu.COMPILE_OPTIONS, maxnreg=128))]
 
 
 def test_the_gpu_launcher_asks_triton_for_ptx_that_jaxlibs_ptxas_accepts(fake_jax_triton, monkeypatch):
@@ -1931,7 +1935,7 @@ def test_gpu_launcher_arguments_of_the_hstu_hopper_forward(fake_jax_triton, layo
     assert spec.HOPPER_HSTU_FWD.params[-1] == "blocks"
     assert tuple(call.pop("out_type")) == (_sds(o.shape, bf16), _sds((1,), i32))
     options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
-    assert options == (4, configs.HOPPER_FWD_TRITON_STAGES, {"maxnreg": 168})
+    assert options == (4, configs.HOPPER_FWD_TRITON_STAGES, dict(gpu.COMPILE_OPTIONS, maxnreg=168))
     assert call.pop("zeroed_outputs") == (1,)
     assert call == dict(NUM_HEADS=4, D=128, V=64, MAX_LEN=600, ALPHA=0.5, SCALE=1.0 if token_scale else 0.25,
                         TOKEN_SCALE=token_scale, CAUSAL=True, MAX_ATTN_LEN=8, CONTEXT_LEN=2, MIN_FULL_LEN=4,
@@ -1990,7 +1994,7 @@ def test_gpu_launcher_arguments_of_the_hstu_hopper_backward(fake_jax_triton, lay
         assert tuple(call.pop("out_type")) == (*outputs, _sds((1,), i32))
         assert call.pop("zeroed_outputs") == zeroed
         options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
-        assert options == (4, configs.HOPPER_BWD_TRITON_STAGES, {"maxnreg": 168})
+        assert options == (4, configs.HOPPER_BWD_TRITON_STAGES, dict(gpu.COMPILE_OPTIONS, maxnreg=168))
         tile = tiles[kernel]
         assert call == dict(NUM_HEADS=4, D=128, V=64, MAX_LEN=600, ALPHA=0.5,
                             SCALE=1.0 if token_scale else 0.25, TOKEN_SCALE=token_scale, CAUSAL=True,

@@ -1,11 +1,13 @@
 """ptxas's registers and spill bytes per thread of the Hopper backward's kernels (dk/dv and dq, and dk/dv
 with dq fused in: by atomics, and by TMA reduce-adds where Triton's Gluon has them), compiled for sm_90a
 as jax-triton 0.4.1 compiles them (tests/test_hopper.compile_for_sm90), in the configurations the tests
-use; no GPU needed. Run from the repository root: python -m benchmarks.probes.backward_spills (triton
+use, and with `--sass` the counts of the softmax's arithmetic opcodes in their SASS; no GPU needed. Run
+from the repository root: python -m benchmarks.probes.backward_spills [--sass] [--only NAME] (triton
 from PYTHONPATH: the GPU machine's is 3.6; Triton's own ptxas for sm_90)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
@@ -33,24 +35,52 @@ CONFIGS = [
 ]
 
 
-def ptxas_report(ptx: str) -> tuple[str, str, str]:
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    # The ptxas Triton compiles sm_90 with (triton 3.9's PTX needs its CUDA 13 `ptxas-blackwell`).
-    ptxas = get_ptxas(90).path
-    run = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                         text=True, check=True)
-    os.unlink(f.name)
+# The SASS opcodes `--sass` counts (the per-score arithmetic of the softmax and its gradient), then the
+# total: static counts over the whole kernel, not the instructions a tile executes (ncu counts those).
+SASS_OPCODES = ("FFMA", "FADD", "FMUL", "FMNMX", "MUFU.EX2", "FSEL", "F2FP")
+
+
+def ptxas_report(ptx: str, sass: bool = False) -> tuple[str, str, str, dict | None]:
+    """(registers, spill store bytes, spill load bytes, the SASS opcode counts or None) of `ptx`
+    assembled for sm_90a."""
+    
+    with tempfile.TemporaryDirectory() as tmp:
+        source, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(source, "w") as f:
+            f.write(ptx)
+        # The ptxas Triton compiles sm_90 with (triton 3.9's PTX needs its CUDA 13 `ptxas-blackwell`).
+        ptxas = get_ptxas(90).path
+        run = subprocess.run([ptxas, "-v", "-arch=sm_90a", source, "-o", cubin], capture_output=True,
+                             text=True, check=True)
+        counts = sass_counts(cubin, os.path.dirname(ptxas)) if sass else None
     (regs,) = re.findall(r"Used (\d+) registers", run.stderr)
     (stores, loads) = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)[0]
-    return regs, stores, loads
+    return regs, stores, loads, counts
+
+
+def sass_counts(cubin: str, tools: str) -> dict:
+    """SASS_OPCODES' counts in the cubin's code (by Triton's cuobjdump), and "total"."""
+    listing = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin], capture_output=True,
+                             text=True, check=True).stdout
+    # Instruction lines: /*0a30*/  @!P0 FFMA.FTZ R3, R4, R5, -R6 ;
+    opcodes = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", listing, re.M)
+    counts = {name: sum(op == name or op.startswith(name + ".") for op in opcodes) for name in SASS_OPCODES}
+    counts["total"] = len(opcodes)
+    return counts
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sass", action="store_true", help="count SASS_OPCODES in each kernel too")
+    parser.add_argument("--only", help="the CONFIGS whose name contains this")
+    args = parser.parse_args()
+    sass = args.sass
     print(f"triton {triton.__version__}, sm_90a, bfloat16, THD")
     # (fused_dq, TMA reduce-adds): the unfused kernels, then dq fused by atomics, then by TMA (if any)
     paths = [(False, False), (True, False)] + ([(True, True)] if _compat.gluon_tma_reduce() else [])
     for name, dim, causal, options in CONFIGS:
+        if args.only and args.only not in name:
+            continue
         launches = []
         for fused_dq, tma in paths:
             _compat.gluon_tma_reduce = lambda tma=tma: tma
@@ -59,9 +89,10 @@ def main() -> None:
         for call, arrays in launches:
             with contextlib.redirect_stdout(io.StringIO()):
                 ptx, _ = th.compile_for_sm90(call, arrays)
-            regs, stores, loads = ptxas_report(ptx)
+            regs, stores, loads, counts = ptxas_report(ptx, sass)
+            mix = "" if counts is None else "; SASS " + ", ".join(f"{k} {v}" for k, v in counts.items())
             print(f"{call.kernel.__name__:34s} {name:38s} registers {regs}, spill stores {stores:>5s} B, "
-                  f"loads {loads:>5s} B", flush=True)
+                  f"loads {loads:>5s} B{mix}", flush=True)
 
 
 if __name__ == "__main__":

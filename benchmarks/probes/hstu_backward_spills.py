@@ -27,7 +27,7 @@ def main() -> None:
         for call, arrays in thh.hstu_hopper_backward_calls(*shape, **mask):
             with contextlib.redirect_stdout(io.StringIO()):
                 ptx, metadata = th.compile_for_sm90(call, arrays)
-            regs, stores, loads = ptxas_report(ptx)
+            regs, stores, loads, _ = ptxas_report(ptx)
             print(f"{call.kernel.__name__:22s} {thh._compile_id(case)} registers {regs}, spill stores "
                   f"{stores} B, loads {loads} B, shared {metadata['shared']} B", flush=True)
 

@@ -547,22 +547,28 @@ def test_large_logits_with_any_scale(scale, exponent, layout, forward_kernels):
     whose softmax rows are one-hot (each query's top key is its own token, the others far below): o is
     v exactly, which needs the row max subtracted from the unscaled score before the scale multiplies;
     dv, from the portable backward fed this log-sum-exp, matches float64 to bfloat16 rounding."""
-    dim = 128
+    results, expected = one_hot_rows(scale, exponent, layout, 128, forward_kernels)
+    assert forward_kernels.ran == ["hopper"]
+    assert relative_error(results[4], expected[0]) < 1e-6
+    assert relative_error(results[7], expected[3]) < TOLERANCES["bf16"][2]
+
+
+def one_hot_rows(scale, exponent, layout, dim, kernels):
+    """`test_large_logits_with_any_scale`'s problem run forward and backward by `kernels` (`Chosen`):
+    (results, float64 reference), results' gradients checked finite."""
     batch = Batch.make([13, 140, 2], 2, dim, extra=3, seed=9)
     batch.k = np.random.default_rng(5).integers(-8, 9, batch.k.shape).astype(np.float64)
     batch.q = batch.k * 2.0**exponent
     kwargs = {} if scale is None else {"scale": scale}
     results = run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=256,
-                      **forward_kernels.kwargs, **kwargs)
-    assert forward_kernels.ran == ["hopper"]
+                      **kernels.kwargs, **kwargs)
     for b in range(3):
         tokens = slice(batch.offsets[b], batch.offsets[b + 1])
         scores = np.sort(np.einsum("qhd,khd->hqk", results[0][tokens], results[1][tokens]), axis=-1)
         assert np.all(scores[..., -1] > scores[..., -2]), "a tie at the top: pick another seed"
     expected = reference(*results[:4], batch.offsets, 256, scale=dim**-0.5 if scale is None else scale)
     assert all(np.all(np.isfinite(x)) for x in results[4:])
-    assert relative_error(results[4], expected[0]) < 1e-6
-    assert relative_error(results[7], expected[3]) < TOLERANCES["bf16"][2]
+    return results, expected
 
 
 @pytest.mark.gpu
@@ -783,6 +789,21 @@ def test_backward_with_narrower_query_tiles(case, layout, block_m, backward_kern
     monkeypatch.setenv(select.TUNED_CONFIGS_ENV, narrower_dkdv_table(tmp_path, block_m))
     check_backward(case, layout, "bf16", backward_kernels)
     assert backward_kernels.calls[-1][3].tiles.dkdv.block_m == block_m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale,exponent,layout,dim", [(None, 10, "THD", 128), (1 / 3, 30, "HTD", 64),
+                                                       (0.7, 59, "THD", 256)],
+                         ids=["default-scale-logits~1e6-D128", "scale-1/3-logits~1e12-D64",
+                              "scale-0.7-logits~1e21-D256"])
+def test_backward_at_large_logits(scale, exponent, layout, dim, backward_kernels):
+    """The forward's one-hot rows at logits to 1e21 (`one_hot_rows`) through the Hopper backward: each
+    top score, equal to its row's log-sum-exp, gets probability exactly 1 and the rest 0, so dv (the dO
+    of the queries whose top key each key is) matches float64 to bfloat16 rounding, and nothing is
+    inf or NaN."""
+    results, expected = one_hot_rows(scale, exponent, layout, dim, backward_kernels)
+    assert backward_kernels.ran == ["hopper"]
+    assert relative_error(results[7], expected[3]) < TOLERANCES["bf16"][2]
 
 
 @pytest.mark.gpu

@@ -43,7 +43,7 @@ SASS_OPCODES = ("FFMA", "FADD", "FMUL", "FMNMX", "MUFU.EX2", "FSEL", "F2FP")
 def ptxas_report(ptx: str, sass: bool = False) -> tuple[str, str, str, dict | None]:
     """(registers, spill store bytes, spill load bytes, the SASS opcode counts or None) of `ptx`
     assembled for sm_90a."""
-    
+
     with tempfile.TemporaryDirectory() as tmp:
         source, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(source, "w") as f:

@@ -47,13 +47,17 @@
 #  20  triton 3.9 (installed by 15): 19's rows
 #  21  triton 3.9 (after staging): its install, 20, then memcheck (MEMCHECK) under 3.9 beside the tests the
 #      3.6 suite logs REST did not reach
+#  22  triton 3.6, staging .t39a: the Hopper backward's probabilities in one FFMA a score (a patch applied
+#      to a copy): its GPU tests beside memcheck, then its timing against the tree's (alternating runs)
+#  23  triton 3.9 (after staging): its install, then 22's work under it (the dq-fused backward too)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
-# does for any chunk folder. Next: 3.9's suite with the portable kernels forced (SUITES=suite-portable 15;
-# last run in session 7, on the same portable kernels), and the kernels' next change (the softmax's
-# arithmetic as FFMA: docs/performance.md, the D = 64 account) under 19, 14 and 15.
+# does for any chunk folder. Next: 22, STAGE_ONLY=1 2-4, `stage .t39e`, 23 (the FFMA patch under both
+# tritons; if it is faster, merge it and run 14 and 15 on the tree, and 19's Nsight account on it); 3.9's
+# suite with the portable kernels forced (SUITES=suite-portable 15; last run in session 7, on the same
+# portable kernels).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..21|stage DIR}
+call=${1:?usage: bash tests/gpu/session.sh 1..23|stage DIR}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -93,6 +97,21 @@ hstu_jax() {  # $1 triton, $2 PYTHONPATH, $3 impls, $4 limit, cases after
     --impls "$impls" --seconds 0.3 > "$out/hstu-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hstu-triton$triton.log"
   cp "/tmp/hstu$triton/hstu_results.json" "$out/hstu-triton$triton.json" 2>/dev/null
   grep "^\[hstu\]" "$out/hstu-triton$triton.log"
+}
+# ab_bench: $1 tag, $2 cases, $3 impls, $4 budget (s) a run, $5 the tree's PYTHONPATH, $6 a variant's copy of
+# the tree (`patched_copy`), run from there (python -m puts the working directory first on the path) with
+# $5's last entry replaced by it: ROUNDS (default 2) alternating runs of each (tree, variant, tree, ...),
+# logs bench-$1-tree-rN and -variant-rN
+ab_bench() {
+  for r in $(seq "${ROUNDS:-2}"); do
+    softmax_bench "$1-tree-r$r" "$2" "$3" "$4" "$5" > /dev/null
+    (cd "$6" && softmax_bench "$1-variant-r$r" "$2" "$3" "$4" "${5%:*}:$6" > /dev/null)
+  done
+  for f in "$out"/bench-"$1"-*.log; do echo "== $(basename "$f")"; grep "fwd+bwd" "$f" | cut -c1-150; done
+}
+patched_copy() {  # $1 a folder, $2 a patch file of benchmarks/results/profile/: the tree there, patched
+  rm -rf "$1" && mkdir "$1" && cp -r jagged_flash_jax tests benchmarks docs README.md pyproject.toml "$1/" \
+    && (cd "$1" && patch -s -p1 < "$OLDPWD/benchmarks/results/profile/$2")
 }
 site36=/tmp/site:$PWD
 site39=/tmp/site39:/tmp/site:$PWD
@@ -304,5 +323,22 @@ case $call in
          -o addopts=-ra -p no:cacheprovider >> "$out/rest-$tag.log" 2>&1; echo "rc=$?" >> "$out/rest-$tag.log" &
      done
      wait; elapsed "call 21"; summary ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..21|stage DIR" >&2; exit 2 ;;
+  22|23) # the Hopper backward's probabilities in one FFMA a score (benchmarks/results/profile/
+     # 2026-12-05_ffma_softmax.mbox, applied to a copy of the tree in /tmp/ffma): its Hopper GPU tests
+     # (backward, large logits, fused dq) from the copy beside memcheck of its default Hopper kernels,
+     # then its timing against the tree's (`ab_bench`: CASES, BUDGET a run); 22 triton 3.6 (staging
+     # .t39a), 23 triton 3.9 (after staging: its install), the dq-fused backward too
+     use_triton $([ $call = 22 ] && echo 3.6 || echo 3.9)
+     patched_copy /tmp/ffma 2026-12-05_ffma_softmax.mbox || exit 1
+     ffma_path=${path%:*}:/tmp/ffma
+     memcheck $triton "$ffma_path" 200 "['hopper']" False "-ffma" &
+     (cd /tmp/ffma && PYTHONPATH=$ffma_path timeout 220 python3 -m pytest tests/test_hopper.py -m gpu \
+        -k "backward or large_logits or fused" -p xdist -n 8 -o addopts=-ra -q -p no:cacheprovider \
+        > "$out/ffma-tests-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/ffma-tests-triton$triton.log")
+     wait; elapsed "tests, memcheck"; summary
+     impls=jfa-triton; [ $triton = 3.9 ] && impls=jfa-triton,jfa-triton-fused-dq
+     ab_bench "ffma-triton$triton" "${CASES:-long,L4096-D64,L16384,L4096-D256}" $impls ${BUDGET:-80} "$path" \
+       /tmp/ffma
+     elapsed "call $call" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..23|stage DIR" >&2; exit 2 ;;
 esac

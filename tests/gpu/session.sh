@@ -50,14 +50,15 @@
 #  22  triton 3.6, staging .t39a: the Hopper backward's probabilities in one FFMA a score (a patch applied
 #      to a copy): its GPU tests beside memcheck, then its timing against the tree's (alternating runs)
 #  23  triton 3.9 (after staging): its install, then 22's work under it (the dq-fused backward too)
+#  24  triton 3.6 (after 22): 19's Nsight Compute account of the Hopper backward on the patched copy
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
-# does for any chunk folder. Next: 22, STAGE_ONLY=1 2-4, `stage .t39e`, 23 (the FFMA patch under both
-# tritons; if it is faster, merge it and run 14 and 15 on the tree, and 19's Nsight account on it); 3.9's
+# does for any chunk folder. Next: 22, 24, STAGE_ONLY=1 2-4, `stage .t39e`, 23 (the FFMA patch under both
+# tritons, its Nsight account; if it is faster, merge it and run 14 and 15 on the tree); 3.9's
 # suite with the portable kernels forced (SUITES=suite-portable 15; last run in session 7, on the same
 # portable kernels).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..23|stage DIR}
+call=${1:?usage: bash tests/gpu/session.sh 1..24|stage DIR}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -112,6 +113,17 @@ ab_bench() {
 patched_copy() {  # $1 a folder, $2 a patch file of benchmarks/results/profile/: the tree there, patched
   rm -rf "$1" && mkdir "$1" && cp -r jagged_flash_jax tests benchmarks docs README.md pyproject.toml "$1/" \
     && (cd "$1" && patch -s -p1 < "$OLDPWD/benchmarks/results/profile/$2")
+}
+# ncu_backward: $1 case, $2 PYTHONPATH, $3 the log's tag: Nsight Compute of the Hopper backward's two kernels
+# on one step of $1 (benchmarks/probes/one_step.py, run from the working directory) into ncu-$3.txt
+ncu_backward() {
+  PYTHONPATH=$2 timeout 200 ncu --clock-control none --target-processes all \
+    --kernel-name "regex:^attention_bwd_(dkdv|dq)_kernel$" --launch-count 2 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+    --section Occupancy --section SchedulerStats --section InstructionStats python3 -m benchmarks.probes.one_step \
+    --case "$1" --mode fwd+bwd > "$out/ncu-$3.txt" 2>&1
+  echo "rc=$?" >> "$out/ncu-$3.txt"
+  grep -E "attention_bwd|Duration|Compute \(SM\) Throughput|No Eligible|Issued Warp" "$out/ncu-$3.txt"
 }
 site36=/tmp/site:$PWD
 site39=/tmp/site39:/tmp/site:$PWD
@@ -291,15 +303,7 @@ case $call in
      # triton 3.9 as 15 installed it
      if [ $call = 19 ]; then
        use_triton 3.6
-       for case in ${CASES:-L4096-D64 L4096}; do
-         PYTHONPATH=$path timeout 200 ncu --clock-control none --target-processes all \
-           --kernel-name "regex:^attention_bwd_(dkdv|dq)_kernel$" --launch-count 2 --section SpeedOfLight \
-           --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
-           --section Occupancy --section SchedulerStats --section InstructionStats python3 -m benchmarks.probes.one_step \
-           --case "$case" --mode fwd+bwd > "$out/ncu-$case.txt" 2>&1
-         echo "rc=$?" >> "$out/ncu-$case.txt"
-         grep -E "attention_bwd|Duration|Compute \(SM\) Throughput|No Eligible|Issued Warp" "$out/ncu-$case.txt"
-       done; elapsed "ncu"
+       for case in ${CASES:-L4096-D64 L4096}; do ncu_backward "$case" "$path" "$case"; done; elapsed "ncu"
      else
        triton=3.9 path=$site39
      fi
@@ -340,5 +344,11 @@ case $call in
      ab_bench "ffma-triton$triton" "${CASES:-long,L4096-D64,L16384,L4096-D256}" $impls ${BUDGET:-80} "$path" \
        /tmp/ffma
      elapsed "call $call" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..23|stage DIR" >&2; exit 2 ;;
+  24) # triton 3.6 (after 22, whose patched copy is in /tmp/ffma): 19's Nsight Compute of the Hopper
+     # backward's kernels on CASES, from the copy (its instructions and fused FP32 count against 19's)
+     [ -d /tmp/ffma/jagged_flash_jax ] || { echo "no /tmp/ffma: run 22 first" >&2; exit 1; }
+     for case in ${CASES:-L4096-D64 L4096}; do
+       (cd /tmp/ffma && ncu_backward "$case" "/tmp/site:/tmp/ffma" "ffma-$case")
+     done; elapsed "call 24" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..24|stage DIR" >&2; exit 2 ;;
 esac

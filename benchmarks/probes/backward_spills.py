@@ -43,7 +43,6 @@ SASS_OPCODES = ("FFMA", "FADD", "FMUL", "FMNMX", "MUFU.EX2", "FSEL", "F2FP")
 def ptxas_report(ptx: str, sass: bool = False) -> tuple[str, str, str, dict | None]:
     """(registers, spill store bytes, spill load bytes, the SASS opcode counts or None) of `ptx`
     assembled for sm_90a."""
-
     with tempfile.TemporaryDirectory() as tmp:
         source, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(source, "w") as f:
@@ -74,7 +73,6 @@ def main() -> None:
     parser.add_argument("--sass", action="store_true", help="count SASS_OPCODES in each kernel too")
     parser.add_argument("--only", help="the CONFIGS whose name contains this")
     args = parser.parse_args()
-    sass = args.sass
     print(f"triton {triton.__version__}, sm_90a, bfloat16, THD")
     # (fused_dq, TMA reduce-adds): the unfused kernels, then dq fused by atomics, then by TMA (if any)
     paths = [(False, False), (True, False)] + ([(True, True)] if _compat.gluon_tma_reduce() else [])
@@ -89,7 +87,7 @@ def main() -> None:
         for call, arrays in launches:
             with contextlib.redirect_stdout(io.StringIO()):
                 ptx, _ = th.compile_for_sm90(call, arrays)
-            regs, stores, loads, counts = ptxas_report(ptx, sass)
+            regs, stores, loads, counts = ptxas_report(ptx, args.sass)
             mix = "" if counts is None else "; SASS " + ", ".join(f"{k} {v}" for k, v in counts.items())
             print(f"{call.kernel.__name__:34s} {name:38s} registers {regs}, spill stores {stores:>5s} B, "
                   f"loads {loads:>5s} B{mix}", flush=True)

@@ -51,6 +51,8 @@
 #      to a copy): its GPU tests beside memcheck, then its timing against the tree's (alternating runs)
 #  23  triton 3.9 (after staging): its install, then 22's work under it (the dq-fused backward too)
 #  24  triton 3.6 (after 22): 19's Nsight Compute account of the Hopper backward on the patched copy
+#  25  D = 64's dk/dv query tiles of 128 as tuned entries: their D = 64 GPU tests, then their timing
+#      against the table's (TRITON, default 3.6, staging .t39a)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. Next: 22, 24, STAGE_ONLY=1 2-4, `stage .t39e`, 23 (the FFMA patch under both
 # tritons, its Nsight account; if it is faster, merge it and run 14 and 15 on the tree); 3.9's
@@ -58,7 +60,7 @@
 # portable kernels).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..24|stage DIR}
+call=${1:?usage: bash tests/gpu/session.sh 1..25|stage DIR}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -350,5 +352,25 @@ case $call in
      for case in ${CASES:-L4096-D64 L4096}; do
        (cd /tmp/ffma && ncu_backward "$case" "/tmp/site:/tmp/ffma" "ffma-$case")
      done; elapsed "call 24" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..24|stage DIR" >&2; exit 2 ;;
+  25) # D = 64's dk/dv query tiles of 128 (each consumer's S^T and dP^T 64 keys x 128 queries; ptxas: 168
+     # registers, 708 B of spill stores, 40 causal, 117 KB of shared memory), as a tuned table's entries
+     # (dk/dv 128x128 in 2 and 3 stages, dq the table's 128x128 in 3): the Hopper backward's D = 64 GPU
+     # tests with each, then timing on the D = 64 rows against the table's (TRITON, default 3.6 staging
+     # .t39a; 3.9 after staging)
+     use_triton ${TRITON:-3.6}
+     softmax_bench "d64bm-table-triton$triton" "${CASES:-L4096-D64,L4096-D64-causal}" jfa-triton-hopper-bwd \
+       ${BUDGET:-30} "$path"
+     for dkdv in 128,128,4,2 128,128,4,3; do
+       echo "[{\"gpu\": \"NVIDIA H200\", \"kernels\": \"hopper\", \"bits\": 16, \"head_dim\": 64,
+               \"max_seq_len\": null, \"fwd\": null, \"dkdv\": [$dkdv,168], \"dq\": [128,128,4,3,168]}]" \
+         > "/tmp/d64-$dkdv.json"
+       JAGGED_FLASH_JAX_TUNED_CONFIGS="/tmp/d64-$dkdv.json" PYTHONPATH=$path timeout 150 python3 -m pytest \
+         tests/test_hopper.py -m gpu -k "D64 or large_logits" -p xdist -n 8 -o addopts=-ra -q \
+         -p no:cacheprovider > "$out/d64bm-tests-${dkdv//,/x}-triton$triton.log" 2>&1
+       echo "rc=$?" >> "$out/d64bm-tests-${dkdv//,/x}-triton$triton.log"
+       JAGGED_FLASH_JAX_TUNED_CONFIGS="/tmp/d64-$dkdv.json" softmax_bench "d64bm-${dkdv//,/x}-triton$triton" \
+         "${CASES:-L4096-D64,L4096-D64-causal}" jfa-triton-hopper-bwd ${BUDGET:-30} "$path"
+     done
+     summary; grep -h "fwd+bwd" "$out"/bench-d64bm-*.log | cut -c1-150; elapsed "call 25" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..25|stage DIR" >&2; exit 2 ;;
 esac

@@ -53,8 +53,8 @@
 #  24  triton 3.6 (after 22): 19's Nsight Compute account of the Hopper backward on the patched copy
 #  25  D = 64's dk/dv query tiles of 128 as tuned entries: their D = 64 GPU tests, then their timing
 #      against the table's (TRITON, default 3.6, staging .t39a)
-#  26  triton 3.9 (after staging): the banded dk/dv with its own waits (a patch on a copy): its backward
-#      GPU tests beside memcheck, then its timing against the tree's on the causal and window rows
+#  26  triton 3.9 (after staging): the banded dk/dv and dq with their own waits (patches on copies): the
+#      backward GPU tests beside memcheck, then the timing against the tree's (banded rows; long rows)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. Next: 22, 24, STAGE_ONLY=1 2-4, `stage .t39e`, 23 (the FFMA patch under both
 # tritons, its Nsight account; if it is faster, merge it and run 14 and 15 on the tree); 3.9's
@@ -374,21 +374,26 @@ case $call in
          "${CASES:-L4096-D64,L4096-D64-causal}" jfa-triton-hopper-bwd ${BUDGET:-30} "$path"
      done
      summary; grep -h "fwd+bwd" "$out"/bench-d64bm-*.log | cut -c1-150; elapsed "call 25" ;;
-  26) # triton 3.9 (after staging): the banded dk/dv with its own waits (benchmarks/results/profile/
-     # 2026-12-05_banded_own_waits.mbox, applied to a copy in /tmp/ownwaits; under 3.9 the pipeliner's
-     # PTX had ptxas serialize its every wgmma): the Hopper backward's GPU tests from the copy beside
-     # memcheck of its Hopper kernels, then its timing against the tree's on the banded rows (`ab_bench`:
-     # CASES, BUDGET a run, ROUNDS)
+  26) # triton 3.9 (after staging): own waits for the banded dk/dv and for dq (benchmarks/results/profile/
+     # 2026-12-05_banded_and_dq_own_waits.mbox, its first commit alone 2026-12-05_banded_own_waits.mbox;
+     # under 3.9 the pipeliner's PTX of the banded dk/dv had ptxas serialize its every wgmma): the Hopper
+     # backward's GPU tests from a copy with both beside memcheck of its Hopper kernels, then the timing
+     # against the tree's (`ab_bench`, ROUNDS default 1) of the banded dk/dv's alone on the banded rows
+     # (CASES), then of both on the rows dq's change reaches (DQ_CASES); BUDGET a run
      use_triton 3.9
      patched_copy /tmp/ownwaits 2026-12-05_banded_own_waits.mbox || exit 1
-     own_path=${path%:*}:/tmp/ownwaits
+     patched_copy /tmp/ownwaits-dq 2026-12-05_banded_and_dq_own_waits.mbox || exit 1
+     own_path=${path%:*}:/tmp/ownwaits-dq
      memcheck $triton "$own_path" 180 "['hopper']" False "-ownwaits" &
-     (cd /tmp/ownwaits && PYTHONPATH=$own_path timeout 200 python3 -m pytest tests/test_hopper.py -m gpu \
+     (cd /tmp/ownwaits-dq && PYTHONPATH=$own_path timeout 200 python3 -m pytest tests/test_hopper.py -m gpu \
         -k "backward" -p xdist -n 8 -o addopts=-ra -q -p no:cacheprovider \
         > "$out/ownwaits-tests-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/ownwaits-tests-triton$triton.log")
      wait; elapsed "tests, memcheck"; summary
-     ab_bench "ownwaits-triton$triton" "${CASES:-L16384-causal,long-causal,L4096-D64-causal,L16384-w1024}" \
-       jfa-triton ${BUDGET:-45} "$path" /tmp/ownwaits
+     ROUNDS=${ROUNDS:-1} ab_bench "ownwaits-triton$triton" \
+       "${CASES:-L16384-causal,long-causal,L4096-D64-causal,L16384-w1024}" jfa-triton ${BUDGET:-40} "$path" \
+       /tmp/ownwaits
+     ROUNDS=${ROUNDS:-1} ab_bench "ownwaits-dq-triton$triton" "${DQ_CASES:-long,L16384,L16384-causal}" \
+       jfa-triton ${BUDGET:-40} "$path" /tmp/ownwaits-dq
      elapsed "call 26" ;;
   *) echo "usage: bash tests/gpu/session.sh 1..26|stage DIR" >&2; exit 2 ;;
 esac

@@ -393,8 +393,8 @@ case $call in
      ROUNDS=${ROUNDS:-1} ab_bench "ownwaits-triton$triton" \
        "${CASES:-L16384-causal,long-causal,L4096-D64-causal,L16384-w1024}" jfa-triton ${BUDGET:-40} "$path" \
        /tmp/ownwaits
-     ROUNDS=${ROUNDS:-1} ab_bench "ownwaits-dq-triton$triton" "${DQ_CASES:-long,L16384,L16384-causal}" \
-       jfa-triton ${BUDGET:-40} "$path" /tmp/ownwaits-dq
+     [ -n "${DQ_CASES-x}" ] && ROUNDS=${ROUNDS:-1} ab_bench "ownwaits-dq-triton$triton" \
+       "${DQ_CASES:-long,L16384,L16384-causal}" jfa-triton ${BUDGET:-40} "$path" /tmp/ownwaits-dq  # DQ_CASES= : none
      elapsed "call 26" ;;
   *) echo "usage: bash tests/gpu/session.sh 1..26|stage DIR" >&2; exit 2 ;;
 esac

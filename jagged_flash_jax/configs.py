@@ -90,8 +90,23 @@ HOPPER_PRODUCER_REGS = 24
 # own waits is faster where no band masks its query tiles (neither causal nor a window: 2.5-3.3% on
 # `long`) and slower under a window (4% at a window of 1024): docs/performance.md, "Hopper kernels".
 HOPPER_FWD_TRITON_STAGES = 0
-HOPPER_BWD_TRITON_STAGES = 1  # dq, and dk/dv under causal or a window
+HOPPER_BWD_TRITON_STAGES = 1  # dq, and dk/dv under causal or a window before triton 3.7
 HOPPER_DKDV_UNBANDED_TRITON_STAGES = 0
+# From triton 3.7 on, the pipeliner's PTX of a banded dk/dv makes ptxas serialize every wgmma (its C7513:
+# "non wgmma instructions defining input registers of a wgmma between start and end of the pipeline
+# stage"; CUDA 13.0's ptxas and Triton 3.9's alike, causal or a window at D = 64 and 128; SASS: a
+# WARPGROUP.DEPBAR after each of the loop's 24 HGMMA, where the same kernel from triton 3.6 waits where
+# its PTX says, 5 times a tile): from there the banded dk/dv takes its own waits too.
+HOPPER_DKDV_BANDED_OWN_WAITS_FROM = (3, 7)
+
+
+def hopper_dkdv_triton_stages(banded: bool, triton_release: tuple[int, ...]) -> int:
+    """Triton's num_stages for the Hopper dk/dv kernel (with or without a band) under a Triton release."""
+    if banded and triton_release < HOPPER_DKDV_BANDED_OWN_WAITS_FROM:
+        return HOPPER_BWD_TRITON_STAGES
+    return HOPPER_DKDV_UNBANDED_TRITON_STAGES
+
+
 # The Hopper kernels take 16-bit inputs (bfloat16, float16) only: the table refuses "hopper" entries of
 # other bits (entry_from_json), so that a problem's Hopper tiles alone say whether a Hopper kernel runs.
 HOPPER_BITS = 16

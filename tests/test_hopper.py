@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import tempfile
 import time
 
 import jax
@@ -235,16 +238,48 @@ def test_the_hopper_dkdv_compiles_with_query_tiles_narrower_than_a_warp():
     check_compiled(*compile_for_sm90(call, arrays))
 
 
-@pytest.mark.parametrize("causal,window,dkdv_stages", [
-    (False, (None, None), configs.HOPPER_DKDV_UNBANDED_TRITON_STAGES),
-    (True, (None, None), configs.HOPPER_BWD_TRITON_STAGES),
-    (False, (None, 8), configs.HOPPER_BWD_TRITON_STAGES)])
-def test_dkdv_takes_its_own_waits_only_without_a_band(causal, window, dkdv_stages):
+@pytest.mark.parametrize("causal,window", [(False, (None, None)), (True, (None, None)), (False, (None, 8))])
+def test_dkdv_takes_its_own_waits_without_a_band_and_from_triton_3_7(causal, window):
     """Triton's num_stages (whether its pipeliner waits on every product) of the Hopper backward's
-    kernels: dk/dv's own waits without causal or a window, the pipeliner's with either; dq's always."""
+    kernels: dk/dv's own waits without causal or a window, and with either from triton 3.7 (whose
+    pipeliner's PTX ptxas serializes, below); dq the pipeliner's always."""
+    from jagged_flash_jax import _compat
+
     (dkdv, _), (dq, _) = hopper_backward_calls(128, causal, "THD", jnp.bfloat16, window=window)
-    assert (dkdv.num_stages, dq.num_stages) == (dkdv_stages, configs.HOPPER_BWD_TRITON_STAGES)
+    banded = causal or window != (None, None)
+    own = not banded or _compat.triton_release() >= (3, 7)
+    expected = configs.HOPPER_DKDV_UNBANDED_TRITON_STAGES if own else configs.HOPPER_BWD_TRITON_STAGES
+    assert (dkdv.num_stages, dq.num_stages) == (expected, configs.HOPPER_BWD_TRITON_STAGES)
     assert configs.HOPPER_DKDV_UNBANDED_TRITON_STAGES != configs.HOPPER_BWD_TRITON_STAGES
+    assert [configs.hopper_dkdv_triton_stages(banded, release) for release in ((3, 6, 0), (3, 9, 0))] == (
+        [configs.HOPPER_BWD_TRITON_STAGES if banded else 0, 0])
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
+@pytest.mark.parametrize("dim,causal,window", [(64, True, (None, None)), (128, True, (None, None)),
+                                               (128, False, (64, 0))])
+def test_ptxas_keeps_the_banded_dkdv_products_asynchronous(dim, causal, window):
+    """The banded dk/dv (causal, a window: where triton 3.9's pipeliner PTX had ptxas serialize every
+    wgmma, its info C7513) assembled for sm_90a by Triton's own ptxas: no serialized wgmma, and the
+    SASS waits for all of a warpgroup's products (WARPGROUP.DEPBAR.LE gsb0, 0x0) no more often than the
+    PTX asks it to (wgmma.wait_group 0)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    if not implementations.gluon_available():
+        pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
+    (call, arrays), _ = hopper_backward_calls(dim, causal, "THD", jnp.bfloat16, window=window)
+    ptx, _ = compile_for_sm90(call, arrays)
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as tmp:
+        source, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(source, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([ptxas, "-arch=sm_90a", source, "-o", cubin], capture_output=True, text=True,
+                             check=True)
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    assert "serialized" not in run.stderr, run.stderr
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= ptx.count("wgmma.wait_group.sync.aligned 0")
 
 
 # (dim, causal, layout, dtype, options, block_m): the unfused kernels' compile cases (D = 64 causal, where

@@ -1248,7 +1248,9 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
         assert hopper_backward_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, *params)
         assert tuple(call.pop("out_type")) == outputs
         options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
-        assert options == (4, configs.HOPPER_BWD_TRITON_STAGES, dict(gpu.COMPILE_OPTIONS, maxnreg=168))
+        stages = (configs.hopper_dkdv_triton_stages(True, _compat.triton_release())  # causal
+                  if kernel is kernels.hopper_attention_bwd_dkdv_kernel else configs.HOPPER_BWD_TRITON_STAGES)
+        assert options == (4, stages, dict(gpu.COMPILE_OPTIONS, maxnreg=168))
         if kernel is kernels.hopper_attention_bwd_dkdv_kernel:
             heads = dict(NUM_KV_HEADS=2, OUT_SCALE=1.0, BLOCK_M=64, BLOCK_N=128, STAGES=2)
         else:

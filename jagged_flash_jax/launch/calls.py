@@ -22,13 +22,13 @@ from .._util import cdiv, lse_gradient, slopes_in_score_units
 from ..configs import (
     HOPPER_BWD_TRITON_STAGES,
     HOPPER_CONSUMER_REGS,
-    HOPPER_DKDV_UNBANDED_TRITON_STAGES,
     HOPPER_FWD_TRITON_STAGES,
     HOPPER_PRODUCER_REGS,
     MAX_HEAD_DIM,
     BlockSizes,
     KernelConfig,
     head_block,
+    hopper_dkdv_triton_stages,
 )
 from ..jagged import sequence_bounds
 from ..kernels import spec
@@ -517,8 +517,7 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
     dkdv_call = _hopper_call(
         dkdv_spec, p, config, dkdv, dkdv_outputs, blocks(dkdv.block_n, p.kv_tokens, p.kv_max_seq_len),
         p.kv_tokens, dict(scales, NUM_KV_HEADS=p.num_kv_heads, OUT_SCALE=p.out_scale),
-        HOPPER_BWD_TRITON_STAGES if p.banded else HOPPER_DKDV_UNBANDED_TRITON_STAGES, descriptor_blocks,
-        updated)
+        hopper_dkdv_triton_stages(p.banded, _compat.triton_release()), descriptor_blocks, updated)
     if config.fused_dq:
         results = dict(zip(dkdv_spec.results, launch(run, dkdv_call, **inputs)))
         dq_acc = results["dq_acc"]

@@ -55,6 +55,8 @@
 #      against the table's (TRITON, default 3.6, staging .t39a)
 #  26  triton 3.9 (after staging): the banded dk/dv and dq with their own waits (patches on copies): the
 #      backward GPU tests beside memcheck, then the timing against the tree's (banded rows; long rows)
+#  27  the tree against a copy with PATCH reversed (default the FFMA softmax's, once merged): alternating
+#      timings under TRITON (3.6 staging STAGE; 3.9 after its install)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. Next: 22, 24, STAGE_ONLY=1 2-4, `stage .t39e`, 23 (the FFMA patch under both
 # tritons, its Nsight account; if it is faster, merge it and run 14 and 15 on the tree); 3.9's
@@ -62,7 +64,7 @@
 # portable kernels).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..26|stage DIR}
+call=${1:?usage: bash tests/gpu/session.sh 1..27|stage DIR}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -115,8 +117,9 @@ ab_bench() {
   for f in "$out"/bench-"$1"-*.log; do echo "== $(basename "$f")"; grep "fwd+bwd" "$f" | cut -c1-150; done
 }
 patched_copy() {  # $1 a folder, $2 a patch file of benchmarks/results/profile/: the tree there, patched
+  # ($3 -R: the patch reversed, the tree without a change it holds)
   rm -rf "$1" && mkdir "$1" && cp -r jagged_flash_jax tests benchmarks docs README.md pyproject.toml "$1/" \
-    && (cd "$1" && patch -s -p1 < "$OLDPWD/benchmarks/results/profile/$2")
+    && (cd "$1" && patch -s ${3:-} -p1 < "$OLDPWD/benchmarks/results/profile/$2")
 }
 # ncu_backward: $1 case, $2 PYTHONPATH, $3 the log's tag: Nsight Compute of the Hopper backward's two kernels
 # on one step of $1 (benchmarks/probes/one_step.py, run from the working directory) into ncu-$3.txt
@@ -396,5 +399,18 @@ case $call in
      [ -n "${DQ_CASES-x}" ] && ROUNDS=${ROUNDS:-1} ab_bench "ownwaits-dq-triton$triton" \
        "${DQ_CASES:-long,L16384,L16384-causal}" jfa-triton ${BUDGET:-40} "$path" /tmp/ownwaits-dq  # DQ_CASES= : none
      elapsed "call 26" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..26|stage DIR" >&2; exit 2 ;;
+  27) # the tree against a copy without a change it holds (PATCH, a file of benchmarks/results/profile/,
+     # reversed; default the FFMA softmax's): ROUNDS (default 2) alternating timings (`ab_bench`: CASES,
+     # IMPLS, BUDGET a run; the variant's logs are the copy's) under TRITON (3.6, staging STAGE, default
+     # .t39a; 3.9 once 5 or 15 installed it)
+     if [ "${TRITON:-3.6}" = 3.9 ]; then
+       triton=3.9 path=$site39
+     else
+       stage "${STAGE:-.t39a}"; triton=3.6 path=$site36
+     fi
+     patched_copy /tmp/reverted "${PATCH:-2026-12-05_ffma_softmax.mbox}" -R || exit 1
+     ab_bench "reverted-triton$triton" "${CASES:-long,L16384}" "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" \
+       /tmp/reverted
+     elapsed "call 27" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..27|stage DIR" >&2; exit 2 ;;
 esac

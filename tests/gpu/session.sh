@@ -402,13 +402,21 @@ case $call in
   27) # the tree against a copy without a change it holds (PATCH, a file of benchmarks/results/profile/,
      # reversed; default the FFMA softmax's): ROUNDS (default 2) alternating timings (`ab_bench`: CASES,
      # IMPLS, BUDGET a run; the variant's logs are the copy's) under TRITON (3.6, staging STAGE, default
-     # .t39a; 3.9 once 5 or 15 installed it)
+     # .t39a; 3.9 once 5 or 15 installed it); TESTS=1: first the tree's Hopper backward GPU tests beside
+     # memcheck of its Hopper kernels
      if [ "${TRITON:-3.6}" = 3.9 ]; then
        triton=3.9 path=$site39
      else
        stage "${STAGE:-.t39a}"; triton=3.6 path=$site36
      fi
      patched_copy /tmp/reverted "${PATCH:-2026-12-05_ffma_softmax.mbox}" -R || exit 1
+     if [ "${TESTS:-0}" = 1 ]; then  # first the tree's Hopper backward GPU tests beside memcheck of its Hopper kernels
+       memcheck $triton "$path" 200 "['hopper']" False "-hopper" &
+       (PYTHONPATH=$path timeout 220 python3 -m pytest tests/test_hopper.py -m gpu -k "backward or large_logits or fused" \
+          -p xdist -n 8 -o addopts=-ra -q -p no:cacheprovider > "$out/hopper-bwd-tests-triton$triton.log" 2>&1
+        echo "rc=$?" >> "$out/hopper-bwd-tests-triton$triton.log")
+       wait; elapsed "tests, memcheck"; summary
+     fi
      ab_bench "reverted-triton$triton" "${CASES:-long,L16384}" "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" \
        /tmp/reverted
      elapsed "call 27" ;;

@@ -57,6 +57,8 @@
 #      backward GPU tests beside memcheck, then the timing against the tree's (banded rows; long rows)
 #  27  the tree against a copy with PATCH reversed (default the FFMA softmax's, once merged): alternating
 #      timings under TRITON (3.6 staging STAGE; 3.9 after its install)
+#  28  triton 3.9 (after staging): its install, then the banded rows (causal, windows, D = 64 causal) and
+#      the long rows against cuDNN, for results.json
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. Next: 22, 24, STAGE_ONLY=1 2-4, `stage .t39e`, 23 (the FFMA patch under both
 # tritons, its Nsight account; if it is faster, merge it and run 14 and 15 on the tree); 3.9's
@@ -64,7 +66,7 @@
 # portable kernels).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..27|stage DIR}
+call=${1:?usage: bash tests/gpu/session.sh 1..28|stage DIR}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -420,5 +422,11 @@ case $call in
      ab_bench "reverted-triton$triton" "${CASES:-long,L16384}" "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" \
        /tmp/reverted
      elapsed "call 27" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..27|stage DIR" >&2; exit 2 ;;
+  28) # triton 3.9 (after staging): its install, then the rows the banded dk/dv's own waits (f47179d) and the
+     # FFMA softmax change, against cuDNN in one process (CASES; BUDGET), for results.json
+     use_triton 3.9
+     softmax_bench rows-triton3.9 "${CASES:-L16384-causal,long-causal,L4096-D64-causal,window,long,L16384,L4096-D64}" \
+       jfa-triton,cudnn-packed,cudnn-padded ${BUDGET:-300} "$path"
+     grep -h "fwd+bwd" "$out"/bench-rows-triton3.9.log | cut -c1-150; elapsed "call 28" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..28|stage DIR" >&2; exit 2 ;;
 esac

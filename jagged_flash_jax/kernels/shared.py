@@ -271,10 +271,26 @@ def soft_cap(s, SCORES: tl.constexpr):
 
 @triton.jit
 def probability(x):
-    """exp2(x) bounded by 1, for the backward's probabilities exp2((s - lse) * QK_SCALE): it forms the
-    scores s again, and where its rounding differs from the forward's (large logits, other tiles or
-    operand order) s - lse may exceed 0, and exp2 reach inf. A NaN stays NaN."""
+    """exp2(x) bounded by 1, for the backward's probabilities: x = (s - lse) * QK_SCALE in the portable
+    backward, s * QK_SCALE - `scaled_down`(lse, QK_SCALE) in the Hopper one. It forms the scores s again,
+    and where its rounding differs from the forward's (large logits, other tiles or operand order) x may
+    exceed 0, and exp2 reach inf. A NaN stays NaN."""
     return tl.math.exp2(tl.minimum(x, 0.0, propagate_nan=tl.PropagateNan.ALL))
+
+
+@triton.jit
+def scaled_down(x, scale):
+    """x * scale rounded toward -inf: the log-sum-exp in exp2's units, for the Hopper backward's
+    probabilities in one FFMA, exp2(s * QK_SCALE - lse_scaled) (`probability` bounds it by 1). Down, not
+    to nearest, so that a score equal to the log-sum-exp (a one-hot row's top, at any magnitude) gets
+    exactly 1: s * QK_SCALE - lse_scaled >= 0 there, the product being exact inside the FFMA; elsewhere
+    the exponent is at most one unit in the last place of lse_scaled higher than exact. inf and NaN stay."""
+    y = x * scale
+    below = tl.fma(x, scale, -y) < 0.0  # the exact product lies below y: it was rounded up
+    bits = y.to(tl.int32, bitcast=True)
+    # The float below y (never +0.0 here: a negative product rounds to -0.0, whose next is -2**-149).
+    down = tl.where(y > 0.0, bits - 1, bits + 1).to(tl.float32, bitcast=True)
+    return tl.where(below, down, y)
 
 
 @triton.jit

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..shared import PARAM_BATCH, band, probability, query_ranges
+from ..shared import PARAM_BATCH, band, probability, query_ranges, scaled_down
 from .addressing import (
     PARAM_BLOCKS,
     PARAM_FILL_CHUNK,
@@ -248,7 +248,7 @@ def _dkdv_program(descs, inputs, outputs, SHAPE: gl.constexpr, LENGTHS: gl.const
         (_dkdv_consumer_loop, (pipe, schedule, sequences, arrays, SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
                                1, FUSED_DQ)),
         (_dkdv_producer_loop, ((q_desc, do_desc, k_desc, v_desc, pipe), (lse_ptr, delta_ptr), schedule,
-                               sequences, (q_layout, kv_layout), SHAPE, LENGTHS, BAND, TILES)),
+                               sequences, (q_layout, kv_layout), SHAPE, LENGTHS, BAND, SCORES, TILES)),
     ], [4, 1], [BUILD[2], BUILD[3]])
 
 
@@ -284,7 +284,7 @@ def _query_tiles(key0, n_q, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B
 
 @gluon.jit
 def _dkdv_producer_loop(buffers, stats, schedule, sequences, layouts, SHAPE: gl.constexpr,
-                        LENGTHS: gl.constexpr, BAND: gl.constexpr, TILES: gl.constexpr):
+                        LENGTHS: gl.constexpr, BAND: gl.constexpr, SCORES: gl.constexpr, TILES: gl.constexpr):
     """The load partition: the key blocks with keys that `fetch` takes from the counter (those with no
     query are blocks too: their dk, dv are zeros), each handed out to the consumers and then
     `_dkdv_produce`d, the ring's position and K and V's phase running on; then `end`, which ends the
@@ -300,7 +300,8 @@ def _dkdv_producer_loop(buffers, stats, schedule, sequences, layouts, SHAPE: gl.
         block = key_block(sequences, item, blocks, SHAPE[0], LENGTHS, TILES[1])
         kv_head, q_start, n_q, kv_start, n_k, key0 = block
         kv_origin = tile_origin(kv_start + key0, kv_head, kv_layout)
-        t = _dkdv_produce(buffers, stats, block, kv_origin, q_layout, t, i & 1, SHAPE[1], TILES, BAND)
+        t = _dkdv_produce(buffers, stats, block, kv_origin, q_layout, t, i & 1, SHAPE[1], TILES, BAND,
+                          SCORES[2])
         i += 1
         item = fetch(schedule, kv_offsets_ptr, kv_tokens, SHAPE[0], LENGTHS[1], TILES[1], LAST_FIRST=False)
     hand_out(ring, i, end)
@@ -308,12 +309,13 @@ def _dkdv_producer_loop(buffers, stats, schedule, sequences, layouts, SHAPE: gl.
 
 @gluon.jit
 def _dkdv_produce(buffers, stats, block, kv_origin, q_layout, t, kvp, KV_GROUP: gl.constexpr,
-                  TILES: gl.constexpr, BAND: gl.constexpr):
+                  TILES: gl.constexpr, BAND: gl.constexpr, QK_SCALE: gl.constexpr):
     """The producer's work for one key block (`key_block`'s tuple): its K and V (two halves of 64 rows
     each, from kv_origin, once both consumers have freed the last block's: kv_free's phase kvp ^ 1), then
     the Q and dO tiles of each query head of the group into the ring from its position t as slots free,
-    each with its log-sum-exp and delta (stats = (lse_ptr, delta_ptr); plain loads, zero past n_q) in the
-    slot's lse_smem and delta_smem. Returns the ring's position after the block."""
+    each with its log-sum-exp (in exp2's units, `scaled_down` by QK_SCALE) and delta (stats = (lse_ptr,
+    delta_ptr); plain loads, zero past n_q) in the slot's lse_smem and delta_smem. Returns the ring's
+    position after the block."""
     q_desc, do_desc, k_desc, v_desc, pipe = buffers
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_free, ready, empty, _ = pipe
     lse_ptr, delta_ptr = stats
@@ -352,7 +354,8 @@ def _dkdv_produce(buffers, stats, block, kv_origin, q_layout, t, kvp, KV_GROUP: 
             # barrier's second arrival publishes them (read by plain loads: no proxy fence, as `publish`
             # has for wgmma).
             keep = offs < n_q - m0
-            lse_smem.index(slot).store(gl.load(lse_ptr + stat_base + m0 + offs, mask=keep, other=0.0))
+            lse = gl.load(lse_ptr + stat_base + m0 + offs, mask=keep, other=0.0)
+            lse_smem.index(slot).store(scaled_down(lse, QK_SCALE))
             delta_smem.index(slot).store(gl.load(delta_ptr + stat_base + m0 + offs, mask=keep, other=0.0))
             partition_barrier()
             mbarrier.arrive(bar, count=1)
@@ -478,11 +481,11 @@ def _dkdv_consume(pipe, arrays, block, sequence, position, SHAPE: gl.constexpr, 
                 q0 = m0
                 st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
                 dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-                lse = lse_smem.index(slot).load(col_layout)  # the producer's, zero past n_q
+                lse = lse_smem.index(slot).load(col_layout)  # the producer's, scaled, zero past n_q
             st = warpgroup_mma_wait(1, deps=(st_tok, ))
             st, tanh_st = capped_biased(st, krow0 - (q0 + shift), slope, SCORES, CONSUMER_ROWS, COLS,
                                         st_layout)
-            pt = probability((st - gl.expand_dims(lse, 0)) * SCORES[2])
+            pt = probability(st * SCORES[2] - gl.expand_dims(lse, 0))  # one FFMA a score
             if WINDOWED:
                 masked = (m0 < clean_start) | (m0 >= clean_end)
             else:

@@ -19,6 +19,7 @@ from ..shared import (
     band,
     key_ranges,
     probability,
+    scaled_down,
 )
 from .addressing import PARAM_BLOCKS, PARAM_FILL_CHUNK, read_layout, stat_origin, store_rows
 from .fills import FILL_NONE, zero_fills
@@ -130,7 +131,7 @@ def _dq_consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constex
     row0 = start_m + WG * CONSUMER_ROWS
     rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
     stat = stat_origin(q_start, head, q_tokens) + rows
-    lse = gl.load(lse_ptr + stat, mask=rows < n_q, other=0.0)
+    lse_scaled = scaled_down(gl.load(lse_ptr + stat, mask=rows < n_q, other=0.0), SCORES[2])
     delta = gl.load(delta_ptr + stat, mask=rows < n_q, other=0.0)
     q = q_smem.index(WG)
     do = do_smem.index(WG)
@@ -155,7 +156,7 @@ def _dq_consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constex
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         s, tanh_s = capped_biased(s, row0 + (shift - key_start), slope, SCORES, CONSUMER_ROWS, BLOCK_N,
                                   s_layout)
-        p = probability((s - gl.expand_dims(lse, 1)) * SCORES[2])
+        p = probability(s * SCORES[2] - gl.expand_dims(lse_scaled, 1))  # one FFMA a score
         if SCORES[0] > 0:  # dS takes the cap's derivative, 1 - tanh^2: folded into P here
             p = p * (1.0 - tanh_s * tanh_s)
         dp = warpgroup_mma_wait(0, deps=(dp_tok, ))

@@ -2,18 +2,18 @@
 GPU needed; at D = 128 and 256, with every option's constexpr on), and on a Hopper GPU against the float64
 reference, both layouts, causal, windows (left, right, both), a soft cap, ALiBi, GQA, cross, empty and
 truncated sequences, FBGEMM's op, 16-bit inputs, D = 128 and 256, with the gradients that the portable
-backward takes from its log-sum-exp; inf and nan in unattended tokens, large logits (soft-capped too),
-the log-sum-exp returned, a jitted training step run twice, and the kernel's own zero fill (o = 0,
-log-sum-exp +inf) under adversarial offsets. The Hopper backward (kernels/hopper/dkdv.py, dq.py) likewise:
-its dk/dv and dq kernels compiled for sm_90a (D = 64 causal, D = 128 with every option on, both
-layouts, both 16-bit types), and on a Hopper GPU against float64 (both layouts, causal, windows (left,
-right, both), a soft cap, ALiBi, all with causal, GQA/MQA, cross-attention both ways, empty and
-truncated sequences, D = 64 and 128, float16, FBGEMM's op, inf and nan in unattended tokens, the
-options' too), bitwise deterministic with the Hopper forward, the gradients of the log-sum-exp against
-the portable backward, and its own zero fill under adversarial offsets; spies of the implementations
-says it ran. The compile tests follow jax-triton 0.4.1's pipeline (make_ttir on the Gluon module, which
-triton.compile skips). Which problems take the Hopper kernels, and their launches' exact arguments:
-test_launchers.py."""
+backward takes from its log-sum-exp; inf and nan in unattended tokens, large logits (soft-capped too), the
+log-sum-exp returned, a jitted training step run twice, and the kernel's own zero fill (o = 0, log-sum-exp
++inf) under adversarial offsets. The Hopper backward (kernels/hopper/dkdv.py, dq.py) likewise: its dk/dv
+and dq kernels compiled for sm_90a (D = 64 causal, D = 128 with every option on, both layouts, both 16-bit
+types), and on a Hopper GPU against float64 (both layouts, causal, windows (left, right, both), a soft cap,
+ALiBi, all with causal, GQA/MQA, cross-attention both ways, empty and truncated sequences, D = 64 and 128,
+float16, FBGEMM's op, inf and nan in unattended tokens, the options' too), one-hot rows at logits to 1e21,
+bitwise deterministic with the Hopper forward, the gradients of the log-sum-exp against the portable
+backward, and its own zero fill under adversarial offsets; its log-sum-exp scaled and rounded down
+(shared.scaled_down, in Triton's interpreter); spies of the implementations says it ran. The compile tests
+follow jax-triton 0.4.1's pipeline (make_ttir on the Gluon module, which triton.compile skips). Which
+problems take the Hopper kernels, and their launches' exact arguments: test_launchers.py."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import triton
+import triton.language as tl
 from helpers import (
     TOLERANCES,
     Batch,
@@ -45,7 +47,8 @@ from helpers import (
 import jagged_flash_jax as jfa
 from benchmarks.probes import ptx
 from jagged_flash_jax import checks, configs, implementations, select
-from jagged_flash_jax.launch import calls, gpu
+from jagged_flash_jax.kernels.shared import scaled_down
+from jagged_flash_jax.launch import calls, gpu, interpret
 from jagged_flash_jax.launch.calls import HopperConfig
 from jagged_flash_jax.problem import Problem
 
@@ -839,6 +842,49 @@ def test_backward_at_large_logits(scale, exponent, layout, dim, backward_kernels
     results, expected = one_hot_rows(scale, exponent, layout, dim, backward_kernels)
     assert backward_kernels.ran == ["hopper"]
     assert relative_error(results[7], expected[3]) < TOLERANCES["bf16"][2]
+
+
+LOG2E = float(np.log2(np.e))
+
+
+@triton.jit
+def _scaled_down_kernel(x_ptr, out_ptr, N: tl.constexpr, SCALE: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, scaled_down(tl.load(x_ptr + offs), SCALE))
+
+
+def _interpreted_fma_is_exact() -> bool:
+    """Whether the installed Triton's interpreter rounds tl.fma once (3.9's does; 3.6's multiplies, then
+    adds), as the GPU does: scaled_down's test needs it."""
+    x = np.full(16, 0.1, np.float32)
+    out = np.empty_like(x)
+    interpret.interpret(_scaled_down_kernel, (1,), x, out, N=16, SCALE=float(x[0]))
+    return bool(out[0] < x[0] * x[0])  # 0.1f squared rounds up in float32
+
+
+@pytest.mark.parametrize("scale", [1.0, LOG2E, LOG2E / np.sqrt(128), 0.7 * LOG2E, LOG2E / 3])
+def test_scaled_down_rounds_toward_minus_infinity(scale):
+    """The Hopper backward's log-sum-exp in exp2's units: the largest float32 not above the exact product
+    of x and the float32 scale the kernels multiply by (so that s * QK_SCALE - it >= 0 where s = lse, in
+    one FFMA), on random magnitudes of both signs (products within float32's range); zeros, infinities
+    and NaN kept."""
+    if not _interpreted_fma_is_exact():
+        pytest.skip("this Triton's interpreter rounds tl.fma twice (the GPU rounds it once)")
+    rng = np.random.default_rng(7)
+    x = (rng.choice([-1.0, 1.0], 4096) * 10.0 ** rng.uniform(-30, 38, 4096)).astype(np.float32)
+    x[:5] = [0.0, -0.0, np.inf, -np.inf, np.nan]
+    out = np.empty_like(x)
+    interpret.interpret(_scaled_down_kernel, (1,), x, out, N=x.size, SCALE=scale)
+    exact = x.astype(np.float64) * np.float64(np.float32(scale))  # exact: 24-bit significands
+    finite = np.isfinite(exact)
+    assert np.all(out[finite].astype(np.float64) <= exact[finite])
+    assert np.all(np.nextafter(out[finite], np.float32(np.inf)).astype(np.float64) > exact[finite])
+    np.testing.assert_array_equal(out[:5], [0.0, -0.0, np.inf, -np.inf, np.nan])
+    assert np.signbit(out[1])
+    # Exact products kept; under a scale other than 1 most are inexact, so the rounding acted.
+    inexact = exact[finite] != exact[finite].astype(np.float32)
+    np.testing.assert_array_equal(out[finite] == exact[finite], ~inexact)
+    assert scale == 1.0 or inexact.sum() > 1000
 
 
 @pytest.mark.gpu

@@ -47,23 +47,18 @@
 #  20  triton 3.9 (installed by 15): 19's rows
 #  21  triton 3.9 (after staging): its install, 20, then memcheck (MEMCHECK) under 3.9 beside the tests the
 #      3.6 suite logs REST did not reach
-#  22  triton 3.6, staging .t39a: the Hopper backward's probabilities in one FFMA a score (a patch applied
-#      to a copy): its GPU tests beside memcheck, then its timing against the tree's (alternating runs)
-#  23  triton 3.9 (after staging): its install, then 22's work under it (the dq-fused backward too)
-#  24  triton 3.6 (after 22): 19's Nsight Compute account of the Hopper backward on the patched copy
+#  22, 23, 24, 26  timed patches since merged (the FFMA softmax, 2aaf0a4; the banded dk/dv's own waits,
+#      f47179d): 27 times the tree against a copy without one (PATCH), 19 profiles the tree
 #  25  D = 64's dk/dv query tiles of 128 as tuned entries: their D = 64 GPU tests, then their timing
 #      against the table's (TRITON, default 3.6, staging .t39a)
-#  26  triton 3.9 (after staging): the banded dk/dv and dq with their own waits (patches on copies): the
-#      backward GPU tests beside memcheck, then the timing against the tree's (banded rows; long rows)
-#  27  the tree against a copy with PATCH reversed (default the FFMA softmax's, once merged): alternating
+#  27  the tree against a copy with PATCH reversed (default the FFMA softmax's): alternating
 #      timings under TRITON (3.6 staging STAGE; 3.9 after its install)
 #  28  triton 3.9 (after staging): its install, then the banded rows (causal, windows, D = 64 causal) and
 #      the long rows against cuDNN, for results.json
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
-# does for any chunk folder. Next: 22, 24, STAGE_ONLY=1 2-4, `stage .t39e`, 23 (the FFMA patch under both
-# tritons, its Nsight account; if it is faster, merge it and run 14 and 15 on the tree); 3.9's
-# suite with the portable kernels forced (SUITES=suite-portable 15; last run in session 7, on the same
-# portable kernels).
+# does for any chunk folder. Next, on an H200: 14 and 15 (the suites and memcheck on the merged tree under
+# both tritons), 28 (the rows for results.json), 3.9's suite with the portable kernels forced
+# (SUITES=suite-portable 15), 25.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..28|stage DIR}
@@ -336,30 +331,8 @@ case $call in
          -o addopts=-ra -p no:cacheprovider >> "$out/rest-$tag.log" 2>&1; echo "rc=$?" >> "$out/rest-$tag.log" &
      done
      wait; elapsed "call 21"; summary ;;
-  22|23) # the Hopper backward's probabilities in one FFMA a score (benchmarks/results/profile/
-     # 2026-12-05_ffma_softmax.mbox, applied to a copy of the tree in /tmp/ffma): its Hopper GPU tests
-     # (backward, large logits, fused dq) from the copy beside memcheck of its default Hopper kernels,
-     # then its timing against the tree's (`ab_bench`: CASES, BUDGET a run); 22 triton 3.6 (staging
-     # .t39a), 23 triton 3.9 (after staging: its install), the dq-fused backward too
-     use_triton $([ $call = 22 ] && echo 3.6 || echo 3.9)
-     patched_copy /tmp/ffma 2026-12-05_ffma_softmax.mbox || exit 1
-     ffma_path=${path%:*}:/tmp/ffma
-     [ "${MEMCHECK:-1}" = 0 ] || memcheck $triton "$ffma_path" 200 "['hopper']" False "-ffma" &
-     (cd /tmp/ffma && PYTHONPATH=$ffma_path timeout 220 python3 -m pytest tests/test_hopper.py -m gpu \
-        -k "backward or large_logits or fused" -p xdist -n 8 -o addopts=-ra -q -p no:cacheprovider \
-        > "$out/ffma-tests-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/ffma-tests-triton$triton.log")
-     wait; elapsed "tests, memcheck"; summary
-     [ "${AB:-1}" = 0 ] && exit 0  # (MEMCHECK=0, AB=0: the tests alone, a session short of device time)
-     impls=jfa-triton; [ $triton = 3.9 ] && impls=jfa-triton,jfa-triton-fused-dq
-     ab_bench "ffma-triton$triton" "${CASES:-long,L4096-D64,L16384,L4096-D256}" $impls ${BUDGET:-80} "$path" \
-       /tmp/ffma
-     elapsed "call $call" ;;
-  24) # triton 3.6 (after 22, whose patched copy is in /tmp/ffma): 19's Nsight Compute of the Hopper
-     # backward's kernels on CASES, from the copy (its instructions and fused FP32 count against 19's)
-     [ -d /tmp/ffma/jagged_flash_jax ] || { echo "no /tmp/ffma: run 22 first" >&2; exit 1; }
-     for case in ${CASES:-L4096-D64 L4096}; do
-       (cd /tmp/ffma && ncu_backward "$case" "/tmp/site:/tmp/ffma" "ffma-$case")
-     done; elapsed "call 24" ;;
+  22|23|24|26) echo "call $call timed a patch since merged (the FFMA softmax: 2aaf0a4; the banded dk/dv's own" \
+       "waits: f47179d): 27 times the tree against a copy without it (PATCH), 19 profiles the tree" >&2; exit 2 ;;
   25) # D = 64's dk/dv query tiles of 128 (each consumer's S^T and dP^T 64 keys x 128 queries; ptxas: 168
      # registers, 708 B of spill stores, 40 causal, 117 KB of shared memory), as a tuned table's entries
      # (dk/dv 128x128 in 2 and 3 stages, dq the table's 128x128 in 3): the Hopper backward's D = 64 GPU
@@ -380,27 +353,6 @@ case $call in
          "${CASES:-L4096-D64,L4096-D64-causal}" jfa-triton-hopper-bwd ${BUDGET:-30} "$path"
      done
      summary; grep -h "fwd+bwd" "$out"/bench-d64bm-*.log | cut -c1-150; elapsed "call 25" ;;
-  26) # triton 3.9 (after staging): own waits for the banded dk/dv and for dq (benchmarks/results/profile/
-     # 2026-12-05_banded_and_dq_own_waits.mbox, its first commit alone 2026-12-05_banded_own_waits.mbox;
-     # under 3.9 the pipeliner's PTX of the banded dk/dv had ptxas serialize its every wgmma): the Hopper
-     # backward's GPU tests from a copy with both beside memcheck of its Hopper kernels, then the timing
-     # against the tree's (`ab_bench`, ROUNDS default 1) of the banded dk/dv's alone on the banded rows
-     # (CASES), then of both on the rows dq's change reaches (DQ_CASES); BUDGET a run
-     use_triton 3.9
-     patched_copy /tmp/ownwaits 2026-12-05_banded_own_waits.mbox || exit 1
-     patched_copy /tmp/ownwaits-dq 2026-12-05_banded_and_dq_own_waits.mbox || exit 1
-     own_path=${path%:*}:/tmp/ownwaits-dq
-     memcheck $triton "$own_path" 180 "['hopper']" False "-ownwaits" &
-     (cd /tmp/ownwaits-dq && PYTHONPATH=$own_path timeout 200 python3 -m pytest tests/test_hopper.py -m gpu \
-        -k "backward" -p xdist -n 8 -o addopts=-ra -q -p no:cacheprovider \
-        > "$out/ownwaits-tests-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/ownwaits-tests-triton$triton.log")
-     wait; elapsed "tests, memcheck"; summary
-     ROUNDS=${ROUNDS:-1} ab_bench "ownwaits-triton$triton" \
-       "${CASES:-L16384-causal,long-causal,L4096-D64-causal,L16384-w1024}" jfa-triton ${BUDGET:-40} "$path" \
-       /tmp/ownwaits
-     [ -n "${DQ_CASES-x}" ] && ROUNDS=${ROUNDS:-1} ab_bench "ownwaits-dq-triton$triton" \
-       "${DQ_CASES:-long,L16384,L16384-causal}" jfa-triton ${BUDGET:-40} "$path" /tmp/ownwaits-dq  # DQ_CASES= : none
-     elapsed "call 26" ;;
   27) # the tree against a copy without a change it holds (PATCH, a file of benchmarks/results/profile/,
      # reversed; default the FFMA softmax's): ROUNDS (default 2) alternating timings (`ab_bench`: CASES,
      # IMPLS, BUDGET a run; the variant's logs are the copy's) under TRITON (3.6, staging STAGE, default

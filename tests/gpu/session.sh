@@ -51,8 +51,8 @@
 #      f47179d): 27 times the tree against a copy without one (PATCH), 19 profiles the tree
 #  25  D = 64's dk/dv query tiles of 128 as tuned entries: their D = 64 GPU tests, then their timing
 #      against the table's (TRITON, default 3.6, staging .t39a)
-#  27  the tree against a copy with PATCH reversed (default the FFMA softmax's): alternating
-#      timings under TRITON (3.6 staging STAGE; 3.9 after its install)
+#  27  the tree against a copy with PATCH reversed (default the FFMA softmax's; FORWARD=1: applied):
+#      alternating timings under TRITON (3.6 staging STAGE; 3.9 after its install)
 #  28  triton 3.9 (after staging): its install, then the banded rows (causal, windows, D = 64 causal) and
 #      the long rows against cuDNN, for results.json
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
@@ -357,18 +357,25 @@ case $call in
      # reversed; default the FFMA softmax's): ROUNDS (default 2) alternating timings (`ab_bench`: CASES,
      # IMPLS, BUDGET a run; the variant's logs are the copy's) under TRITON (3.6, staging STAGE, default
      # .t39a; 3.9 once 5 or 15 installed it); TESTS=1: first the tree's Hopper backward GPU tests beside
-     # memcheck of its Hopper kernels
+     # memcheck of its Hopper kernels. FORWARD=1 PATCH=...: a change not merged, applied to the copy (the
+     # variant's logs are then the change's, and TESTS=1 tests the copy)
      if [ "${TRITON:-3.6}" = 3.9 ]; then
        triton=3.9 path=$site39
      else
        stage "${STAGE:-.t39a}"; triton=3.6 path=$site36
      fi
-     patched_copy /tmp/reverted "${PATCH:-2026-12-05_ffma_softmax.mbox}" -R || exit 1
-     if [ "${TESTS:-0}" = 1 ]; then  # first the tree's Hopper backward GPU tests beside memcheck of its Hopper kernels
-       memcheck $triton "$path" 200 "['hopper']" False "-hopper" &
-       (PYTHONPATH=$path timeout 220 python3 -m pytest tests/test_hopper.py -m gpu -k "backward or large_logits or fused" \
-          -p xdist -n 8 -o addopts=-ra -q -p no:cacheprovider > "$out/hopper-bwd-tests-triton$triton.log" 2>&1
-        echo "rc=$?" >> "$out/hopper-bwd-tests-triton$triton.log")
+     # FORWARD=1: the copy has PATCH applied instead (a change not merged), and TESTS=1 tests the copy
+     if [ "${FORWARD:-0}" = 1 ]; then
+       patched_copy /tmp/reverted "${PATCH:?FORWARD=1 needs PATCH}" || exit 1; tested=/tmp/reverted
+     else
+       patched_copy /tmp/reverted "${PATCH:-2026-12-05_ffma_softmax.mbox}" -R || exit 1; tested=$PWD
+     fi
+     if [ "${TESTS:-0}" = 1 ]; then  # first the Hopper backward GPU tests beside memcheck of the Hopper kernels
+       tested_path=${path%:*}:$tested
+       (cd "$tested" && memcheck $triton "$tested_path" 200 "['hopper']" False "-hopper") &
+       (cd "$tested" && PYTHONPATH=$tested_path timeout 220 python3 -m pytest tests/test_hopper.py -m gpu \
+          -k "backward or large_logits or fused" -p xdist -n 8 -o addopts=-ra -q -p no:cacheprovider \
+          > "$out/hopper-bwd-tests-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hopper-bwd-tests-triton$triton.log")
        wait; elapsed "tests, memcheck"; summary
      fi
      ab_bench "reverted-triton$triton" "${CASES:-long,L16384}" "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" \

@@ -12,13 +12,12 @@ import contextlib
 import io
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import jax.numpy as jnp
 import triton
-from triton.backends.nvidia.compiler import get_ptxas
+
+from benchmarks.probes import ptx as ptx_probe
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 import test_hopper as th  # noqa: E402
@@ -42,25 +41,15 @@ SASS_OPCODES = ("FFMA", "FADD", "FMUL", "FMNMX", "MUFU.EX2", "FSEL", "F2FP")
 
 def ptxas_report(ptx: str, sass: bool = False) -> tuple[str, str, str, dict | None]:
     """(registers, spill store bytes, spill load bytes, the SASS opcode counts or None) of `ptx`
-    assembled for sm_90a."""
-    with tempfile.TemporaryDirectory() as tmp:
-        source, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(source, "w") as f:
-            f.write(ptx)
-        # The ptxas Triton compiles sm_90 with (triton 3.9's PTX needs its CUDA 13 `ptxas-blackwell`).
-        ptxas = get_ptxas(90).path
-        run = subprocess.run([ptxas, "-v", "-arch=sm_90a", source, "-o", cubin], capture_output=True,
-                             text=True, check=True)
-        counts = sass_counts(cubin, os.path.dirname(ptxas)) if sass else None
-    (regs,) = re.findall(r"Used (\d+) registers", run.stderr)
-    (stores, loads) = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)[0]
-    return regs, stores, loads, counts
+    assembled for sm_90a by the ptxas Triton compiles sm_90 with."""
+    report, listing = ptx_probe.assemble_sm90a(ptx, sass=sass)
+    (regs,) = re.findall(r"Used (\d+) registers", report)
+    (stores, loads) = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)[0]
+    return regs, stores, loads, None if listing is None else sass_counts(listing)
 
 
-def sass_counts(cubin: str, tools: str) -> dict:
-    """SASS_OPCODES' counts in the cubin's code (by Triton's cuobjdump), and "total"."""
-    listing = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin], capture_output=True,
-                             text=True, check=True).stdout
+def sass_counts(listing: str) -> dict:
+    """SASS_OPCODES' counts in a cuobjdump SASS listing, and "total"."""
     # Instruction lines: /*0a30*/  @!P0 FFMA.FTZ R3, R4, R5, -R6 ;
     opcodes = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", listing, re.M)
     counts = {name: sum(op == name or op.startswith(name + ".") for op in opcodes) for name in SASS_OPCODES}

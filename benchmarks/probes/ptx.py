@@ -26,7 +26,9 @@ import io
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import types
 import warnings
 
@@ -285,6 +287,25 @@ def compile_for_sm90(kernel, signature: dict, constants: dict, attrs: dict, num_
     module = backend.make_ttgir(module, metadata, options, 90)
     llir = backend.make_llir(module, metadata, options, 90)
     return backend.make_ptx(llir, metadata, options, 90), metadata
+
+
+def assemble_sm90a(ptx: str, ptxas: str | None = None, sass: bool = False) -> tuple[str, str | None]:
+    """`ptx` assembled for sm_90a by `ptxas` (default: the one Triton compiles sm_90 with; triton 3.9's PTX
+    needs its CUDA 13 `ptxas-blackwell`) with -v: (ptxas's report, its stderr; the SASS listing by the
+    same toolkit's cuobjdump where `sass`, else None)."""
+    if ptxas is None:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as tmp:
+        source, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(source, "w") as f:
+            f.write(ptx)
+        report = subprocess.run([ptxas, "-v", "-arch=sm_90a", source, "-o", cubin], capture_output=True,
+                                text=True, check=True).stderr
+        listing = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin],
+                                 capture_output=True, text=True, check=True).stdout if sass else None
+    return report, listing
 
 
 def normalized(ptx: str) -> str:

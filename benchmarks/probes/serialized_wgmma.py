@@ -13,13 +13,13 @@ import contextlib
 import io
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import jax.numpy as jnp
 import triton
 from triton.backends.nvidia.compiler import get_ptxas
+
+from benchmarks.probes import ptx as ptx_probe
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 import test_hopper as th  # noqa: E402
@@ -30,15 +30,10 @@ OPTIONS = [(False, {}), (True, {}), (False, dict(window=(64, 0))),
 
 
 def assemble(ptxas: str, ptx: str) -> str:
-    """`ptx` assembled for sm_90a by `ptxas`: its serialization notes, spill stores and SASS waits."""
-    with tempfile.TemporaryDirectory() as tmp:
-        source = os.path.join(tmp, "k.ptx")
-        with open(source, "w") as f:
-            f.write(ptx)
-        run = subprocess.run([ptxas, "-v", "-arch=sm_90a", source, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True, check=True)
-    notes = sorted(set(re.findall(r"\((C75\d\d)\)[^\n]*serialized", run.stderr)))
-    spills = re.findall(r"(\d+) bytes spill stores", run.stderr)
+    """`ptx` assembled for sm_90a by `ptxas`: its serialization notes and spill stores."""
+    report, _ = ptx_probe.assemble_sm90a(ptx, ptxas)
+    notes = sorted(set(re.findall(r"\((C75\d\d)\)[^\n]*serialized", report)))
+    spills = re.findall(r"(\d+) bytes spill stores", report)
     return f"{','.join(notes) or 'ok':11s} spill stores {'/'.join(spills)} B"
 
 

@@ -355,20 +355,19 @@ case $call in
      summary; grep -h "fwd+bwd" "$out"/bench-d64bm-*.log | cut -c1-150; elapsed "call 25" ;;
   27) # the tree against a copy without a change it holds (PATCH, a file of benchmarks/results/profile/,
      # reversed; default the FFMA softmax's): ROUNDS (default 2) alternating timings (`ab_bench`: CASES,
-     # IMPLS, BUDGET a run; the variant's logs are the copy's) under TRITON (3.6, staging STAGE, default
+     # IMPLS, BUDGET a run; logs bench-reverted-*, the variant's the copy's) under TRITON (3.6, staging STAGE, default
      # .t39a; 3.9 once 5 or 15 installed it); TESTS=1: first the tree's Hopper backward GPU tests beside
-     # memcheck of its Hopper kernels. FORWARD=1 PATCH=...: a change not merged, applied to the copy (the
-     # variant's logs are then the change's, and TESTS=1 tests the copy)
+     # memcheck of its Hopper kernels. FORWARD=1 PATCH=...: a change not merged, applied to the copy (logs
+     # bench-applied-*, the variant's then the change's; TESTS=1 tests the copy)
      if [ "${TRITON:-3.6}" = 3.9 ]; then
        triton=3.9 path=$site39
      else
        stage "${STAGE:-.t39a}"; triton=3.6 path=$site36
      fi
-     # FORWARD=1: the copy has PATCH applied instead (a change not merged), and TESTS=1 tests the copy
      if [ "${FORWARD:-0}" = 1 ]; then
-       patched_copy /tmp/reverted "${PATCH:?FORWARD=1 needs PATCH}" || exit 1; tested=/tmp/reverted
+       patched_copy /tmp/variant "${PATCH:?FORWARD=1 needs PATCH}" || exit 1; tested=/tmp/variant mode=applied
      else
-       patched_copy /tmp/reverted "${PATCH:-2026-12-05_ffma_softmax.mbox}" -R || exit 1; tested=$PWD
+       patched_copy /tmp/variant "${PATCH:-2026-12-05_ffma_softmax.mbox}" -R || exit 1; tested=$PWD mode=reverted
      fi
      if [ "${TESTS:-0}" = 1 ]; then  # first the Hopper backward GPU tests beside memcheck of the Hopper kernels
        tested_path=${path%:*}:$tested
@@ -378,8 +377,8 @@ case $call in
           > "$out/hopper-bwd-tests-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hopper-bwd-tests-triton$triton.log")
        wait; elapsed "tests, memcheck"; summary
      fi
-     ab_bench "reverted-triton$triton" "${CASES:-long,L16384}" "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" \
-       /tmp/reverted
+     ab_bench "$mode-triton$triton" "${CASES:-long,L16384}" "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" \
+       /tmp/variant
      elapsed "call 27" ;;
   28) # triton 3.9 (after staging): its install, then the rows the banded dk/dv's own waits (f47179d) and the
      # FFMA softmax change, against cuDNN in one process (CASES; BUDGET), for results.json

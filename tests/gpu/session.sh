@@ -358,7 +358,8 @@ case $call in
      # IMPLS, BUDGET a run; logs bench-reverted-*, the variant's the copy's) under TRITON (3.6, staging STAGE, default
      # .t39a; 3.9 once 5 or 15 installed it); TESTS=1: first the tree's Hopper backward GPU tests beside
      # memcheck of its Hopper kernels. FORWARD=1 PATCH=...: a change not merged, applied to the copy (logs
-     # bench-applied-*, the variant's then the change's; TESTS=1 tests the copy)
+     # bench-applied-*, the variant's then the change's; TESTS=1 tests the copy); TAG names the logs (several
+     # patches in one call)
      if [ "${TRITON:-3.6}" = 3.9 ]; then
        triton=3.9 path=$site39
      else
@@ -371,13 +372,14 @@ case $call in
      fi
      if [ "${TESTS:-0}" = 1 ]; then  # first the Hopper backward GPU tests beside memcheck of the Hopper kernels
        tested_path=${path%:*}:$tested
-       (cd "$tested" && memcheck $triton "$tested_path" 200 "['hopper']" False "-hopper") &
+       (cd "$tested" && memcheck $triton "$tested_path" 200 "['hopper']" False "-hopper${TAG:+-$TAG}") &
        (cd "$tested" && PYTHONPATH=$tested_path timeout 220 python3 -m pytest tests/test_hopper.py -m gpu \
           -k "backward or large_logits or fused" -p xdist -n 8 -o addopts=-ra -q -p no:cacheprovider \
-          > "$out/hopper-bwd-tests-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hopper-bwd-tests-triton$triton.log")
+          > "$out/hopper-bwd-tests${TAG:+-$TAG}-triton$triton.log" 2>&1
+        echo "rc=$?" >> "$out/hopper-bwd-tests${TAG:+-$TAG}-triton$triton.log")
        wait; elapsed "tests, memcheck"; summary
      fi
-     ab_bench "$mode-triton$triton" "${CASES:-long,L16384}" "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" \
+     ab_bench "$mode${TAG:+-$TAG}-triton$triton" "${CASES:-long,L16384}" "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" \
        /tmp/variant
      elapsed "call 27" ;;
   28) # triton 3.9 (after staging): its install, then the rows the banded dk/dv's own waits (f47179d) and the

@@ -56,9 +56,10 @@
 #  28  triton 3.9 (after staging): its install, then the banded rows (causal, windows, D = 64 causal) and
 #      the long rows against cuDNN, for results.json
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
-# does for any chunk folder. Next, on an H200: 14 and 15 (the suites and memcheck on the merged tree under
-# both tritons), 28 (the rows for results.json), 3.9's suite with the portable kernels forced
-# (SUITES=suite-portable 15), 25.
+# does for any chunk folder. Next, on an H200: merge benchmarks/results/profile/2026-12-06_dq64_prefetch.mbox
+# (git am), then 14 and 15 (the suites and memcheck, D = 64's Hopper kernels among them, on the merged tree
+# under both tritons), 28 (the rows for results.json), 3.9's suite with the portable kernels forced
+# (SUITES=suite-portable 15).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..28|stage DIR}

@@ -60,7 +60,8 @@
 # (git am), then 14 and 15 (the suites and memcheck, D = 64's Hopper kernels among them, on the merged tree
 # under both tritons), 28 (the rows for results.json), 3.9's suite with the portable kernels forced
 # (SUITES=suite-portable 15), and under 3.9 the dq-fused kernel's deferred reduce-add (TRITON=3.9 FORWARD=1
-# PATCH=2026-12-06_fused_dq_deferred_reduce.mbox TESTS=1 IMPLS=jfa-triton-fused-dq CASES=long,L16384 27).
+# PATCH=2026-12-06_fused_dq_deferred_reduce.mbox TESTS=1 IMPLS=jfa-triton-fused-dq CASES=long,L16384 27)
+# and the D = 64 dk/dv prefetch under 3.9 (PATCH=2026-12-06_dkdv_d64_prefetch.mbox CASES=L4096-D64; 3.6 lost).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..28|stage DIR}

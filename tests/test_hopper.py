@@ -18,6 +18,7 @@ problems take the Hopper kernels, and their launches' exact arguments: test_laun
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import time
@@ -840,6 +841,7 @@ def _scaled_down_kernel(x_ptr, out_ptr, N: tl.constexpr, SCALE: tl.constexpr):
     tl.store(out_ptr + offs, scaled_down(tl.load(x_ptr + offs), SCALE))
 
 
+@functools.cache
 def _interpreted_fma_is_exact() -> bool:
     """Whether the installed Triton's interpreter rounds tl.fma once (3.9's does; 3.6's multiplies, then
     adds), as the GPU does: scaled_down's test needs it."""

@@ -100,6 +100,12 @@ HOPPER_DKDV_UNBANDED_TRITON_STAGES = 0
 HOPPER_DKDV_BANDED_OWN_WAITS_FROM = (3, 7)
 
 
+def hopper_dq_triton_stages(head_dim: int) -> int:
+    """Triton's num_stages for the Hopper dq kernel: at D = 64 its own waits (0: it issues the next key
+    tile's S and dP ahead of dQ, kernels/hopper/dq.py), else the pipeliner's (HOPPER_BWD_TRITON_STAGES)."""
+    return 0 if head_dim <= 64 else HOPPER_BWD_TRITON_STAGES
+
+
 def hopper_dkdv_triton_stages(banded: bool, triton_release: tuple[int, ...]) -> int:
     """Triton's num_stages for the Hopper dk/dv kernel (with or without a band) under a Triton release."""
     if banded and triton_release < HOPPER_DKDV_BANDED_OWN_WAITS_FROM:

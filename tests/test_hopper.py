@@ -273,6 +273,26 @@ def test_ptxas_keeps_the_banded_dkdv_products_asynchronous(dim, causal, window):
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= code.count("wgmma.wait_group.sync.aligned 0")
 
 
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
+@pytest.mark.parametrize("dim,causal,options", [(64, False, {}), (64, True, {}),
+                                                (64, True, dict(window=(16, 4), softcap=5.0, alibi=True)),
+                                                (128, False, {})])
+def test_d64_dq_issues_its_next_key_tile_ahead_of_dq(dim, causal, options):
+    """At D = 64 dq takes its own waits (Triton's num_stages 0) and issues the next key tile's S and dP
+    ahead of dQ: its PTX waits with two and one products outstanding, and Triton's ptxas serializes
+    none of them. D = 128 keeps one tile's products at a time under the pipeliner."""
+    if not implementations.gluon_available():
+        pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
+    _, (call, arrays) = hopper_backward_calls(dim, causal, "THD", jnp.bfloat16, **options)
+    assert call.num_stages == configs.hopper_dq_triton_stages(dim) == (0 if dim == 64 else
+                                                                        configs.HOPPER_BWD_TRITON_STAGES)
+    code, _ = compile_for_sm90(call, arrays)
+    ahead = "wgmma.wait_group.sync.aligned 2" in code and "wgmma.wait_group.sync.aligned 1" in code
+    assert ahead == (dim == 64)
+    report, _ = ptx.assemble_sm90a(code)
+    assert "serialized" not in report, report
+
+
 # (dim, causal, layout, dtype, options, block_m): the unfused kernels' compile cases (D = 64 causal, where
 # one warpgroup takes a tile's whole dQ; D = 128 with every option on, where each takes half; not D = 256,
 # whose blocks of 64 keys dq is not fused into), D = 128 causal, and the 16-query tiles a tuned table may

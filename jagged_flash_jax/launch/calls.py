@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from .. import _compat, kernels
 from .._util import cdiv, lse_gradient, slopes_in_score_units
 from ..configs import (
-    HOPPER_BWD_TRITON_STAGES,
     HOPPER_CONSUMER_REGS,
     HOPPER_FWD_TRITON_STAGES,
     HOPPER_PRODUCER_REGS,
@@ -29,6 +28,7 @@ from ..configs import (
     KernelConfig,
     head_block,
     hopper_dkdv_triton_stages,
+    hopper_dq_triton_stages,
 )
 from ..jagged import sequence_bounds
 from ..kernels import spec
@@ -528,7 +528,7 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
     dq_call = _hopper_call(
         spec.HOPPER_BWD_DQ, p, config, dq, dict(dq=jax.ShapeDtypeStruct(p.q_shape, q.dtype)),
         blocks(dq.block_m, p.q_tokens, p.max_seq_len), p.q_tokens, dict(scales, NUM_HEADS=p.num_heads),
-        HOPPER_BWD_TRITON_STAGES,
+        hopper_dq_triton_stages(p.head_dim),
         dict(q=(dq.block_m // 2, p.head_dim), do=(dq.block_m // 2, p.head_dim), k=(dq.block_n, p.head_dim),
              v=(dq.block_n, p.head_dim)))
     dq_out, _ = launch(run, dq_call, **inputs)

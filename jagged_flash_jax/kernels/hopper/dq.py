@@ -122,11 +122,8 @@ def _dq_consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constex
 
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     acc_layout: gl.constexpr = wgmma_layout(D)
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_smem.dtype
-    BANDED: gl.constexpr = BAND[0] or BAND[1] >= 0 or BAND[2] >= 0
     shift = n_k - n_q
     row0 = start_m + WG * CONSUMER_ROWS
     rows = row0 + gl.arange(0, CONSUMER_ROWS, layout=row_layout)
@@ -142,38 +139,22 @@ def _dq_consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constex
     # The block's last K tile runs past n_k: warpgroup 0 zeroes its rows there and hands it over.
     has_tail = (num_key_blocks > 0) & (key_first + num_key_blocks * BLOCK_N > n_k)
     mbarrier.wait(q_bar.index(WG), qp)  # always: the load must land before the program may end
-    for j in range(num_key_blocks):
-        slot = (t + j) % STAGES
-        key_start = key_first + j * BLOCK_N
-        mbarrier.wait(ready.index(slot), ((t + j) // STAGES) & 1)
-        k = k_smem.index(slot)
-        v = v_smem.index(slot)
-        if (j == num_key_blocks - 1) & has_tail:
-            # K rows past n_k (other tokens, maybe NaN): zeroed before dS K reads them.
-            hand_over_zeroed(k, n_k - key_start, tail_bar, tails & 1, BLOCK_N, WG)
-        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
-        s, tanh_s = capped_biased(s, row0 + (shift - key_start), slope, SCORES, CONSUMER_ROWS, BLOCK_N,
-                                  s_layout)
-        p = probability(s * SCORES[2] - gl.expand_dims(lse_scaled, 1))  # one FFMA a score
-        if SCORES[0] > 0:  # dS takes the cap's derivative, 1 - tanh^2: folded into P here
-            p = p * (1.0 - tanh_s * tanh_s)
-        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-        ds = p * (dp - gl.expand_dims(delta, 1))
-        masked = key_start >= clean_end  # the band's right edge and the sequence's last tile
-        if BAND[1] >= 0:  # and its left edge
-            masked = masked | (key_start < clean_start)
-        if masked:  # select, not multiply: outside the band P may be inf, and dP NaN past n_k
-            keys = key_start + gl.arange(0, BLOCK_N, layout=col_layout)
-            keep = gl.expand_dims(keys < n_k, 0)
-            if BANDED:  # the band of queries rows (at key positions rows + shift), keys `keys`
-                keep = band(keep, gl.expand_dims(rows + shift, 1), gl.expand_dims(keys, 0), 0, BAND)
-            ds = gl.where(keep, ds, 0.0)
-        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-        dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
-        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
-        mbarrier.arrive(empty.index(slot), count=1)
+    where = (t, num_key_blocks, has_tail, tails, key_first, n_k)
+    scores = (slope, lse_scaled, delta, rows, row0, shift, clean_start, clean_end)
+    if D <= CONSUMER_ROWS:
+        dq = _tiles_ahead(q, do, pipe, where, scores, s_zero, BAND, SCORES, TILES, D, WG)
+    else:
+        for j in range(num_key_blocks):
+            slot = (t + j) % STAGES
+            key_start = key_first + j * BLOCK_N
+            s_tok, dp_tok = _issue_products((q, do), pipe, where, (j, key_start), s_zero, BLOCK_N, STAGES, WG)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            p = _probabilities(s, key_start, scores, SCORES, BLOCK_N)
+            dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+            ds_op = _scores_gradient(p, dp, (key_start, n_k), scores, BAND, BLOCK_N, D, dtype)
+            dq_tok = warpgroup_mma(ds_op, k_smem.index(slot), dq, is_async=True)
+            dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+            mbarrier.arrive(empty.index(slot), count=1)
     # This warpgroup's Q and dO tiles are free for the next block's (warpgroup 1 only now, past its wait
     # for the hand-over: the producer loads the next block's keys after both tiles, so warpgroup 0
     # cannot hand a next tail over, a second phase of tail_bar, before this one has seen the first).
@@ -181,3 +162,105 @@ def _dq_consume(pipe, arrays, block, position, D: gl.constexpr, BAND: gl.constex
     store_rows(dq_ptr, dq, DS_SCALE, q_start, head, row0, n_q, q_layout, D, acc_layout)
     tails = tails + has_tail.to(gl.int32)
     return t + num_key_blocks, tails
+
+
+@gluon.jit
+def _tiles_ahead(q, do, pipe, where, scores, s_zero, BAND: gl.constexpr, SCORES: gl.constexpr,
+                 TILES: gl.constexpr, D: gl.constexpr, WG: gl.constexpr):
+    """`_dq_consume`'s key tiles at D = 64, software-pipelined: S_{j+1} and dP_{j+1} are issued ahead of
+    dQ_j += dS_j K_j, so P_{j+1} and dS_{j+1} are computed while dQ_j runs. Every product is waited for
+    within its turn of the loop (dQ_j last, before tile j's slot is released), so no accumulator is in
+    flight across the loop's back edge, only dS (registers): one that is makes ptxas serialize every
+    wgmma (C7514). At D = 128 S, dP, dQ and dS in registers at once spill (524 B): D = 128 keeps one
+    tile's products at a time. Returns dQ."""
+    _, _, k_smem, v_smem, _, _, ready, empty, tail_bar = pipe
+    BLOCK_N: gl.constexpr = TILES[1]
+    STAGES: gl.constexpr = TILES[2]
+    dtype: gl.constexpr = q.dtype
+    t, num_key_blocks, _, _, key_first, n_k = where
+    dq = gl.zeros([CONSUMER_ROWS, D], gl.float32, layout=wgmma_layout(D))
+    if num_key_blocks > 0:
+        s_tok, dp_tok = _issue_products((q, do), pipe, where, (0, key_first), s_zero, BLOCK_N, STAGES, WG)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        p = _probabilities(s, key_first, scores, SCORES, BLOCK_N)
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+        ds_op = _scores_gradient(p, dp, (key_first, n_k), scores, BAND, BLOCK_N, D, dtype)
+        for j in range(num_key_blocks - 1):
+            slot = (t + j) % STAGES
+            key_start = key_first + (j + 1) * BLOCK_N
+            s_tok, dp_tok = _issue_products((q, do), pipe, where, (j + 1, key_start), s_zero, BLOCK_N, STAGES,
+                                            WG)
+            dq_tok = warpgroup_mma(ds_op, k_smem.index(slot), dq, is_async=True)
+            s = warpgroup_mma_wait(2, deps=(s_tok, ))
+            p = _probabilities(s, key_start, scores, SCORES, BLOCK_N)
+            dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
+            ds_next = _scores_gradient(p, dp, (key_start, n_k), scores, BAND, BLOCK_N, D, dtype)
+            dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+            mbarrier.arrive(empty.index(slot), count=1)
+            ds_op = ds_next
+        slot = (t + num_key_blocks - 1) % STAGES
+        dq_tok = warpgroup_mma(ds_op, k_smem.index(slot), dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+        mbarrier.arrive(empty.index(slot), count=1)
+    return dq
+
+
+
+@gluon.jit
+def _issue_products(query, pipe, where, tile, s_zero, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    WG: gl.constexpr):
+    """Once key tile j of the block (tile = (j, its first key)) is in its ring slot (where = (t,
+    num_key_blocks, has_tail, tails, key_first, n_k): the block's first slot t), the block's last tile
+    handed over with its rows past n_k zeroed (`hand_over_zeroed`, where has_tail), issues S_j = Q K_j^T
+    and dP_j = dO V_j^T (query = (Q, dO)); returns both in flight."""
+    q, do = query
+    _, _, k_smem, v_smem, _, _, ready, _, tail_bar = pipe
+    t, num_key_blocks, has_tail, tails, _, n_k = where
+    j, key_start = tile
+    slot = (t + j) % STAGES
+    mbarrier.wait(ready.index(slot), ((t + j) // STAGES) & 1)
+    k = k_smem.index(slot)
+    v = v_smem.index(slot)
+    if (j == num_key_blocks - 1) & has_tail:
+        # K rows past n_k (other tokens, maybe NaN): zeroed before dS K reads them.
+        hand_over_zeroed(k, n_k - key_start, tail_bar, tails & 1, BLOCK_N, WG)
+    s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return s_tok, dp_tok
+
+
+@gluon.jit
+def _probabilities(s, key_start, scores, SCORES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """P of the key tile from key_start, from its S (scores: `_dq_consume`'s), with the soft cap's
+    derivative folded in."""
+    slope, lse_scaled, _, _, row0, shift, _, _ = scores
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    s, tanh_s = capped_biased(s, row0 + (shift - key_start), slope, SCORES, CONSUMER_ROWS, BLOCK_N, s_layout)
+    p = probability(s * SCORES[2] - gl.expand_dims(lse_scaled, 1))  # one FFMA a score
+    if SCORES[0] > 0:  # dS takes the cap's derivative, 1 - tanh^2: folded into P here
+        p = p * (1.0 - tanh_s * tanh_s)
+    return p
+
+
+@gluon.jit
+def _scores_gradient(p, dp, keys, scores, BAND: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                     dtype: gl.constexpr):
+    """dS = P (dP - delta) of the key tile from keys[0] (keys = (its first key, n_k)), masked where the
+    tile is (`_dq_consume`), as dQ's A operand (dtype)."""
+    key_start, n_k = keys
+    _, _, delta, rows, _, shift, clean_start, clean_end = scores
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(D), k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    BANDED: gl.constexpr = BAND[0] or BAND[1] >= 0 or BAND[2] >= 0
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    masked = key_start >= clean_end  # the band's right edge and the sequence's last tile
+    if BAND[1] >= 0:  # and its left edge
+        masked = masked | (key_start < clean_start)
+    if masked:  # select, not multiply: outside the band P may be inf, and dP NaN past n_k
+        key_ids = key_start + gl.arange(0, BLOCK_N, layout=col_layout)
+        keep = gl.expand_dims(key_ids < n_k, 0)
+        if BANDED:  # the band of queries rows (at key positions rows + shift), keys `key_ids`
+            keep = band(keep, gl.expand_dims(rows + shift, 1), gl.expand_dims(key_ids, 0), 0, BAND)
+        ds = gl.where(keep, ds, 0.0)
+    return gl.convert_layout(ds.to(dtype), op_layout)

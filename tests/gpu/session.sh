@@ -55,6 +55,8 @@
 #      alternating timings under TRITON (3.6 staging STAGE; 3.9 after its install)
 #  28  triton 3.9 (after staging): its install, then the banded rows (causal, windows, D = 64 causal) and
 #      the long rows against cuDNN, for results.json
+#  29  what the suite logs REST did not reach beside memcheck of MEMCHECK's Hopper variants, under TRITON
+#      (3.6 staging .t39a; 3.9 after staging, installing it)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. Next, on an H200: merge benchmarks/results/profile/2026-12-06_dq64_prefetch.mbox
 # (git am), then 14 and 15 (the suites and memcheck, D = 64's Hopper kernels among them, on the merged tree
@@ -64,7 +66,7 @@
 # and the D = 64 dk/dv prefetch under 3.9 (PATCH=2026-12-06_dkdv_d64_prefetch.mbox CASES=L4096-D64; 3.6 lost).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..28|stage DIR}
+call=${1:?usage: bash tests/gpu/session.sh 1..29|stage DIR}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -391,5 +393,20 @@ case $call in
      softmax_bench rows-triton3.9 "${CASES:-L16384-causal,long-causal,L4096-D64-causal,window,long,L16384,L4096-D64}" \
        jfa-triton,cudnn-packed,cudnn-padded ${BUDGET:-300} "$path"
      grep -h "fwd+bwd" "$out"/bench-rows-triton3.9.log | cut -c1-150; elapsed "call 28" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..28|stage DIR" >&2; exit 2 ;;
+  29) # what the suite logs REST did not reach (tests/gpu/remaining.py; the portable kernels forced for a
+     # suite-portable log) beside memcheck of MEMCHECK's Hopper variants (none when empty), under TRITON
+     # (3.6 staging .t39a; 3.9 after staging, installing it)
+     use_triton ${TRITON:-3.6}
+     [ -n "${MEMCHECK:-}" ] && memcheck $triton "$path" ${LIMIT:-240} "$MEMCHECK" False "-rest" &
+     for log in ${REST:-}; do
+       tag=$(basename "$log" .log)
+       PYTHONPATH=$path python3 tests/gpu/remaining.py "$log" > "/tmp/rest-$tag.txt" 2> "$out/rest-$tag.log"
+       mapfile -t rest < "/tmp/rest-$tag.txt"
+       forced=(); [[ $tag == *portable* ]] && forced=(JAGGED_FLASH_JAX_FORWARD=portable JAGGED_FLASH_JAX_BACKWARD=portable)
+       env "${forced[@]}" PYTHONPATH=$path timeout ${LIMIT:-240} python3 -m pytest "${rest[@]}" -m gpu -v -p xdist \
+         -n $(( 10 / $(echo $REST | wc -w) )) -o addopts=-ra -p no:cacheprovider >> "$out/rest-$tag.log" 2>&1
+       echo "rc=$?" >> "$out/rest-$tag.log" &
+     done
+     wait; elapsed "call 29"; summary ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..29|stage DIR" >&2; exit 2 ;;
 esac

@@ -58,12 +58,9 @@
 #  29  what the suite logs REST did not reach beside memcheck of MEMCHECK's Hopper variants, under TRITON
 #      (3.6 staging .t39a; 3.9 after staging, installing it)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
-# does for any chunk folder. Next, on an H200: merge benchmarks/results/profile/2026-12-06_dq64_prefetch.mbox
-# (git am), then 14 and 15 (the suites and memcheck, D = 64's Hopper kernels among them, on the merged tree
-# under both tritons), 28 (the rows for results.json), 3.9's suite with the portable kernels forced
-# (SUITES=suite-portable 15), and under 3.9 the dq-fused kernel's deferred reduce-add (TRITON=3.9 FORWARD=1
-# PATCH=2026-12-06_fused_dq_deferred_reduce.mbox TESTS=1 IMPLS=jfa-triton-fused-dq CASES=long,L16384 27)
-# and the D = 64 dk/dv prefetch under 3.9 (PATCH=2026-12-06_dkdv_d64_prefetch.mbox CASES=L4096-D64; 3.6 lost).
+# does for any chunk folder. Next, on an H200 (after staging): 28 (the rows for results.json, D = 64's with
+# the dq prefetch merged in fda551d), and the D = 64 dk/dv prefetch under 3.9 (TRITON=3.9 FORWARD=1
+# PATCH=2026-12-06_dkdv_d64_prefetch.mbox CASES=L4096-D64,L4096-D64-causal 27; 3.6 lost).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..29|stage DIR}

@@ -58,9 +58,11 @@
 #  29  what the suite logs REST did not reach beside memcheck of MEMCHECK's Hopper variants, under TRITON
 #      (3.6 staging .t39a; 3.9 after staging, installing it)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
-# does for any chunk folder. Next, on an H200 (after staging): 28 (the rows for results.json, D = 64's with
-# the dq prefetch merged in fda551d), and the D = 64 dk/dv prefetch under 3.9 (TRITON=3.9 FORWARD=1
-# PATCH=2026-12-06_dkdv_d64_prefetch.mbox CASES=L4096-D64,L4096-D64-causal 27; 3.6 lost).
+# does for any chunk folder. Next (after staging): the Hopper forward at D = 64, prepared, under 3.9 and
+# then 3.6 (STAGE=.t39a): TRITON=3.9 FORWARD=1 PATCH=2026-12-07_hopper_forward_d64.mbox TESTS=1
+# TESTS_K="D64" MEMCHECK="['hopper D64']" TAG=fwd64 CASES=L4096-D64,L4096-D64-causal ROUNDS=2
+# bash tests/gpu/session.sh 27 (the D = 64 GPU tests, forward and backward, and memcheck of the copy);
+# if it is faster, merge it (git am) and run 14, 15 and 28 on the merged tree, on an H200 for results.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..29|stage DIR}
@@ -361,7 +363,8 @@ case $call in
      # .t39a; 3.9 once 5 or 15 installed it); TESTS=1: first the tree's Hopper backward GPU tests beside
      # memcheck of its Hopper kernels. FORWARD=1 PATCH=...: a change not merged, applied to the copy (logs
      # bench-applied-*, the variant's then the change's; TESTS=1 tests the copy); TAG names the logs (several
-     # patches in one call)
+     # patches in one call); TESTS_K the tests' -k (default the backward's), MEMCHECK the Hopper variants
+     # memcheck checks (default "['hopper']")
      if [ "${TRITON:-3.6}" = 3.9 ]; then
        triton=3.9 path=$site39
      else
@@ -374,9 +377,9 @@ case $call in
      fi
      if [ "${TESTS:-0}" = 1 ]; then  # first the Hopper backward GPU tests beside memcheck of the Hopper kernels
        tested_path=${path%:*}:$tested
-       (cd "$tested" && memcheck $triton "$tested_path" 200 "['hopper']" False "-hopper${TAG:+-$TAG}") &
+       (cd "$tested" && memcheck $triton "$tested_path" 200 "${MEMCHECK:-['hopper']}" False "-hopper${TAG:+-$TAG}") &
        (cd "$tested" && PYTHONPATH=$tested_path timeout 220 python3 -m pytest tests/test_hopper.py -m gpu \
-          -k "backward or large_logits or fused" -p xdist -n 8 -o addopts=-ra -q -p no:cacheprovider \
+          -k "${TESTS_K:-backward or large_logits or fused}" -p xdist -n 8 -o addopts=-ra -q -p no:cacheprovider \
           > "$out/hopper-bwd-tests${TAG:+-$TAG}-triton$triton.log" 2>&1
         echo "rc=$?" >> "$out/hopper-bwd-tests${TAG:+-$TAG}-triton$triton.log")
        wait; elapsed "tests, memcheck"; summary

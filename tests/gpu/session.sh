@@ -62,6 +62,8 @@
 # then 3.6 (STAGE=.t39a): TRITON=3.9 FORWARD=1 PATCH=2026-12-07_hopper_forward_d64.mbox TESTS=1
 # TESTS_K="D64" MEMCHECK="['hopper D64']" TAG=fwd64 CASES=L4096-D64,L4096-D64-causal ROUNDS=2
 # bash tests/gpu/session.sh 27 (the D = 64 GPU tests, forward and backward, and memcheck of the copy);
+# JAGGED_FLASH_JAX_FORWARD=hopper before the same (CASES=gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal,
+# no TESTS) times it below auto's 1024 tokens, where the tree's forward stays the portable one;
 # if it is faster, merge it (git am) and run 14, 15 and 28 on the merged tree, on an H200 for results.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

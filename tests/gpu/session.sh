@@ -57,6 +57,8 @@
 #      the long rows against cuDNN, for results.json
 #  29  what the suite logs REST did not reach beside memcheck of MEMCHECK's Hopper variants, under TRITON
 #      (3.6 staging .t39a; 3.9 after staging, installing it)
+#  30  the prepared Hopper forward at D = 64 (PATCH) on each of its candidate tiles (FWD64), as tuned tables,
+#      after the tree's portable forward, under TRITON
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. Next (after staging): the Hopper forward at D = 64, prepared, under 3.9 and
 # then 3.6 (STAGE=.t39a): TRITON=3.9 FORWARD=1 PATCH=2026-12-07_hopper_forward_d64.mbox TESTS=1
@@ -64,10 +66,11 @@
 # bash tests/gpu/session.sh 27 (the D = 64 GPU tests, forward and backward, and memcheck of the copy);
 # JAGGED_FLASH_JAX_FORWARD=hopper before the same (CASES=gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal,
 # no TESTS) times it below auto's 1024 tokens, where the tree's forward stays the portable one;
-# if it is faster, merge it (git am) and run 14, 15 and 28 on the merged tree, on an H200 for results.json.
+# 30 (its tiles; TRITON=3.9, then 3.6); if it is faster, merge it (git am, the tiles 30 found best) and
+# run 14, 15 and 28 on the merged tree, on an H200 for results.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..29|stage DIR}
+call=${1:?usage: bash tests/gpu/session.sh 1..30|stage DIR}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -410,5 +413,24 @@ case $call in
        echo "rc=$?" >> "$out/rest-$tag.log" &
      done
      wait; elapsed "call 29"; summary ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..29|stage DIR" >&2; exit 2 ;;
+  30) # the Hopper forward at D = 64 (PATCH, default 2026-12-07_hopper_forward_d64.mbox, applied to a copy)
+     # on each of its candidate tiles (FWD64: block_m,block_n,warps,stages; each compiles for sm_90a
+     # within shared memory: 128x128 on 3 and 4 stages 131 and 164 KB with 16 B of spills under 3.9, 128x64
+     # on 3 and 4 stages 82 and 99 KB with none) as a tuned table's D = 64 entry, after the tree (its
+     # portable forward), on CASES under TRITON (3.6 staging .t39a; 3.9 after staging, installing it);
+     # JAGGED_FLASH_JAX_FORWARD=hopper set for the call reaches sequences under 1024 tokens too
+     use_triton ${TRITON:-3.6}
+     patched_copy /tmp/variant "${PATCH:-2026-12-07_hopper_forward_d64.mbox}" || exit 1
+     cases=${CASES:-L4096-D64,L4096-D64-causal}
+     softmax_bench "fwd64-tree-triton$triton" "$cases" jfa-triton ${BUDGET:-30} "$path" > /dev/null
+     for tiles in ${FWD64:-128,128,4,3 128,128,4,4 128,64,4,3 128,64,4,4}; do
+       echo "[{\"gpu\": \"NVIDIA H200\", \"kernels\": \"hopper\", \"bits\": 16, \"head_dim\": 64,
+               \"max_seq_len\": null, \"fwd\": [$tiles,168], \"dkdv\": [64,128,4,2,168], \"dq\": [128,128,4,3,168]}]" \
+         > "/tmp/fwd64-$tiles.json"
+       (cd /tmp/variant && JAGGED_FLASH_JAX_TUNED_CONFIGS="/tmp/fwd64-$tiles.json" softmax_bench \
+          "fwd64-${tiles//,/x}-triton$triton" "$cases" jfa-triton ${BUDGET:-30} "${path%:*}:/tmp/variant" > /dev/null)
+     done
+     for f in "$out"/bench-fwd64-*.log; do echo "== $(basename "$f")"; grep "bfloat16" "$f" | cut -c1-150; done
+     elapsed "call 30" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..30|stage DIR" >&2; exit 2 ;;
 esac

@@ -122,6 +122,12 @@ ab_bench() {
   done
   for f in "$out"/bench-"$1"-*.log; do echo "== $(basename "$f")"; grep "fwd+bwd" "$f" | cut -c1-150; done
 }
+d64_table() {  # $1 a file: a tuned table of one D = 64 Hopper entry, $2 its fwd ("null" or tiles), $3 dkdv, $4 dq
+  # (tiles as block_m,block_n,warps,stages; each with the table's register cap, 168)
+  local fwd=$2; [ "$fwd" = null ] || fwd="[$fwd,168]"
+  echo "[{\"gpu\": \"NVIDIA H200\", \"kernels\": \"hopper\", \"bits\": 16, \"head_dim\": 64, \"max_seq_len\": null,
+          \"fwd\": $fwd, \"dkdv\": [$3,168], \"dq\": [$4,168]}]" > "$1"
+}
 patched_copy() {  # $1 a folder, $2 a patch file of benchmarks/results/profile/: the tree there, patched
   # ($3 -R: the patch reversed, the tree without a change it holds)
   rm -rf "$1" && mkdir "$1" && cp -r jagged_flash_jax tests benchmarks docs README.md pyproject.toml "$1/" \
@@ -257,8 +263,7 @@ case $call in
       for tiles in "64,128,4,3 128,128,4,3" "64,128,4,4 128,128,4,3" "32,128,4,4 128,128,4,3" \
                    "64,128,4,2 128,128,4,4" "64,128,4,2 128,64,4,4"; do
         set -- $tiles
-        echo "[{\"gpu\": \"NVIDIA H200\", \"kernels\": \"hopper\", \"bits\": 16, \"head_dim\": 64,
-                \"max_seq_len\": null, \"fwd\": null, \"dkdv\": [$1,168], \"dq\": [$2,168]}]" > /tmp/d64.json
+        d64_table /tmp/d64.json null "$1" "$2"
         JAGGED_FLASH_JAX_TUNED_CONFIGS=/tmp/d64.json softmax_bench "d64-${1//,/x}-${2//,/x}-triton$triton" \
           L4096-D64 jfa-triton-hopper-bwd 40 "$path"
       done
@@ -351,9 +356,7 @@ case $call in
      softmax_bench "d64bm-table-triton$triton" "${CASES:-L4096-D64,L4096-D64-causal}" jfa-triton-hopper-bwd \
        ${BUDGET:-30} "$path"
      for dkdv in 128,128,4,2 128,128,4,3; do
-       echo "[{\"gpu\": \"NVIDIA H200\", \"kernels\": \"hopper\", \"bits\": 16, \"head_dim\": 64,
-               \"max_seq_len\": null, \"fwd\": null, \"dkdv\": [$dkdv,168], \"dq\": [128,128,4,3,168]}]" \
-         > "/tmp/d64-$dkdv.json"
+       d64_table "/tmp/d64-$dkdv.json" null "$dkdv" 128,128,4,3
        JAGGED_FLASH_JAX_TUNED_CONFIGS="/tmp/d64-$dkdv.json" PYTHONPATH=$path timeout 150 python3 -m pytest \
          tests/test_hopper.py -m gpu -k "D64 or large_logits" -p xdist -n 8 -o addopts=-ra -q \
          -p no:cacheprovider > "$out/d64bm-tests-${dkdv//,/x}-triton$triton.log" 2>&1
@@ -424,9 +427,7 @@ case $call in
      cases=${CASES:-L4096-D64,L4096-D64-causal}
      softmax_bench "fwd64-tree-triton$triton" "$cases" jfa-triton ${BUDGET:-30} "$path" > /dev/null
      for tiles in ${FWD64:-128,128,4,3 128,128,4,4 128,64,4,3 128,64,4,4}; do
-       echo "[{\"gpu\": \"NVIDIA H200\", \"kernels\": \"hopper\", \"bits\": 16, \"head_dim\": 64,
-               \"max_seq_len\": null, \"fwd\": [$tiles,168], \"dkdv\": [64,128,4,2,168], \"dq\": [128,128,4,3,168]}]" \
-         > "/tmp/fwd64-$tiles.json"
+       d64_table "/tmp/fwd64-$tiles.json" "$tiles" 64,128,4,2 128,128,4,3
        (cd /tmp/variant && JAGGED_FLASH_JAX_TUNED_CONFIGS="/tmp/fwd64-$tiles.json" softmax_bench \
           "fwd64-${tiles//,/x}-triton$triton" "$cases" jfa-triton ${BUDGET:-30} "${path%:*}:/tmp/variant" > /dev/null)
      done

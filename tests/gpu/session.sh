@@ -60,14 +60,8 @@
 #  30  the prepared Hopper forward at D = 64 (PATCH) on each of its candidate tiles (FWD64), as tuned tables,
 #      after the tree's portable forward, under TRITON
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
-# does for any chunk folder. Next (after staging): the Hopper forward at D = 64, prepared, under 3.9 and
-# then 3.6 (STAGE=.t39a): TRITON=3.9 FORWARD=1 PATCH=2026-12-07_hopper_forward_d64.mbox TESTS=1
-# TESTS_K="D64" MEMCHECK="['hopper D64']" TAG=fwd64 CASES=L4096-D64,L4096-D64-causal ROUNDS=2
-# bash tests/gpu/session.sh 27 (the D = 64 GPU tests, forward and backward, and memcheck of the copy);
-# JAGGED_FLASH_JAX_FORWARD=hopper before the same (CASES=gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal,
-# no TESTS) times it below auto's 1024 tokens, where the tree's forward stays the portable one;
-# 30 (its tiles; TRITON=3.9, then 3.6); if it is faster, merge it (git am, the tiles 30 found best) and
-# run 14, 15 and 28 on the merged tree, on an H200 for results.json.
+# does for any chunk folder. The Hopper forward at D = 64 (27 and 30 on 2026-12-07, session 2) was slower
+# unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: bash tests/gpu/session.sh 1..30|stage DIR}

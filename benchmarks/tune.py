@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from jagged_flash_jax import configs
+from jagged_flash_jax import configs, select
 
 from . import impls, run
 
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
                         'stages(, max_registers)], ...], "bwd": [[dkdv, dq], ...]}')
     p.set_defaults(cases=TUNE_CASES, dtypes="bfloat16,float32", seconds=0.1)
     args = p.parse_args(argv)
-    for env in (configs.FORWARD_KERNEL_ENV, configs.BACKWARD_KERNEL_ENV):  # for the workers too
+    for env in (select.FORWARD_ENV, select.BACKWARD_ENV):  # for the workers too
         os.environ[env] = "portable"
     jobs = lambda case, dtype: tile_jobs(case, dtype, args.backend, args.candidates)  # noqa: E731
     results = run.run_cases(args, argv, jobs, "benchmarks.tune")

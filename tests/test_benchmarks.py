@@ -1,5 +1,6 @@
 """The benchmark suite: its FLOP counts against a dense count of the attended pairs, and a quick run that
-measures the xla backend on the CPU and writes the report."""
+measures the xla backend on the CPU and writes the report, and the tile sweep (benchmarks.tune) in the
+interpreter."""
 
 from __future__ import annotations
 
@@ -72,6 +73,28 @@ def test_quick_run_measures_the_xla_backend_and_writes_the_report(tmp_path):
         assert row["flops"] == case.flops(row["mode"]) and row["tokens"] == case.lengths().sum()
     assert "| L256 | bfloat16 | fwd |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "lsweep.png").stat().st_size > 0
+
+
+def test_tune_times_each_candidate_and_writes_the_fastest_as_a_table(tmp_path):
+    """benchmarks.tune: one benchmarks.run row per candidate tile (the portable kernels, through
+    block_sizes=), and tuned_configs.json, a table the library loads, holding the fastest forward."""
+    from jagged_flash_jax import configs
+
+    candidates = [[32, 16, 4, 2], [16, 32, 4, 2]]
+    command = [sys.executable, "-m", "benchmarks.tune", "--backend", "interpret", "--quick", "--cases",
+               "rec-small", "--dtypes", "bfloat16", "--seconds", "0.01", "--out", str(tmp_path),
+               "--candidates", json.dumps({"fwd": candidates})]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert all(r["status"] == "ok" and r["mode"] == "fwd" for r in rows)
+    timed = {r["impl"].split(" ", 1)[1]: r["ms"] for r in rows}
+    assert sorted(timed) == sorted(json.dumps({"fwd": c}) for c in candidates)
+    fastest = json.loads(min(timed, key=timed.get))["fwd"]
+    table = json.loads((tmp_path / "tuned_configs.json").read_text())
+    ((key, entry),) = configs.table_from_json(table).items()
+    assert key[2:4] == (16, 32)  # bfloat16, rec-small's head dimension
+    fwd = entry.fwd
+    assert [fwd.block_m, fwd.block_n, fwd.num_warps, fwd.num_stages] == fastest
 
 
 def test_merge_replaces_rows_by_their_key_and_records_the_run():

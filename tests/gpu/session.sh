@@ -59,12 +59,17 @@
 #      (3.6 staging .t39a; 3.9 after staging, installing it)
 #  30  the prepared Hopper forward at D = 64 (PATCH) on each of its candidate tiles (FWD64), as tuned tables,
 #      after the tree's portable forward, under TRITON
+#  31  the portable forward's tiles at D = 64 (FWD: the table's 8-warp 128x64 on 3 stages beside 4-warp
+#      tiles), each timed by benchmarks.tune on CASES, under TRITON (3.6 staging .t39a; 3.9 after staging)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. The Hopper forward at D = 64 (27 and 30 on 2026-12-07, session 2) was slower
-# unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md).
+# unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md). Next: 31 under 3.6
+# (STAGE .t39a), then under 3.9 after staging: if a 4-warp tile wins under 3.9 and holds under 3.6, it
+# becomes the table's D = 64 forward (else a triton-release choice, as hopper_dkdv_triton_stages makes);
+# then 14, 15 and 28 on the merged tree.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..30|stage DIR}
+call=${1:?usage: bash tests/gpu/session.sh 1..31|stage DIR}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -427,5 +432,21 @@ case $call in
      done
      for f in "$out"/bench-fwd64-*.log; do echo "== $(basename "$f")"; grep "bfloat16" "$f" | cut -c1-150; done
      elapsed "call 30" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..30|stage DIR" >&2; exit 2 ;;
+  31) # the portable forward's tiles at D = 64 under TRITON (3.6 staging .t39a; 3.9 after staging, installing
+     # it). Triton >= 3.7 puts a CTA barrier after each wgmma wait of a kernel of more than 4 warps
+     # (triton-lang/triton#11056): in the table's 8-warp forward at D = 64, between S's product and its
+     # softmax, which 3.6's build lets the two warpgroups overlap (docs/performance.md, "Found on
+     # 2026-12-07, session 2"). Each candidate (FWD, JSON tiles) timed by benchmarks.tune (the portable
+     # kernels through block_sizes=) on CASES; the log's last lines are the table it would write
+     use_triton ${TRITON:-3.6}
+     fwd=${FWD:-[128,64,8,3],[64,64,4,3],[64,64,4,4],[64,128,4,3],[64,32,4,3]}
+     PYTHONPATH=$path timeout $(( ${BUDGET:-200} + 60 )) python3 -m benchmarks.tune --out "/tmp/tune$triton" \
+       --cases "${CASES:-L4096-D64,L4096-D64-causal,gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal}" \
+       --dtypes bfloat16 --seconds 0.1 --budget-s ${BUDGET:-200} --candidates "{\"fwd\": [$fwd]}" \
+       > "$out/tune-fwd64-triton$triton.log" 2>&1
+     echo "rc=$?" >> "$out/tune-fwd64-triton$triton.log"
+     cp "/tmp/tune$triton/results.json" "$out/tune-fwd64-triton$triton.json" 2>/dev/null
+     grep -E "ok:|\[tune\]|rc=" "$out/tune-fwd64-triton$triton.log" | cut -c1-160
+     elapsed "call 31" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..31|stage DIR" >&2; exit 2 ;;
 esac

@@ -93,8 +93,7 @@ def test_tune_times_each_candidate_and_writes_the_fastest_as_a_table(tmp_path):
     table = json.loads((tmp_path / "tuned_configs.json").read_text())
     ((key, entry),) = configs.table_from_json(table).items()
     assert key[2:4] == (16, 32)  # bfloat16, rec-small's head dimension
-    fwd = entry.fwd
-    assert [fwd.block_m, fwd.block_n, fwd.num_warps, fwd.num_stages] == fastest
+    assert entry.fwd == configs.KernelConfig(*fastest)
 
 
 def test_merge_replaces_rows_by_their_key_and_records_the_run():

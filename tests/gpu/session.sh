@@ -97,11 +97,18 @@ summary() {
   for f in "$out"/*.log; do echo "== $(basename "$f"): $(grep -E "passed|failed|ERROR SUMMARY|all ok|rc=" "$f" | tail -3 | tr '\n' ' ')"; done
   grep -h "^FAILED\|^ERROR" "$out"/*.log 2>/dev/null | head -40
 }
+bench() {  # $1 module (benchmarks.run, or benchmarks.tune), $2 tag, $3 cases, $4 budget (s), $5 PYTHONPATH,
+  # then the module's own arguments; BENCH_MARGIN (s, default 40) past the budget before the timeout.
+  # Logs bench-TAG.log and .json; prints the count of rows that ran
+  local module=$1 tag=$2 cases=$3 budget=$4 path=$5; shift 5
+  PYTHONPATH="$path" timeout $(( budget + ${BENCH_MARGIN:-40} )) python3 -m "$module" --out "/tmp/bench-$tag" \
+    --cases "$cases" --seconds 0.1 --budget-s "$budget" "$@" > "$out/bench-$tag.log" 2>&1
+  echo "rc=$?" >> "$out/bench-$tag.log"
+  cp "/tmp/bench-$tag/results.json" "$out/bench-$tag.json" 2>/dev/null
+  grep -E "ok:|error|skipped" "$out/bench-$tag.log" | grep -v "needs a GPU" | grep -c "ok:"
+}
 softmax_bench() {  # $1 tag, $2 cases, $3 impls, $4 budget (s), $5 PYTHONPATH
-  PYTHONPATH="$5" timeout $(( $4 + 40 )) python3 -m benchmarks.run --out "/tmp/bench-$1" --cases "$2" \
-    --impls "$3" --seconds 0.1 --budget-s "$4" > "$out/bench-$1.log" 2>&1; echo "rc=$?" >> "$out/bench-$1.log"
-  cp "/tmp/bench-$1/results.json" "$out/bench-$1.json" 2>/dev/null
-  grep -E "ok:|error|skipped" "$out/bench-$1.log" | grep -v "needs a GPU" | grep -c "ok:"
+  bench benchmarks.run "$1" "$2" "$4" "$5" --impls "$3"
 }
 hstu_jax() {  # $1 triton, $2 PYTHONPATH, $3 impls, $4 limit, cases after
   local triton=$1 path=$2 impls=$3 limit=$4; shift 4
@@ -440,13 +447,10 @@ case $call in
      # kernels through block_sizes=) on CASES; the log's last lines are the table it would write
      use_triton ${TRITON:-3.6}
      fwd=${FWD:-[128,64,8,3],[64,64,4,3],[64,64,4,4],[64,128,4,3],[64,32,4,3]}
-     PYTHONPATH=$path timeout $(( ${BUDGET:-200} + 60 )) python3 -m benchmarks.tune --out "/tmp/tune$triton" \
-       --cases "${CASES:-L4096-D64,L4096-D64-causal,gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal}" \
-       --dtypes bfloat16 --seconds 0.1 --budget-s ${BUDGET:-200} --candidates "{\"fwd\": [$fwd]}" \
-       > "$out/tune-fwd64-triton$triton.log" 2>&1
-     echo "rc=$?" >> "$out/tune-fwd64-triton$triton.log"
-     cp "/tmp/tune$triton/results.json" "$out/tune-fwd64-triton$triton.json" 2>/dev/null
-     grep -E "ok:|\[tune\]|rc=" "$out/tune-fwd64-triton$triton.log" | cut -c1-160
+     BENCH_MARGIN=60 bench benchmarks.tune "tune-fwd64-triton$triton" \
+       "${CASES:-L4096-D64,L4096-D64-causal,gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal}" ${BUDGET:-200} "$path" \
+       --dtypes bfloat16 --candidates "{\"fwd\": [$fwd]}" > /dev/null
+     grep -E "ok:|\[tune\]|rc=" "$out/bench-tune-fwd64-triton$triton.log" | cut -c1-160
      elapsed "call 31" ;;
   *) echo "usage: bash tests/gpu/session.sh 1..31|stage DIR" >&2; exit 2 ;;
 esac

@@ -446,11 +446,14 @@ case $call in
      # 2026-12-07, session 2"). Each candidate (FWD, JSON tiles) timed by benchmarks.tune (the portable
      # kernels through block_sizes=) on CASES; the log's last lines are the table it would write
      use_triton ${TRITON:-3.6}
+     # (TAG, default fwd64, names the log; CANDIDATES: benchmarks.tune's JSON in place of FWD's, e.g. D = 128's
+     # forward on L512, where the table's 8-warp [128,64,8,2,128] runs)
      fwd=${FWD:-[128,64,8,3],[64,64,4,3],[64,64,4,4],[64,128,4,3],[64,32,4,3]}
-     BENCH_MARGIN=60 bench benchmarks.tune "tune-fwd64-triton$triton" \
+     tag="tune-${TAG:-fwd64}-triton$triton"
+     BENCH_MARGIN=60 bench benchmarks.tune "$tag" \
        "${CASES:-L4096-D64,L4096-D64-causal,gqa-16x4-L512-D64,gqa-16x4-L512-D64-causal}" ${BUDGET:-200} "$path" \
-       --dtypes bfloat16 --candidates "{\"fwd\": [$fwd]}" > /dev/null
-     grep -E "ok:|\[tune\]|rc=" "$out/bench-tune-fwd64-triton$triton.log" | cut -c1-160
+       --dtypes bfloat16 --candidates "${CANDIDATES:-{\"fwd\": [$fwd]\}}" > /dev/null
+     grep -E "ok:|\[tune\]|rc=" "$out/bench-$tag.log" | cut -c1-160
      elapsed "call 31" ;;
   *) echo "usage: bash tests/gpu/session.sh 1..31|stage DIR" >&2; exit 2 ;;
 esac

@@ -53,7 +53,7 @@ def tile_jobs(case, dtype: str, backend: str, candidates: dict | None = None) ->
         def make(case, tiles=tiles):
             default = configs.default_block_sizes(
                 case.head_dim, dtype, case.max_seq_len, case.kv_max_seq_len,
-                configs.band_width(case.window or (None, None), case.causal))
+                configs.band_width(case.window or (None, None), case.causal), causal=case.causal)
             entry = dict(configs.entry_to_json(("", "portable", bits, 0, None), default), **tiles)
             return impls.jfa(case, backend, configs.entry_from_json(entry)[1])
         jobs.append((f"jfa-{backend} {json.dumps(tiles)}", mode, make, backend == "triton"))
@@ -62,7 +62,8 @@ def tile_jobs(case, dtype: str, backend: str, candidates: dict | None = None) ->
 
 def choose(rows: list[dict], gpu: str) -> dict:
     """For each table key, per kernel: the tiles with the least time relative to each case's fastest, summed
-    over the cases of the key (among the tiles that ran on all of them)."""
+    over the cases of the key (among the tiles that ran on all of them). The forward's tiles of causal
+    cases are the entry's fwd_causal, kept where they differ from fwd's."""
     rows = [r for r in rows if r.get("status") == "ok"]
     fastest = {}
     for r in rows:
@@ -71,8 +72,10 @@ def choose(rows: list[dict], gpu: str) -> dict:
     scores = {}
     for r in rows:
         key = (gpu, *configs.table_key(r["D"], r["dtype"], r["L"], gpu=configs.FALLBACK_GPU)[1:])
-        tiles = r["impl"].split(" ", 1)[1]
-        scores.setdefault(key, {}).setdefault(r["mode"], {}).setdefault(tiles, []).append(
+        tiles, mode = r["impl"].split(" ", 1)[1], r["mode"]
+        if r.get("causal") and "fwd" in json.loads(tiles):
+            tiles, mode = json.dumps(dict(fwd_causal=json.loads(tiles)["fwd"])), "fwd_causal"
+        scores.setdefault(key, {}).setdefault(mode, {}).setdefault(tiles, []).append(
             r["ms"] / fastest[r["case"], r["dtype"], r["mode"]])
     table = {}
     for key, by_mode in scores.items():
@@ -81,6 +84,9 @@ def choose(rows: list[dict], gpu: str) -> dict:
             count = max(len(v) for v in by_tiles.values())
             entry.update(json.loads(min((t for t, v in by_tiles.items() if len(v) == count),
                                         key=lambda t: sum(by_tiles[t]))))
+        if entry.get("fwd_causal") and configs.KernelConfig(*entry["fwd_causal"]) == configs.KernelConfig(
+                *entry["fwd"]):
+            entry["fwd_causal"] = None
         table.update([configs.entry_from_json(entry)])
     return table
 

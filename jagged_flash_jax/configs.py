@@ -49,9 +49,9 @@ class BlockSizes:
 
     dk/dv and dq programs share one backward launch when they have the same num_warps, num_stages and
     max_registers, and run in a launch each otherwise. In the table's "hopper" entries a kernel that has
-    no Hopper version at the entry's head dimension is None (the portable one runs there), and
-    fwd_causal, where not None, is the Hopper forward's tiles under causal=True (`hopper_block_sizes`
-    puts it in fwd's place); the portable kernels have none (their fwd serves every mask).
+    no Hopper version at the entry's head dimension is None (the portable one runs there). fwd_causal,
+    where not None, is the forward's tiles under causal=True (`default_block_sizes` and
+    `hopper_block_sizes` put it in fwd's place); where None, fwd serves every mask.
     """
 
     fwd: KernelConfig | None
@@ -202,8 +202,6 @@ def entry_from_json(entry: dict) -> tuple[TableKey, BlockSizes]:
                        config("fwd_causal"))
     if kernels == "portable" and None in (tiles.fwd, tiles.dkdv, tiles.dq):
         raise ValueError(f"a portable tile table entry needs fwd, dkdv and dq tiles, got {entry}")
-    if kernels == "portable" and tiles.fwd_causal is not None:
-        raise ValueError(f"fwd_causal is the Hopper forward's (a hopper entry's), got portable entry {entry}")
     if kernels == "hopper" and key[2] != HOPPER_BITS:
         raise ValueError(f"a hopper tile table entry's bits must be {HOPPER_BITS} (the Hopper kernels take "
                          f"16-bit inputs only), got {entry}")
@@ -222,7 +220,12 @@ def table_from_json(entries: list[dict]) -> dict:
 # case it was tuned on. Where dq's warps or stages differ from dk/dv's the two run in separate launches.
 # docs/performance.md ("Tile configurations") gives each entry's case and the measurements behind the
 # choices. Then the Hopper kernels' (16-bit inputs only, fixed shapes: see HOPPER_CONSUMER_REGS), from
-# the sweeps of docs/performance.md, "Hopper kernels": bands of at most 512 keys (a sliding window's,
+# the sweeps of docs/performance.md, "Hopper kernels". The portable forward at D = 64 under causal takes
+# 4-warp tiles of 64 queries (fwd_causal; finer steps along the diagonal; H100, benchmarks.tune, two runs
+# each: L4096-D64-causal 0.586-0.587 against 0.608-0.610 ms under 3.6, 0.603-0.614 against 0.642-0.651
+# under 3.9; gqa-16x4-L512-D64-causal 0.451-0.452 against 0.539, and 0.460-0.463 against 0.559), where
+# without a mask the 8-warp tile stays (L4096-D64: 1.038-1.045 against 1.049-1.054 under 3.6, 1.117-1.118
+# against 1.163-1.188 under 3.9). Hopper entries: bands of at most 512 keys (a sliding window's,
 # or sequences as short) take 64-key tiles in the forward and in dq, where a consumer warpgroup
 # computes only the key tiles its own 64 queries see; 3 stages of 128 keys exceed shared memory at D = 128.
 # So do causal forwards at D = 128 on sequences of at most 1024 tokens (fwd_causal: 3 stages of 64 keys,
@@ -237,8 +240,8 @@ BUILTIN_TABLE = table_from_json([
          dq=[64, 32, 4, 3]),
     dict(gpu=_H200, bits=16, head_dim=64, max_seq_len=256, fwd=[64, 32, 4, 3], dkdv=[32, 64, 4, 3],
          dq=[64, 32, 4, 3]),
-    dict(gpu=_H200, bits=16, head_dim=64, max_seq_len=None, fwd=[128, 64, 8, 3], dkdv=[32, 64, 4, 3],
-         dq=[128, 32, 8, 3]),
+    dict(gpu=_H200, bits=16, head_dim=64, max_seq_len=None, fwd=[128, 64, 8, 3], fwd_causal=[64, 64, 4, 3],
+         dkdv=[32, 64, 4, 3], dq=[128, 32, 8, 3]),
     dict(gpu=_H200, bits=16, head_dim=128, max_seq_len=256, fwd=[64, 64, 4, 3], dkdv=[32, 64, 4, 3],
          dq=[128, 32, 4, 3]),
     dict(gpu=_H200, bits=16, head_dim=128, max_seq_len=1024, fwd=[128, 64, 8, 2, 128], dkdv=[64, 128, 8, 2],
@@ -360,16 +363,25 @@ def _entry(kernels: str, head_dim: int, dtype, max_seq_len: int, kv_max_seq_len:
     return table_key(head_dim, dtype, keys, gpu=gpu, table=table, kernels=kernels), table, kv_max_seq_len
 
 
+def _for_mask(tiles: BlockSizes, causal: bool) -> BlockSizes:
+    """An entry's tiles under causal masking: its fwd_causal, where it has one, in fwd's place."""
+    if causal and tiles.fwd_causal is not None:
+        return dataclasses.replace(tiles, fwd=tiles.fwd_causal, fwd_causal=None)
+    return tiles
+
+
 def default_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None,
-                        band: int | None = None, *, table: dict | None = None,
+                        band: int | None = None, *, causal: bool = False, table: dict | None = None,
                         gpu: str = FALLBACK_GPU) -> BlockSizes:
     """Tiles for the portable GPU kernels: the table's entry by GPU, element size, padded head dimension
-    and the most keys one query sees (see `_entry`), fitted to both lengths."""
+    and the most keys one query sees (see `_entry`), its fwd_causal as fwd where causal, fitted to both
+    lengths; the tiles that run, so without a fwd_causal of their own (as the block_sizes argument)."""
     key, table, kv_max_seq_len = _entry("portable", head_dim, dtype, max_seq_len, kv_max_seq_len, band, table,
                                         gpu)
     if key is None:
         raise ValueError(f"no tile configuration covers head dimension {head_dim} (at most {MAX_HEAD_DIM})")
-    return fit_to_lengths(table[key], max_seq_len, kv_max_seq_len)
+    tiles = dataclasses.replace(_for_mask(table[key], causal), fwd_causal=None)
+    return fit_to_lengths(tiles, max_seq_len, kv_max_seq_len)
 
 
 def hopper_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None,
@@ -385,7 +397,4 @@ def hopper_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: i
     _, _, _, entry_head_dim, _ = key
     if entry_head_dim != head_dim:
         return None
-    tiles = table[key]
-    if causal and tiles.fwd_causal is not None:
-        return dataclasses.replace(tiles, fwd=tiles.fwd_causal, fwd_causal=None)
-    return tiles
+    return _for_mask(table[key], causal)

@@ -165,8 +165,8 @@ class Portable(Implementation):
             tiles = INTERPRET_BLOCK_SIZES
         elif tiles is None:
             tiles = configs.default_block_sizes(p.head_dim, p.dtype, p.max_seq_len, p.kv_max_seq_len,
-                                                band_width(p.window, p.causal), table=context.table,
-                                                gpu=context.device.kind)
+                                                band_width(p.window, p.causal), causal=p.causal,
+                                                table=context.table, gpu=context.device.kind)
         v_key_major, qdo_key_major = (self.key_major if self.key_major is not None
                                       else calls.key_major(p, operands) for operands in ("v", "q_do"))
         return PortableConfig(tiles, v_key_major, qdo_key_major, self.l2_reuse_bytes)

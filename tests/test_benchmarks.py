@@ -96,6 +96,37 @@ def test_tune_times_each_candidate_and_writes_the_fastest_as_a_table(tmp_path):
     assert entry.fwd == configs.KernelConfig(*fastest)
 
 
+@pytest.mark.parametrize("causal_best", ["[64, 64, 4, 3]", "[128, 64, 8, 3]"])
+def test_tune_chooses_the_forward_of_causal_cases_as_the_entry_fwd_causal(causal_best):
+    """benchmarks.tune's choice: forward tiles by their time relative to each case's fastest, those of the
+    unmasked cases as the entry's fwd, those of the causal ones as its fwd_causal, dropped where the two
+    agree; the backward's tiles from the fwd+bwd rows of both."""
+    from benchmarks import tune
+    from jagged_flash_jax import configs
+
+    tiles = ["[128, 64, 8, 3]", "[64, 64, 4, 3]"]
+    rng = np.random.default_rng(len(causal_best))
+
+    def row(case, causal, length, label, mode, ms):
+        return dict(case=case, causal=causal, D=64, L=length, dtype="bfloat16", mode=mode, status="ok", ms=ms,
+                    impl=f"jfa-triton {label}")
+
+    rows = []
+    for case, causal, length in (("a", False, 4096), ("b", False, 512), ("c", True, 4096), ("d", True, 600)):
+        best = causal_best if causal else tiles[0]
+        for t in tiles:
+            ms = rng.uniform(1, 2) * (1 if t == best else 3)
+            rows.append(row(case, causal, length, f'{{"fwd": {t}}}', "fwd", ms))
+        for dq, ms in (("[128, 32, 8, 3]", 2.0), ("[64, 32, 4, 3]", 1.0)):
+            rows.append(row(case, causal, length, f'{{"dkdv": [32, 64, 4, 3], "dq": {dq}}}', "fwd+bwd", ms))
+    ((key, entry),) = tune.choose(rows, "GPU X").items()
+    assert key == ("GPU X", "portable", 16, 64, None)
+    assert entry.fwd == configs.KernelConfig(*json.loads(tiles[0]))
+    want = configs.KernelConfig(*json.loads(causal_best))
+    assert entry.fwd_causal == (None if want == entry.fwd else want)
+    assert entry.dq == configs.KernelConfig(64, 32, 4, 3)
+
+
 def test_merge_replaces_rows_by_their_key_and_records_the_run():
     """benchmarks.merge: a new run's rows replace those of the same (case, impl, dtype, mode), renamed
     where asked, the others stay, and the run's commit, date, command and triton are recorded."""

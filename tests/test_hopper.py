@@ -738,6 +738,10 @@ BACKWARD_CASES = {
     # queries see their keys, both masking the band's edge tiles). Each with empty sequences and one
     # past max_seq_len. A left window under causal, GQA (the forward's case).
     "window-left-causal-gqa": CASES["window-left-causal-gqa"],
+    # Causal at D = 64 past 256 tokens: the portable forward on its entry's fwd_causal (4-warp tiles of 64
+    # queries); sequences past max_seq_len, of 1, empty and of one 64-query block and one more; GQA.
+    "self-causal-D64-gqa": dict(lengths=[700, 0, 1, 300, 65], heads=4, kv_heads=2, dim=64, max_seq_len=600,
+                                causal=True),
     # A left window alone, not causal, D = 64: long enough that query tiles before and after a key
     # block's band are skipped.
     "window-left-D64": dict(lengths=[400, 0, 5, 260], heads=2, dim=64, max_seq_len=384, window=(90, None)),
@@ -791,7 +795,7 @@ def check_backward(case: str, layout: str, precision: str, backward_kernels, **o
 @pytest.mark.parametrize("case,layout", [
     ("self-causal", "THD"), ("self-causal", "HTD"), ("cross-nq<nk-causal-gqa", "THD"),
     ("cross-nq<nk-causal-gqa", "HTD"), ("cross-nq>nk-causal-mqa", "THD"), ("cross-nq>nk-causal-mqa", "HTD"),
-    ("cross-gqa-truncated", "HTD"), ("cross-D64-gqa", "THD"),
+    ("cross-gqa-truncated", "HTD"), ("cross-D64-gqa", "THD"), ("self-causal-D64-gqa", "HTD"),
     ("window-left-causal-gqa", "THD"), ("window-left-causal-gqa", "HTD"), ("window-left-D64", "HTD"),
     ("cross-window-right-gqa", "THD"), ("cross-window-both-D64-gqa", "THD"),
     ("cross-window-both-D64-gqa", "HTD"), ("cross-window-right-softcap-mqa", "HTD"), ("softcap-D64", "THD"),

@@ -783,7 +783,7 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
 def test_causal_forwards_take_the_hopper_entry_fwd_causal(max_seq_len):
     """A Hopper entry's fwd_causal is the forward's tiles under causal (D = 128: 64-key tiles in 3
     stages from 513 to 1024 tokens), in fwd's place, the backward's unchanged; elsewhere, and without
-    causal, fwd; the JSON form keeps it; portable entries and the block_sizes argument refuse it."""
+    causal, fwd; the JSON form keeps it; the block_sizes argument refuses it."""
     causal = configs.hopper_block_sizes(128, jnp.bfloat16, max_seq_len, causal=True, gpu=H200)
     plain = configs.hopper_block_sizes(128, jnp.bfloat16, max_seq_len, gpu=H200)
     key = configs.table_key(128, jnp.bfloat16, max_seq_len, gpu=H200, kernels="hopper")
@@ -793,10 +793,6 @@ def test_causal_forwards_take_the_hopper_entry_fwd_causal(max_seq_len):
     assert (causal.fwd.block_n, causal.fwd.num_stages) == ((64, 3) if max_seq_len == 1024 else
                                                           (plain.fwd.block_n, plain.fwd.num_stages))
     assert configs.entry_from_json(configs.entry_to_json(key, entry)) == (key, entry)
-    with pytest.raises(ValueError, match="fwd_causal"):
-        portable = (*PORTABLE, 16, 128, None)
-        configs.entry_from_json(dict(configs.entry_to_json(portable, configs.BUILTIN_TABLE[portable]),
-                                     fwd_causal=[64, 64, 4, 2]))
     q = jnp.ones((8, 1, 16), jnp.float32)
     tiles = dataclasses.replace(configs.INTERPRET_BLOCK_SIZES, fwd_causal=configs.KernelConfig(16, 16))
     with pytest.raises(TypeError, match="block_sizes.fwd_causal"):
@@ -1733,6 +1729,33 @@ def test_default_block_sizes_reads_the_builtin_table(monkeypatch):
     assert configs.default_block_sizes(256, jnp.float16, 64).preprocess_block_m == 32
     with pytest.raises(ValueError, match="head dimension 300"):
         configs.default_block_sizes(300, jnp.float32, 16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_portable_forward_takes_the_entry_fwd_causal_under_causal(fake_jax_triton, monkeypatch, causal):
+    """A portable entry's fwd_causal (D = 64 from 257 tokens: 4-warp tiles of 64 queries under causal,
+    where the 8-warp 128-query tile stays without a mask) is the forward the launch runs, fitted to the
+    lengths as fwd is; the tiles returned have no fwd_causal of their own (what block_sizes= takes), and
+    the JSON form keeps the entry's."""
+    monkeypatch.delenv(select.TUNED_CONFIGS_ENV, raising=False)
+    key = (*PORTABLE, 16, 64, None)
+    entry = configs.BUILTIN_TABLE[key]
+    assert entry.fwd == KernelConfig(128, 64, 8, 3) and entry.fwd_causal == KernelConfig(64, 64, 4, 3)
+    assert configs.entry_from_json(configs.entry_to_json(key, entry)) == (key, entry)
+    want = entry.fwd_causal if causal else entry.fwd
+    tiles = configs.default_block_sizes(64, jnp.bfloat16, 4096, causal=causal)
+    assert tiles == BlockSizes(want, entry.dkdv, entry.dq)
+    # Fitted as fwd is: 8 queries against 4096 keys.
+    assert configs.default_block_sizes(64, jnp.bfloat16, 8, 4096, causal=causal).fwd == KernelConfig(
+        16, 128, 4, want.num_stages)
+    # Sequences of at most 256 tokens: that entry's forward, masked or not.
+    assert configs.default_block_sizes(64, jnp.bfloat16, 256, causal=causal).fwd == configs.BUILTIN_TABLE[
+        (*PORTABLE, 16, 64, 256)].fwd
+    q = jnp.ones((600, 2, 64), jnp.bfloat16)
+    jfa.jagged_attention(q, q, q, [0, 600], 1024, causal=causal, backend="triton")
+    (forward,) = fake_jax_triton.calls
+    assert (forward["BLOCK_M"], forward["BLOCK_N"], forward["num_warps"], forward["num_stages"]) == (
+        want.block_m, want.block_n, want.num_warps, want.num_stages)
 
 
 def test_default_block_sizes_fit_the_sequence_lengths(monkeypatch):

@@ -61,6 +61,8 @@
 #      after the tree's portable forward, under TRITON
 #  31  the portable forward's tiles at D = 64 (FWD: the table's 8-warp 128x64 on 3 stages beside 4-warp
 #      tiles), each timed by benchmarks.tune on CASES, under TRITON (3.6 staging .t39a; 3.9 after staging)
+#  32  the portable forward's fwd_causal at D = 64 (31's finding): the D = 64 GPU tests, then the causal
+#      D = 64 rows against cuDNN, under TRITON (3.6 staging .t39a; 3.9 after staging)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. The Hopper forward at D = 64 (27 and 30 on 2026-12-07, session 2) was slower
 # unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md). Next: 31 under 3.6
@@ -69,7 +71,7 @@
 # then 14, 15 and 28 on the merged tree.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..31|stage DIR}
+call=${1:?usage: bash tests/gpu/session.sh 1..32|stage DIR}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -460,5 +462,15 @@ case $call in
        --dtypes bfloat16 --candidates "${CANDIDATES:-{\"fwd\": [$fwd]\}}" > /dev/null
      grep -E "ok:|\[tune\]|rc=" "$out/bench-$tag.log" | cut -c1-160
      elapsed "call 31" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..31|stage DIR" >&2; exit 2 ;;
+  32) # the portable forward's fwd_causal at D = 64 (4-warp tiles of 64 queries, 23e9289) under TRITON (3.6
+     # staging .t39a; 3.9 after staging): the GPU tests at D = 64 under auto (self-causal-D64-gqa runs
+     # it), then the causal D = 64 rows (CASES) against cuDNN, for results.json
+     use_triton ${TRITON:-3.6}
+     PYTHONPATH=$path timeout ${LIMIT:-200} python3 -m pytest tests -m gpu -k "${TESTS_K:-D64 or d64}" -p xdist \
+       -n 8 -o addopts=-ra -q > "$out/tests-d64-triton$triton.log" 2>&1
+     echo "rc=$?" >> "$out/tests-d64-triton$triton.log"; tail -3 "$out/tests-d64-triton$triton.log"
+     softmax_bench "rows-d64-causal-triton$triton" "${CASES:-L4096-D64-causal,gqa-16x4-L512-D64-causal}" \
+       jfa-triton,cudnn-packed,cudnn-padded ${BUDGET:-120} "$path"
+     grep -h "ok:" "$out/bench-rows-d64-causal-triton$triton.log" | cut -c1-150; elapsed "call 32" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..32|stage DIR" >&2; exit 2 ;;
 esac

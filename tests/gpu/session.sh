@@ -469,8 +469,11 @@ case $call in
      PYTHONPATH=$path timeout ${LIMIT:-200} python3 -m pytest tests -m gpu -k "${TESTS_K:-D64 or d64}" -p xdist \
        -n 8 -o addopts=-ra -q > "$out/tests-d64-triton$triton.log" 2>&1
      echo "rc=$?" >> "$out/tests-d64-triton$triton.log"; tail -3 "$out/tests-d64-triton$triton.log"
-     softmax_bench "rows-d64-causal-triton$triton" "${CASES:-L4096-D64-causal,gqa-16x4-L512-D64-causal}" \
-       jfa-triton,cudnn-packed,cudnn-padded ${BUDGET:-120} "$path"
-     grep -h "ok:" "$out/bench-rows-d64-causal-triton$triton.log" | cut -c1-150; elapsed "call 32" ;;
+     if [ "${BENCH:-1}" = 1 ]; then  # (BENCH=0: the tests alone)
+       softmax_bench "rows-d64-causal-triton$triton" "${CASES:-L4096-D64-causal,gqa-16x4-L512-D64-causal}" \
+         jfa-triton,cudnn-packed,cudnn-padded ${BUDGET:-120} "$path"
+       grep -h "ok:" "$out/bench-rows-d64-causal-triton$triton.log" | cut -c1-150
+     fi
+     elapsed "call 32" ;;
   *) echo "usage: bash tests/gpu/session.sh 1..32|stage DIR" >&2; exit 2 ;;
 esac

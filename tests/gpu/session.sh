@@ -61,8 +61,9 @@
 #      after the tree's portable forward, under TRITON
 #  31  the portable forward's tiles at D = 64 (FWD: the table's 8-warp 128x64 on 3 stages beside 4-warp
 #      tiles), each timed by benchmarks.tune on CASES, under TRITON (3.6 staging .t39a; 3.9 after staging)
-#  32  the portable forward's fwd_causal at D = 64 (31's finding): the D = 64 GPU tests, then the causal
-#      D = 64 rows against cuDNN, under TRITON (3.6 staging .t39a; 3.9 after staging)
+#  32  the portable forward's fwd_causal at D = 64 (31's finding): the D = 64 GPU tests under auto beside
+#      the same with the portable kernels forced, then the causal D = 64 rows against cuDNN, under TRITON
+#      (3.6 staging .t39a; 3.9 after staging)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. The Hopper forward at D = 64 (27 and 30 on 2026-12-07, session 2) was slower
 # unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md). Next: 31 under 3.6
@@ -466,9 +467,13 @@ case $call in
      # staging .t39a; 3.9 after staging): the GPU tests at D = 64 under auto (self-causal-D64-gqa runs
      # it), then the causal D = 64 rows (CASES) against cuDNN, for results.json
      use_triton ${TRITON:-3.6}
-     PYTHONPATH=$path timeout ${LIMIT:-200} python3 -m pytest tests -m gpu -k "${TESTS_K:-D64 or d64}" -p xdist \
-       -n 8 -o addopts=-ra -q > "$out/tests-d64-triton$triton.log" 2>&1
-     echo "rc=$?" >> "$out/tests-d64-triton$triton.log"; tail -3 "$out/tests-d64-triton$triton.log"
+     for forced in "" portable; do  # under auto, beside the portable kernels forced (4 workers each)
+       log="$out/tests-d64${forced:+-$forced}-triton$triton.log"
+       (JAGGED_FLASH_JAX_FORWARD=${forced:-auto} JAGGED_FLASH_JAX_BACKWARD=${forced:-auto} PYTHONPATH=$path \
+          timeout ${LIMIT:-200} python3 -m pytest tests -m gpu -k "${TESTS_K:-D64 or d64}" -p xdist -n 4 \
+          -o addopts=-ra -q > "$log" 2>&1; echo "rc=$?" >> "$log") &
+     done
+     wait; tail -n 3 "$out"/tests-d64*-triton$triton.log
      if [ "${BENCH:-1}" = 1 ]; then  # (BENCH=0: the tests alone)
        softmax_bench "rows-d64-causal-triton$triton" "${CASES:-L4096-D64-causal,gqa-16x4-L512-D64-causal}" \
          jfa-triton,cudnn-packed,cudnn-padded ${BUDGET:-120} "$path"

@@ -160,8 +160,9 @@ def request(backend: str = "auto", implementation=None, backward_implementation=
     if block_sizes is not None and None in (block_sizes.fwd, block_sizes.dkdv, block_sizes.dq):
         raise TypeError(f"block_sizes needs a KernelConfig for each of fwd, dkdv and dq, got {block_sizes}")
     if block_sizes is not None and block_sizes.fwd_causal is not None:
-        raise TypeError("block_sizes.fwd_causal is for the tile table's Hopper entries: the portable kernels "
-                        f"take block_sizes.fwd under causal too, got {block_sizes}")
+        raise TypeError("block_sizes.fwd_causal is for the tile table's entries; block_sizes are the tiles "
+                        "that run, causal or not: pass a causal call's forward tiles as block_sizes.fwd, got "
+                        f"{block_sizes}")
     table_path = os.environ.get(TUNED_CONFIGS_ENV) or None
     if not deterministic and (implementation is not None or backward_implementation is not None):
         raise ValueError("deterministic=False lets the backend's choice take a non-deterministic backward; "

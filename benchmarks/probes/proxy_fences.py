@@ -81,45 +81,38 @@ def _step(q, k, v, acc, row_max, row_sum):
 
 
 @triton.jit
-def loop_by_pointers(q_ptr, k_ptr, v_ptr, o_ptr, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     D: tl.constexpr):
+def attention_loop(q_ptr, k_src, v_src, o_ptr, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   D: tl.constexpr, TMA: tl.constexpr):
+    """o = softmax(q k^T) v of one BLOCK_M x D query tile over n keys, k and v read by pointer loads
+    (k_src, v_src pointers: cp.async) or by TMA (descriptors of [BLOCK_N, D] tiles)."""
     rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, D)
     q = tl.load(q_ptr + rows[:, None] * D + cols[None, :])
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     row_max = tl.full([BLOCK_M], -1e30, tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, n, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        k = tl.load(k_ptr + keys[:, None] * D + cols[None, :])
-        v = tl.load(v_ptr + keys[:, None] * D + cols[None, :])
+        if TMA:
+            k, v = k_src.load([start, 0]), v_src.load([start, 0])
+        else:
+            keys = start + tl.arange(0, BLOCK_N)
+            k = tl.load(k_src + keys[:, None] * D + cols[None, :])
+            v = tl.load(v_src + keys[:, None] * D + cols[None, :])
         acc, row_max, row_sum = _step(q, k, v, acc, row_max, row_sum)
-    tl.store(o_ptr + rows[:, None] * D + cols[None, :], (acc / row_sum[:, None]).to(tl.bfloat16))
-
-
-@triton.jit
-def loop_by_tma(q_ptr, k_desc, v_desc, o_ptr, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                D: tl.constexpr):
-    rows, cols = tl.arange(0, BLOCK_M), tl.arange(0, D)
-    q = tl.load(q_ptr + rows[:, None] * D + cols[None, :])
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    row_max = tl.full([BLOCK_M], -1e30, tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    for start in range(0, n, BLOCK_N):
-        acc, row_max, row_sum = _step(q, k_desc.load([start, 0]), v_desc.load([start, 0]), acc, row_max,
-                                      row_sum)
     tl.store(o_ptr + rows[:, None] * D + cols[None, :], (acc / row_sum[:, None]).to(tl.bfloat16))
 
 
 def minimal_loops(block_m: int = 64, block_n: int = 64, dim: int = 64, warps: int = 4,
                   stages: int = 3) -> None:
-    constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=dim)
-    for kernel, kv in ((loop_by_pointers, "*bf16"), (loop_by_tma, f"tensordesc<bf16[{block_n},{dim}]>")):
-        signature = dict(q_ptr="*bf16", **dict.fromkeys(kernel.arg_names[1:3], kv), o_ptr="*bf16", n="i32",
+    for tma, kv in ((False, "*bf16"), (True, f"tensordesc<bf16[{block_n},{dim}]>")):
+        constants = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=dim, TMA=tma)
+        signature = dict(q_ptr="*bf16", k_src=kv, v_src=kv, o_ptr="*bf16", n="i32",
                          **dict.fromkeys(constants, "constexpr"))
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name.endswith("_ptr")}
-        ptx = compiled(kernel, signature, constants, attrs, warps, stages)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
+                 if kind.startswith("*")}
+        ptx = compiled(attention_loop, signature, constants, attrs, warps, stages)
         total, in_loops = fences(ptx)
-        print(f"{kernel.__name__:48s} TMA copies {ptx.count('cp.async.bulk.tensor'):2d}, "
+        name = "loop_by_tma" if tma else "loop_by_pointers"
+        print(f"{name:48s} TMA copies {ptx.count('cp.async.bulk.tensor'):2d}, "
               f"fences {total}, in the loop {in_loops}", flush=True)
 
 

@@ -22,6 +22,9 @@ MAX_HEAD_DIM = 256
 FALLBACK_GPU = "NVIDIA H200"
 # The longest key block `fit_to_lengths` grows a key block to.
 FITTED_MAX_BLOCK_N = 128
+# Shared memory a block may take on sm_90 (H100, H200: 227 KB), which a key block that
+# `fit_to_lengths` grows must leave room in (`portable_shared_bytes`).
+SHARED_MEMORY_BYTES = 232448
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +322,25 @@ def table_key(head_dim: int, dtype, max_seq_len: int, gpu: str = FALLBACK_GPU, t
     return None
 
 
-def fit_to_lengths(tiles: BlockSizes, max_seq_len: int, kv_max_seq_len: int) -> BlockSizes:
+def portable_shared_bytes(kernel: str, c: KernelConfig, head_dim: int, itemsize: int) -> int:
+    """The shared memory a portable kernel's program takes with tiles `c` (`kernel`: "fwd", "dq" or
+    "dkdv"), as Triton lays it out for sm_90a: the tiles it streams and those it holds. The forward
+    streams K and V tiles of block_n rows and holds Q's block_m rows; the dq programs hold Q and dO; the
+    dk/dv programs hold K and V and stream Q and dO tiles of block_m rows and their statistics. Query
+    tiles of 64 rows or more (wgmma) take a buffer a stage; smaller ones (mma) one fewer, and their
+    probabilities pass through shared memory (a KiB of slack covers what else they take). Within that
+    KiB of the compiled figure on every tile checked (docs/performance.md, "Tile configurations")."""
+    row = head_block(head_dim) * itemsize
+    if kernel == "dkdv":
+        return c.num_stages * (2 * c.block_m * row + 2 * c.block_m * 4) + 2 * c.block_n * row
+    held = (2 if kernel == "dq" else 1) * c.block_m * row
+    if c.block_m >= 64:
+        return c.num_stages * 2 * c.block_n * row + held
+    return (c.num_stages - 1) * 2 * c.block_n * row + held + c.block_m * c.block_n * itemsize + 1024
+
+
+def fit_to_lengths(tiles: BlockSizes, max_seq_len: int, kv_max_seq_len: int, head_dim: int | None = None,
+                   itemsize: int | None = None) -> BlockSizes:
     """`tiles` with each block no longer than the sequences it covers needs (a power of two, at least
     16): query blocks (block_m) up to max_seq_len, key blocks (block_n) up to kv_max_seq_len. So that a
     few queries against long keys (cross-attention) do not pad every query block to the keys' tile.
@@ -327,20 +348,28 @@ def fit_to_lengths(tiles: BlockSizes, max_seq_len: int, kv_max_seq_len: int) -> 
     A query block cut this way gives its rows to the key block (up to FITTED_MAX_BLOCK_N), keeping each
     program's work, and a forward of 16-32 query rows runs on at most 4 warps, which on few queries
     against many keys beat cutting the query blocks alone (docs/performance.md, "Tile configurations").
+    With the head dimension and element size, a key block grows only as far as the program's shared
+    memory stays within SHARED_MEMORY_BYTES (or within the entry's own, where that is more).
     """
     q_rows, kv_rows = head_block(max_seq_len), head_block(kv_max_seq_len)
 
-    def fit(c: KernelConfig, forward: bool = False) -> KernelConfig:
+    def fit(c: KernelConfig, kernel: str) -> KernelConfig:
         block_m = min(c.block_m, q_rows)
         block_n = c.block_n
         warps = c.num_warps
         if block_m < c.block_m:
             block_n = max(block_n, min(block_n * (c.block_m // block_m), FITTED_MAX_BLOCK_N))
-            warps = min(warps, 4) if forward else warps
-        return dataclasses.replace(c, block_m=block_m, block_n=min(block_n, kv_rows), num_warps=warps)
+            warps = min(warps, 4) if kernel == "fwd" else warps
+        fitted = dataclasses.replace(c, block_m=block_m, block_n=min(block_n, kv_rows), num_warps=warps)
+        if head_dim is not None and itemsize is not None:
+            budget = max(SHARED_MEMORY_BYTES, portable_shared_bytes(kernel, c, head_dim, itemsize))
+            while (fitted.block_n > c.block_n
+                   and portable_shared_bytes(kernel, fitted, head_dim, itemsize) > budget):
+                fitted = dataclasses.replace(fitted, block_n=fitted.block_n // 2)
+        return fitted
 
-    return dataclasses.replace(tiles, fwd=fit(tiles.fwd, forward=True), dkdv=fit(tiles.dkdv),
-                               dq=fit(tiles.dq))
+    return dataclasses.replace(tiles, fwd=fit(tiles.fwd, "fwd"), dkdv=fit(tiles.dkdv, "dkdv"),
+                               dq=fit(tiles.dq, "dq"))
 
 
 def band_width(window: tuple[int | None, int | None], causal: bool) -> int | None:
@@ -381,7 +410,7 @@ def default_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: 
     if key is None:
         raise ValueError(f"no tile configuration covers head dimension {head_dim} (at most {MAX_HEAD_DIM})")
     tiles = dataclasses.replace(_for_mask(table[key], causal), fwd_causal=None)
-    return fit_to_lengths(tiles, max_seq_len, kv_max_seq_len)
+    return fit_to_lengths(tiles, max_seq_len, kv_max_seq_len, head_dim, np.dtype(dtype).itemsize)
 
 
 def hopper_block_sizes(head_dim: int, dtype, max_seq_len: int, kv_max_seq_len: int | None = None,

@@ -43,8 +43,9 @@ CASES = {
 }
 
 
-def check(case: str, backend: str, layout: str, precision="fp32", offsets_dtype=np.int32, **options):
-    spec = dict(CASES[case])
+def check(case: str, backend: str, layout: str, precision="fp32", offsets_dtype=np.int32, cases=None,
+          **options):
+    spec = dict((CASES if cases is None else cases)[case])
     dtype, allow_tf32, tol = TOLERANCES[precision]
     batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
                        kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None),
@@ -117,6 +118,25 @@ def test_key_major_windows_ignore_the_tokens_before_a_sequence(backend):
                       implementation=variant(backend, key_major=True), allow_tf32=False)
     expected = reference(*results[:4], batch.offsets, max_len, scale=16**-0.5)
     assert_matches(results, expected, TOLERANCES["fp32"][2], attended_q=attended, attended_kv=attended)
+
+
+# Few queries at wide heads on the GPU: the portable kernels' key blocks, grown from the query rows that
+# short sequences leave, within shared memory (configs.fit_to_lengths; 64 x 128 forward tiles at D = 256
+# and float32 D = 128, and 64 x 64 dq tiles on 3 stages at D = 256, took more than sm_90's 227 KB).
+SHORT_WIDE = {
+    "cross-D256-short": dict(lengths=[40, 64, 7], kv_lengths=[300, 20, 129], heads=2, dim=256,
+                             max_seq_len=64, kv_max_seq_len=256, causal=True),
+    "self-D256-short": dict(lengths=[64, 50, 3], heads=2, dim=256, max_seq_len=64),
+    "cross-D128-short": dict(lengths=[33, 64, 0], kv_lengths=[200, 64, 9], heads=2, dim=128,
+                             max_seq_len=64, kv_max_seq_len=256),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,precision", [("cross-D256-short", "bf16"), ("self-D256-short", "fp16"),
+                                            ("cross-D128-short", "fp32")])
+def test_short_sequences_at_wide_heads_fit_shared_memory(case, precision):
+    check(case, "triton", "THD", precision, cases=SHORT_WIDE)
 
 
 # int64 offsets on xla: the same conversion for any case (and test_fbgemm.py's test_offsets_dtypes).

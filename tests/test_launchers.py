@@ -1771,6 +1771,34 @@ def test_default_block_sizes_fit_the_sequence_lengths(monkeypatch):
         KernelConfig(32, 16, 2, 2), KernelConfig(32, 32, 4, 2), KernelConfig(32, 32, 4, 2))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fitted_key_blocks_leave_room_in_shared_memory(monkeypatch, dtype):
+    """A query block cut to short sequences gives its rows to the key block only as far as the program
+    fits sm_90's shared memory (227 KB): at D = 256 (16-bit) and D = 128 (float32), 33-64 queries against
+    longer keys keep the forward's 64-key blocks (64 x 128 took 288 KB), and the dq programs of D = 256
+    halve theirs (64 x 64 on 3 stages took 256 KB); a fit that fits is unchanged (8 queries against 4096
+    keys, D = 128: 16 x 128, 196 KB). Every fitted tile of the built-in table, at any head dimension,
+    stays within it (`portable_shared_bytes`, which matched the compiled kernels' figures within a KiB:
+    docs/performance.md)."""
+    monkeypatch.delenv(select.TUNED_CONFIGS_ENV, raising=False)
+    itemsize = np.dtype(dtype).itemsize
+    wide = 256 if itemsize == 2 else 128
+    cross = configs.default_block_sizes(wide, dtype, 64, 4096)
+    assert (cross.fwd.block_m, cross.fwd.block_n) == (64, 64)
+    if itemsize == 2:
+        assert (configs.default_block_sizes(wide, dtype, 64).dq.block_m,
+                configs.default_block_sizes(wide, dtype, 64).dq.block_n) == (64, 32)
+        assert configs.default_block_sizes(128, dtype, 8, 4096).fwd == KernelConfig(16, 128, 4, 3)
+    for head_dim in (8, 24, 40, 64, 96, 128, 160, 256):
+        for max_seq_len in (1, 16, 33, 64, 100, 256, 1024, 4096):
+            for kv_max_seq_len in (max_seq_len, 128, 4096):
+                fitted = configs.default_block_sizes(head_dim, dtype, max_seq_len, kv_max_seq_len)
+                for kernel in ("fwd", "dq", "dkdv"):
+                    size = configs.portable_shared_bytes(kernel, getattr(fitted, kernel), head_dim, itemsize)
+                    assert size <= configs.SHARED_MEMORY_BYTES, (
+                        head_dim, max_seq_len, kv_max_seq_len, kernel, getattr(fitted, kernel), size)
+
+
 def test_the_table_round_trips_through_json():
     text = json.dumps(configs.table_to_json(configs.BUILTIN_TABLE))
     assert configs.table_from_json(json.loads(text)) == configs.BUILTIN_TABLE

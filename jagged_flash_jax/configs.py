@@ -339,8 +339,8 @@ def portable_shared_bytes(kernel: str, c: KernelConfig, head_dim: int, itemsize:
     return (c.num_stages - 1) * 2 * c.block_n * row + held + c.block_m * c.block_n * itemsize + 1024
 
 
-def fit_to_lengths(tiles: BlockSizes, max_seq_len: int, kv_max_seq_len: int, head_dim: int | None = None,
-                   itemsize: int | None = None) -> BlockSizes:
+def fit_to_lengths(tiles: BlockSizes, max_seq_len: int, kv_max_seq_len: int, head_dim: int,
+                   itemsize: int) -> BlockSizes:
     """`tiles` with each block no longer than the sequences it covers needs (a power of two, at least
     16): query blocks (block_m) up to max_seq_len, key blocks (block_n) up to kv_max_seq_len. So that a
     few queries against long keys (cross-attention) do not pad every query block to the keys' tile.
@@ -348,8 +348,8 @@ def fit_to_lengths(tiles: BlockSizes, max_seq_len: int, kv_max_seq_len: int, hea
     A query block cut this way gives its rows to the key block (up to FITTED_MAX_BLOCK_N), keeping each
     program's work, and a forward of 16-32 query rows runs on at most 4 warps, which on few queries
     against many keys beat cutting the query blocks alone (docs/performance.md, "Tile configurations").
-    With the head dimension and element size, a key block grows only as far as the program's shared
-    memory stays within SHARED_MEMORY_BYTES (or within the entry's own, where that is more).
+    A key block grows only as far as the program's shared memory (at this head dimension and element
+    size) stays within SHARED_MEMORY_BYTES, or within the entry's own where that is more.
     """
     q_rows, kv_rows = head_block(max_seq_len), head_block(kv_max_seq_len)
 
@@ -361,11 +361,10 @@ def fit_to_lengths(tiles: BlockSizes, max_seq_len: int, kv_max_seq_len: int, hea
             block_n = max(block_n, min(block_n * (c.block_m // block_m), FITTED_MAX_BLOCK_N))
             warps = min(warps, 4) if kernel == "fwd" else warps
         fitted = dataclasses.replace(c, block_m=block_m, block_n=min(block_n, kv_rows), num_warps=warps)
-        if head_dim is not None and itemsize is not None:
-            budget = max(SHARED_MEMORY_BYTES, portable_shared_bytes(kernel, c, head_dim, itemsize))
-            while (fitted.block_n > c.block_n
-                   and portable_shared_bytes(kernel, fitted, head_dim, itemsize) > budget):
-                fitted = dataclasses.replace(fitted, block_n=fitted.block_n // 2)
+        budget = max(SHARED_MEMORY_BYTES, portable_shared_bytes(kernel, c, head_dim, itemsize))
+        while (fitted.block_n > c.block_n
+               and portable_shared_bytes(kernel, fitted, head_dim, itemsize) > budget):
+            fitted = dataclasses.replace(fitted, block_n=fitted.block_n // 2)
         return fitted
 
     return dataclasses.replace(tiles, fwd=fit(tiles.fwd, "fwd"), dkdv=fit(tiles.dkdv, "dkdv"),

@@ -1786,8 +1786,8 @@ def test_fitted_key_blocks_leave_room_in_shared_memory(monkeypatch, dtype):
     cross = configs.default_block_sizes(wide, dtype, 64, 4096)
     assert (cross.fwd.block_m, cross.fwd.block_n) == (64, 64)
     if itemsize == 2:
-        assert (configs.default_block_sizes(wide, dtype, 64).dq.block_m,
-                configs.default_block_sizes(wide, dtype, 64).dq.block_n) == (64, 32)
+        dq = configs.default_block_sizes(wide, dtype, 64).dq
+        assert (dq.block_m, dq.block_n) == (64, 32)
         assert configs.default_block_sizes(128, dtype, 8, 4096).fwd == KernelConfig(16, 128, 4, 3)
     for head_dim in (8, 24, 40, 64, 96, 128, 160, 256):
         for max_seq_len in (1, 16, 33, 64, 100, 256, 1024, 4096):

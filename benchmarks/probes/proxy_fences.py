@@ -13,11 +13,8 @@ needed. Run from the repository root: python -m benchmarks.probes.proxy_fences (
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
-import warnings
 
 import triton
 import triton.language as tl
@@ -40,14 +37,6 @@ def fences(ptx: str) -> tuple[int, int]:
     return len(at), sum(any(lo <= i <= hi for lo, hi in loops) for i in at)
 
 
-def compiled(kernel, signature: dict, constants: dict, attrs: dict, warps: int, stages: int,
-             options: dict | None = None) -> str:
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        ptx, _ = ptx_probe.compile_for_sm90(kernel, signature, constants, attrs, warps, stages, options)
-    return ptx
-
-
 def portable_launches() -> None:
     seen = set()
     for case, launches in ptx_probe.capture().items():
@@ -58,8 +47,9 @@ def portable_launches() -> None:
             seen.add(key)
             kernel = ptx_probe._kernel(launch["kernel"])
             signature, attrs = ptx_probe.kernel_signature(kernel, launch)
-            ptx = compiled(kernel, signature, launch["constants"], attrs, launch["num_warps"],
-                           launch["num_stages"], launch.get("backend_options"))
+            ptx, _ = ptx_probe.compile_quietly(kernel, signature, launch["constants"], attrs,
+                                               launch["num_warps"], launch["num_stages"],
+                                               launch.get("backend_options"))
             total, in_loops = fences(ptx)
             c = launch["constants"]
             tiles = [c.get(name) for name in ("BLOCK_M", "BLOCK_N")]
@@ -109,7 +99,7 @@ def minimal_loops(block_m: int = 64, block_n: int = 64, dim: int = 64, warps: in
                          **dict.fromkeys(constants, "constexpr"))
         attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
                  if kind.startswith("*")}
-        ptx = compiled(attention_loop, signature, constants, attrs, warps, stages)
+        ptx, _ = ptx_probe.compile_quietly(attention_loop, signature, constants, attrs, warps, stages)
         total, in_loops = fences(ptx)
         name = "loop_by_tma" if tma else "loop_by_pointers"
         print(f"{name:48s} TMA copies {ptx.count('cp.async.bulk.tensor'):2d}, "

@@ -332,16 +332,22 @@ def _launch_key(launch: dict) -> str:
     return json.dumps(keep, sort_keys=True)
 
 
+def compile_quietly(kernel, signature: dict, constants: dict, attrs: dict, num_warps: int, num_stages: int,
+                    backend_options: dict | None = None) -> tuple[str, dict]:
+    """`compile_for_sm90` without the compiler's warnings and printed output."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return compile_for_sm90(kernel, signature, constants, attrs, num_warps, num_stages, backend_options)
+
+
 def _digest_one(key: str, dump: str | None) -> tuple[str, dict]:
     launch = json.loads(key)
     kernel = _kernel(launch["kernel"])
     arrays = [dict(dtype=t, **({"block": b} if b else {})) for t, b in launch["types"]]
     fake = dict(constants=launch["constants"], arrays=arrays, out=[])
     signature, attrs = kernel_signature(kernel, fake)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        ptx, metadata = compile_for_sm90(kernel, signature, launch["constants"], attrs, launch["num_warps"],
-                                         launch["num_stages"], launch.get("backend_options"))
+    ptx, metadata = compile_quietly(kernel, signature, launch["constants"], attrs, launch["num_warps"],
+                                    launch["num_stages"], launch.get("backend_options"))
     text = normalized(ptx)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     if dump:

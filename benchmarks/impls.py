@@ -41,11 +41,14 @@ def _packed(s: InputSet) -> tuple:
 
 
 def jfa(case: Case, backend: str, block_sizes=None, allow_tf32: bool = True, backward_implementation=None,
-        deterministic: bool = True):
-    """This library; the fbgemm cases through multi_head_jagged_flash_attention."""
+        deterministic: bool = True, implementation=None):
+    """This library; the fbgemm cases through multi_head_jagged_flash_attention. `implementation`, where
+    given, replaces `backend` (its candidates: `select.request`)."""
     options = {} if case.fbgemm else _options(case)
     if backward_implementation is not None:
         options["backward_implementation"] = backward_implementation
+    if implementation is not None:
+        options["implementation"], backend = implementation, "auto"
     if not deterministic:
         options["deterministic"] = False
 
@@ -120,6 +123,15 @@ def cudnn_packed(case: Case):
     return attend, prepare
 
 
+def _portable(**settings):
+    """The portable kernels (GPU) with other settings (implementations.Portable's fields)."""
+    import dataclasses
+
+    from jagged_flash_jax.implementations import IMPLEMENTATIONS
+
+    return dataclasses.replace(IMPLEMENTATIONS["portable"], **settings)
+
+
 IMPLS = {  # name -> (make(case), needs a GPU)
     "jfa-triton": (lambda case: jfa(case, "triton"), True),
     # deterministic=False: what auto then runs (the dq-fused backward where it measured faster)
@@ -134,6 +146,11 @@ IMPLS = {  # name -> (make(case), needs a GPU)
     # the portable backward, where auto takes the Hopper one (to compare the two)
     "jfa-triton-portable-bwd": (lambda case: jfa(case, "triton", backward_implementation=("portable", "xla")),
                                 True),
+    # the portable kernels with the forward's key blocks loaded by pointers (cp.async) wherever the
+    # tree's would load its unmasked ones by TMA (Hopper GPUs, triton >= 3.7): the forward's rows compare
+    # the two where auto takes the portable forward (D = 64, sequences up to 1024 tokens)
+    "jfa-triton-pointer-loads": (lambda case: jfa(case, "triton", implementation=_portable(tma_loads=False)),
+                                 True),
     "jfa-xla": (lambda case: jfa(case, "xla"), False),
     "cudnn-packed": (cudnn_packed, True),
     "cudnn-padded": (cudnn_padded, True),

@@ -15,7 +15,8 @@ FBGEMM_LABEL = "fbgemm-pytorch (measured separately with its PyTorch kernel)"
 IMPL_ORDER = (OURS, "jfa-triton-3.9", "jfa-triton-nondeterministic", "jfa-triton-nondeterministic-3.9",
               "jfa-triton-fused-dq", "jfa-triton-fused-dq-3.9",
               "jfa-triton-hopper-bwd", "jfa-triton-hopper-bwd-3.9", "jfa-triton-portable-bwd",
-              "jfa-triton-portable-bwd-3.9", "jfa-xla", "cudnn-packed", "cudnn-padded", FBGEMM)
+              "jfa-triton-portable-bwd-3.9", "jfa-triton-pointer-loads", "jfa-triton-pointer-loads-3.9",
+              "jfa-xla", "cudnn-packed", "cudnn-padded", FBGEMM)
 
 
 def ok(row) -> bool:

@@ -101,6 +101,11 @@ HOPPER_DKDV_UNBANDED_TRITON_STAGES = 0
 # WARPGROUP.DEPBAR after each of the loop's 24 HGMMA, where the same kernel from triton 3.6 waits where
 # its PTX says, 5 times a tile): from there the banded dk/dv takes its own waits too.
 HOPPER_DKDV_BANDED_OWN_WAITS_FROM = (3, 7)
+# From this Triton release the portable forward loads its unmasked key blocks by TMA on Hopper GPUs
+# (kernels.attention_fwd_tma_kernel): Triton >= 3.7 fences (fence.proxy.async) both products of every
+# key block that cp.async loaded, TMA's writes need no fence (docs/performance.md, "Measured on 2026-12-07,
+# session 3"; benchmarks/probes/proxy_fences.py).
+PORTABLE_TMA_LOADS_FROM = (3, 7)
 
 
 def hopper_dq_triton_stages(head_dim: int) -> int:

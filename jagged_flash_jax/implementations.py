@@ -150,12 +150,15 @@ class Portable(Implementation):
     """The portable kernels, on the GPU ("portable") or in Triton's interpreter ("interpret").
     `key_major` forces the key-major operands on (True) or off (False) instead of taking them where TF32
     products need them; `l2_reuse_bytes` is the size of q, k, v above which each sequence's programs run
-    next to each other (launch/calls.py)."""
+    next to each other (launch/calls.py); `tma_loads` forces the forward's TMA loads of its unmasked key
+    blocks on (True, wherever the problem allows: calls.tma_loads_error) or off (False) instead of taking
+    them on Hopper GPUs under triton >= configs.PORTABLE_TMA_LOADS_FROM."""
 
     name: str = "portable"
     launcher: str = "gpu"
     key_major: bool | None = None
     l2_reuse_bytes: int = calls.L2_REUSE_BYTES
+    tma_loads: bool | None = None
 
     def config(self, p, context, backward):
         tiles = context.block_sizes
@@ -169,7 +172,12 @@ class Portable(Implementation):
                                                 table=context.table, gpu=context.device.kind)
         v_key_major, qdo_key_major = (self.key_major if self.key_major is not None
                                       else calls.key_major(p, operands) for operands in ("v", "q_do"))
-        return PortableConfig(tiles, v_key_major, qdo_key_major, self.l2_reuse_bytes)
+        config = PortableConfig(tiles, v_key_major, qdo_key_major, self.l2_reuse_bytes)
+        wanted = self.tma_loads if self.tma_loads is not None else (
+            self.launcher == "gpu" and _wgmma_reason(context.device) is None
+            and _compat.triton_release() >= configs.PORTABLE_TMA_LOADS_FROM)
+        tma_loads = wanted and calls.tma_loads_error(p, config) is None
+        return dataclasses.replace(config, tma_loads=tma_loads) if tma_loads else config
 
     def supports(self, p, context, config, backward):
         if self.launcher == "gpu" and (reason := gpu_reason(context.device)):

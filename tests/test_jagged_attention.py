@@ -139,6 +139,43 @@ def test_short_sequences_at_wide_heads_fit_shared_memory(case, precision):
     check(case, "triton", "THD", precision, cases=SHORT_WIDE)
 
 
+# The portable forward with its unmasked key blocks loaded by TMA (kernels.attention_fwd_tma_kernel, which
+# Hopper GPUs take under triton >= 3.7; forced here): 16-bit inputs at a power-of-two D, the interpreter
+# reading Triton's host descriptors as TMA reads them. Several key blocks under causal, cross-attention
+# with GQA and keys cut by kv_max_seq_len, both layouts.
+@pytest.mark.parametrize("case,layout,precision,backend", case_backend_params(
+    [("self-causal-blocks", "THD", "bf16"), ("cross-nq<nk-causal-gqa", "HTD", "fp16"),
+     ("cross-gqa-truncated", "THD", "bf16")], xla=lambda *case: False))
+def test_tma_loads(case, layout, precision, backend):
+    check(case, variant(backend, tma_loads=True), layout, precision)
+
+
+@pytest.mark.parametrize("backend", backend_params(["interpret", "triton"]))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_tma_loads_read_no_key_past_a_sequence(backend, causal, layout, monkeypatch):
+    """The TMA tiles cover the unmasked key blocks only: the tokens no sequence attends (inf keys and
+    nan values on each sequence's tokens past max_seq_len, right before the next sequence's) reach no
+    output, and the forward is the pointer loads' (bitwise, in the interpreter)."""
+    from jagged_flash_jax.launch import calls
+
+    launched = []
+    kernel_call = calls.kernel_call
+    monkeypatch.setattr(calls, "kernel_call", lambda s, **kw: launched.append(s.name) or kernel_call(s, **kw))
+    max_len = 48
+    batch = Batch.make([40, 70, 33, 64], 2, 32, lead=3, extra=5, seed=3, scale=0.6)
+    attended = attended_mask(batch.offsets, batch.q.shape[0], max_len)
+    batch.k[~attended], batch.v[~attended] = np.inf, np.nan
+    results = {tma: run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, layout=layout, max_seq_len=max_len,
+                            causal=causal, implementation=variant(backend, tma_loads=tma))
+               for tma in (False, True)}
+    assert launched.count("attention_fwd_tma_kernel") == 1 and launched.count("attention_fwd_kernel") == 1
+    expected = reference(*results[True][:4], batch.offsets, max_len, scale=32**-0.5, causal=causal)
+    assert_matches(results[True], expected, TOLERANCES["bf16"][2], attended_q=attended, attended_kv=attended)
+    if backend == "interpret":
+        np.testing.assert_array_equal(results[True][4], results[False][4])
+
+
 # int64 offsets on xla: the same conversion for any case (and test_fbgemm.py's test_offsets_dtypes).
 @pytest.mark.parametrize("case,backend", case_backend_params(
     ["cross-nq<nk-causal-gqa", "cross-nq>nk-causal-mqa"], xla=lambda case: case == "cross-nq<nk-causal-gqa"))

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import triton
 import triton.language as tl
-from helpers import Batch, FusedDq, clamped_sequences, reference
+from helpers import Batch, FusedDq, clamped_sequences, reference, variant
 
 import jagged_flash_jax as jfa
 from jagged_flash_jax import _compat, checks, configs, implementations, kernels, select, transforms
@@ -660,11 +660,53 @@ def test_hopper_gpus_take_the_hopper_forward(hopper_gpu, case):
     assert _forward_kernel(hopper_gpu, **case) is kernels.hopper_attention_fwd_kernel
 
 
+# The portable forward: on a Hopper GPU under triton >= 3.7 its TMA-loading kernel where the problem
+# allows (test_the_portable_forward_loads_by_tma_on_hopper_gpus_from_triton_3_7 says where).
+PORTABLE_FORWARD = (kernels.attention_fwd_kernel, kernels.attention_fwd_tma_kernel)
+
+
 @pytest.mark.parametrize("case", [
     dict(dim=64), dict(dim=96), dict(dtype=jnp.float32), dict(segments=True),
     dict(dim=64, window=(8, None), softcap=5.0)], ids=str)
 def test_the_portable_forward_keeps_what_the_hopper_one_lacks(hopper_gpu, case):
-    assert _forward_kernel(hopper_gpu, **case) is kernels.attention_fwd_kernel
+    assert _forward_kernel(hopper_gpu, **case) in PORTABLE_FORWARD
+
+
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_the_portable_forward_loads_by_tma_on_hopper_gpus_from_triton_3_7(hopper_gpu, monkeypatch, layout):
+    """On a Hopper GPU under triton >= 3.7 the portable forward of 16-bit inputs at a power-of-two D loads
+    its unmasked key blocks by TMA: k and v once more, as descriptors of [BLOCK_N, D] tiles over 2-D views
+    whose rows are one token stride long. Not under 3.6, off Hopper, for float32 or D = 96; an
+    implementation's tma_loads forces it either way where the problem allows."""
+    monkeypatch.setenv(select.FORWARD_ENV, "portable")
+    tma, pointers = kernels.attention_fwd_tma_kernel, kernels.attention_fwd_kernel
+    for release, case, kernel in (((3, 9, 0), dict(dim=64), tma), ((3, 7, 0), dict(dtype=jnp.float16), tma),
+                                  ((3, 6, 0), dict(dim=64), pointers),
+                                  ((3, 9, 0), dict(dtype=jnp.float32), pointers),
+                                  ((3, 9, 0), dict(dim=96), pointers)):
+        monkeypatch.setattr(_compat, "triton_release", lambda release=release: release)
+        assert _forward_kernel(hopper_gpu, layout=layout, **case) is kernel, (release, case)
+    with select.use_device(gpu_device((8, 0))):
+        assert _forward_kernel(hopper_gpu, layout=layout, dim=64) is pointers
+    # The launch: k_tiles and v_tiles after q, k, v (40 tokens of 4 kv heads at D = 64).
+    _forward_kernel(hopper_gpu, layout=layout, dim=64, kv_heads=2)
+    call = hopper_gpu.calls[-1]
+    k_tiles, v_tiles = call["args"][3:5]
+    view = (40, 2 * 64) if layout == "THD" else (2 * 40, 64)
+    for tiles in (k_tiles, v_tiles):  # (Triton's layout: none given)
+        assert tiles.block_shape == (call["BLOCK_N"], 64) and tiles.base.shape == view
+        assert tiles.layout is None
+    assert "BLOCK_D" not in call and "V_KEY_MAJOR" not in call
+    # Forced: off under 3.9, on under 3.6, never where the problem does not allow it.
+    q = jnp.ones((40, 4, 64), jnp.bfloat16)
+    for release, tma_loads, dtype, kernel in (((3, 9, 0), False, jnp.bfloat16, pointers),
+                                              ((3, 6, 0), True, jnp.bfloat16, tma),
+                                              ((3, 6, 0), True, jnp.float32, pointers)):
+        monkeypatch.setattr(_compat, "triton_release", lambda release=release: release)
+        hopper_gpu.reset()
+        jfa.jagged_attention(q.astype(dtype), q.astype(dtype), q.astype(dtype), jnp.asarray([0, 15, 40]), 32,
+                             implementation=variant("triton", tma_loads=tma_loads))
+        assert hopper_gpu.calls[-1]["kernel"] is kernel, (release, tma_loads, dtype)
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0), None])
@@ -677,25 +719,25 @@ def test_the_environment_chooses_the_forward(hopper_gpu, monkeypatch):
     """"portable" always, "hopper" wherever it can run; "auto" (or unset) the Hopper forward from
     sequences of HOPPER_FORWARD_MIN_LENGTH tokens (the longer of max_seq_len and kv_max_seq_len) on,
     with max_seq_len at least HOPPER_FORWARD_MIN_QUERIES, but for a soft cap with causal masking."""
-    portable, hopper = kernels.attention_fwd_kernel, kernels.hopper_attention_fwd_kernel
+    portable, hopper = PORTABLE_FORWARD, (kernels.hopper_attention_fwd_kernel,)
     shortest = configs.HOPPER_FORWARD_MIN_LENGTH
     for value, max_seq_len, kernel in (("portable", 32, portable), (" Portable ", shortest, portable),
                                        ("hopper", 32, hopper), ("auto", shortest - 1, portable),
                                        ("auto", shortest, hopper), ("", 32, portable), ("", 4096, hopper)):
         monkeypatch.setenv(select.FORWARD_ENV, value)
-        assert _forward_kernel(hopper_gpu, max_seq_len=max_seq_len) is kernel, (value, max_seq_len)
+        assert _forward_kernel(hopper_gpu, max_seq_len=max_seq_len) in kernel, (value, max_seq_len)
     monkeypatch.setenv(select.FORWARD_ENV, "auto")
     # Cross-attention with long keys: the Hopper forward from a query block's worth of queries per
     # sequence; with fewer the portable one (measured faster).
     queries = configs.HOPPER_FORWARD_MIN_QUERIES
     for max_seq_len, kernel in ((queries - 1, portable), (queries, hopper)):
         chosen = _forward_kernel(hopper_gpu, cross=True, kv_max_seq_len=shortest, max_seq_len=max_seq_len)
-        assert chosen is kernel, max_seq_len
+        assert chosen in kernel, max_seq_len
     # A soft cap with causal masking: the portable forward under "auto" (measured faster), else Hopper.
-    assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0) is hopper
-    assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0, causal=True) is portable
+    assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0) in hopper
+    assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0, causal=True) in portable
     monkeypatch.setenv(select.FORWARD_ENV, "hopper")
-    assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0, causal=True) is hopper
+    assert _forward_kernel(hopper_gpu, max_seq_len=shortest, softcap=5.0, causal=True) in hopper
     monkeypatch.setenv(select.FORWARD_ENV, "hoper")
     with pytest.raises(ValueError, match=f"{select.FORWARD_ENV}='hoper'.*'portable', 'hopper'"):
         _forward_kernel(hopper_gpu)
@@ -711,7 +753,7 @@ def test_without_gluon_the_portable_forward_runs(hopper_gpu, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)
     try:
         assert not implementations.gluon_available()
-        assert _forward_kernel(hopper_gpu) is kernels.attention_fwd_kernel
+        assert _forward_kernel(hopper_gpu) in PORTABLE_FORWARD
     finally:
         implementations.gluon_available.cache_clear()
 
@@ -722,13 +764,12 @@ def test_vmap_keeps_the_hopper_forward_only_with_one_segment(hopper_gpu):
     q = jnp.ones((3, 4, 40, 128), jnp.bfloat16)
     offsets = jnp.asarray([0, 15, 40], jnp.int32)
     op = lambda q, o: jfa.jagged_attention(q, q, q, o, 32, layout="HTD", backend="triton")  # noqa: E731
-    for offsets_axis, kernel in ((None, kernels.hopper_attention_fwd_kernel),
-                                 (0, kernels.attention_fwd_kernel)):
+    for offsets_axis, kernel in ((None, (kernels.hopper_attention_fwd_kernel,)), (0, PORTABLE_FORWARD)):
         hopper_gpu.reset()
         batched_offsets = offsets if offsets_axis is None else jnp.stack([offsets] * 3)
         jax.vmap(op, in_axes=(0, offsets_axis))(q, batched_offsets)
         # (custom_vmap traces the unbatched problem too, before its rule: the last launch is the rule's)
-        assert hopper_gpu.calls[-1]["kernel"] is kernel
+        assert hopper_gpu.calls[-1]["kernel"] in kernel
 
 
 @pytest.mark.parametrize("layout", ["THD", "HTD"])

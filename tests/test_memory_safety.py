@@ -202,7 +202,9 @@ def _check_offsets_case(offsets, int64: bool, where, hopper: bool, variant: str)
     for cross-attention): every output finite, zero on tokens nothing attends."""
     rng = np.random.default_rng(11)
     hopper_dim = {"hopper D64": 64, "hopper D256": 256, "hopper fused dq D64": 64}.get(variant, HOPPER_DIM)
-    dtype, dim = (jnp.bfloat16, hopper_dim) if hopper else (jnp.float32, DIM)
+    # The portable forward's TMA loads take 16-bit inputs at a power-of-two D.
+    dtype, dim = ((jnp.bfloat16, hopper_dim) if hopper else (jnp.bfloat16, 16) if variant == "tma loads"
+                  else (jnp.float32, DIM))
     q = jnp.asarray(rng.standard_normal((TOKENS, HEADS, dim)), dtype)
     kv = jnp.asarray(rng.standard_normal((KV_TOKENS, HEADS, dim)), dtype)
     kv_offsets = offsets[::-1]
@@ -243,7 +245,9 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False,
     """Every case (offsets, int64) under each variant, in this process; prints `start CASE VARIANT`
     before and `ok CASE VARIANT` after each, so that a crash names its case. The variants: the kernels
     as chosen, then the portable ones with key-major operands forced (which float32 inputs with TF32 and
-    D >= 64 take: their transposes, and key and query windows that start before their sequence). With
+    D >= 64 take: their transposes, and key and query windows that start before their sequence), then
+    the portable forward's TMA loads forced ("tma loads", bfloat16 at D = 16: its tiles' coordinates from
+    the clamped offsets). With
     `hopper` (a Hopper GPU), bfloat16 at D = 128 on the Hopper kernels alone (a spy says they ran), whose
     tiles reach past the arrays' ends here and whose own programs zero the uncovered tokens, at D = 256
     ("hopper D256": the dk/dv kernel whose warpgroups split the columns) and the Hopper backward at
@@ -258,7 +262,8 @@ def check_offsets_cases(cases, backend: str = "interpret", hopper: bool = False,
                  "hopper fused dq": FusedDq(spy.calls),
                  "hopper fused dq D64": ("portable", FusedDq(spy.calls)),
                  "hstu hopper": "hstu-hopper"} if hopper
-                else {"as chosen": backend, "key-major": variant(backend, key_major=True)})
+                else {"as chosen": backend, "key-major": variant(backend, key_major=True),
+                      "tma loads": variant(backend, tma_loads=True)})
     variants = {name: where for name, where in variants.items() if only is None or name in only}
     for name, where in variants.items():
         # Each variant traces its own programs: the last one's may go (memory).
@@ -300,7 +305,7 @@ def test_adversarial_offsets_are_memory_safe():
                             capture_output=True, text=True, timeout=600, cwd=TESTS)
     lines = result.stdout.splitlines()
     for offsets, int64 in CASES:
-        for name in ("as chosen", "key-major"):
+        for name in ("as chosen", "key-major", "tma loads"):
             case = f"{json.dumps([offsets, int64])} {name}"
             if f"ok {case}" not in lines:
                 reached = f"start {case}" in lines

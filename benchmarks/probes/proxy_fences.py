@@ -21,7 +21,7 @@ import triton.language as tl
 
 from benchmarks.probes import ptx as ptx_probe
 
-PORTABLE_KERNELS = ("attention_fwd_kernel", "attention_bwd_kernel")
+PORTABLE_KERNELS = ("attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_kernel")
 FENCE = "fence.proxy.async"
 
 

@@ -240,13 +240,17 @@ def _is_gluon(fn) -> bool:
 
 def kernel_signature(kernel, launch: dict) -> tuple[dict, dict]:
     """The signature and attributes jax-triton 0.4.1 builds: descriptors as
-    `tensordesc<dtype[block],layout>`, 16-divisible pointers, the constants as constexprs."""
+    `tensordesc<dtype[block],layout>` (a Gluon kernel's, in the NVMMA layout the launcher gives them) or
+    `tensordesc<dtype[block]>` (a Triton kernel's: Triton chooses), 16-divisible pointers, the constants
+    as constexprs."""
     params = [name for name in kernel.arg_names if name not in launch["constants"]]
     arrays = launch["arrays"] + launch["out"]
     signature = {}
     for name, array in zip(params, arrays, strict=True):
         type_name = _TYPE_NAMES[array["dtype"]]
-        if "block" in array:
+        if "block" in array and not _is_gluon(kernel):
+            signature[name] = f"tensordesc<{type_name}[{','.join(map(str, array['block']))}]>"
+        elif "block" in array:
             from triton.experimental.gluon import language as gl
 
             block = array["block"]

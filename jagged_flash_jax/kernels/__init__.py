@@ -11,6 +11,7 @@ import importlib
 
 __all__ = [
     "attention_bwd_kernel", "attention_bwd_preprocess_kernel", "attention_fwd_kernel",
+    "attention_fwd_tma_kernel",
     "hopper_attention_bwd_dkdv_dq_kernel", "hopper_attention_bwd_dkdv_dq_tma_kernel",
     "hopper_attention_bwd_dkdv_kernel", "hopper_attention_bwd_dq_kernel", "hopper_attention_fwd_kernel",
     "hopper_hstu_bwd_dkdv_kernel", "hopper_hstu_bwd_dq_kernel", "hopper_hstu_fwd_kernel", "hstu_bwd_kernel",
@@ -22,6 +23,7 @@ __all__ = [
 _MODULES = {
     "key_major_kernel": ".portable.transpose",
     "attention_fwd_kernel": ".portable.forward",
+    "attention_fwd_tma_kernel": ".portable.forward",
     "attention_bwd_preprocess_kernel": ".portable.backward",
     "attention_bwd_kernel": ".portable.backward",
     "hopper_attention_fwd_kernel": ".hopper.forward",

@@ -112,6 +112,16 @@ ATTENTION_FWD = KernelSpec(
     constants=("NUM_HEADS", *_SHAPE, "BLOCK_D", *_LENGTHS, *_BAND, *_SCORES, "OUT_SCALE", "INPUT_PRECISION",
                "BLOCK_M", "BLOCK_N", "STRIDE_ALIGN", "FILL_BLOCK", "V_KEY_MAJOR", "KEY_MAJOR_ALIGN"))
 
+# The forward with its unmasked key blocks' keys and values loaded by TMA (k_tiles, v_tiles: descriptors
+# over 2-D views of k and v, beside k and v themselves for the masked blocks); token-major v, BLOCK_D = D.
+ATTENTION_FWD_TMA = KernelSpec(
+    "attention_fwd_tma_kernel",
+    inputs=("q", "k", "v", "k_tiles", "v_tiles", "q_offsets", "kv_offsets", "slopes", "params"),
+    outputs=("o", "lse"), params=ATTENTION_FWD.params,
+    constants=tuple(name for name in ATTENTION_FWD.constants
+                    if name not in ("BLOCK_D", "V_KEY_MAJOR", "KEY_MAJOR_ALIGN")),
+    descriptors=("k_tiles", "v_tiles"))
+
 ATTENTION_BWD_PREPROCESS = KernelSpec(
     "attention_bwd_preprocess_kernel", inputs=("o", "do", "params"), outputs=("delta",), params=_ARRAY_PARAMS,
     constants=("NUM_HEADS", "D", "BLOCK_D", "OUT_SCALE", "BLOCK_M", "STRIDE_ALIGN"))
@@ -233,6 +243,6 @@ HOPPER_HSTU_BWD_DQ = KernelSpec(
     params=HOPPER_HSTU_PARAMS, constants=HOPPER_HSTU_FWD.constants, descriptors=("q", "do", "k", "v"),
     zeroed=("dscale", "counter"))
 
-SPECS = (KEY_MAJOR, ATTENTION_FWD, ATTENTION_BWD_PREPROCESS, ATTENTION_BWD, HOPPER_FWD, HOPPER_BWD_DKDV,
-         HOPPER_BWD_DKDV_DQ, HOPPER_BWD_DKDV_DQ_TMA, HOPPER_BWD_DQ, HSTU_FWD, HSTU_BWD, HOPPER_HSTU_FWD,
-         HOPPER_HSTU_BWD_DKDV, HOPPER_HSTU_BWD_DQ)
+SPECS = (KEY_MAJOR, ATTENTION_FWD, ATTENTION_FWD_TMA, ATTENTION_BWD_PREPROCESS, ATTENTION_BWD, HOPPER_FWD,
+         HOPPER_BWD_DKDV, HOPPER_BWD_DKDV_DQ, HOPPER_BWD_DKDV_DQ_TMA, HOPPER_BWD_DQ, HSTU_FWD, HSTU_BWD,
+         HOPPER_HSTU_FWD, HOPPER_HSTU_BWD_DKDV, HOPPER_HSTU_BWD_DQ)

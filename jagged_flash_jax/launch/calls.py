@@ -61,13 +61,15 @@ LOG2E = 1.4426950408889634
 @dataclasses.dataclass(frozen=True)
 class PortableConfig:
     """The portable kernels' configuration: their tiles, whether the forward's v (`v_key_major`) and the
-    dk/dv programs' q and do (`qdo_key_major`) come key-major (`key_major`), and the size of q, k, v
-    above which each sequence's programs run next to each other (`_grid`)."""
+    dk/dv programs' q and do (`qdo_key_major`) come key-major (`key_major`), the size of q, k, v
+    above which each sequence's programs run next to each other (`_grid`), and whether the forward loads
+    its unmasked key blocks by TMA (`tma_loads`: kernels.attention_fwd_tma_kernel; `tma_loads_error`)."""
 
     tiles: BlockSizes
     v_key_major: bool
     qdo_key_major: bool
     l2_reuse_bytes: int = L2_REUSE_BYTES
+    tma_loads: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,12 @@ class KernelCall:
 
 
 Runner = Callable[[KernelCall, Sequence[jax.Array]], Sequence[jax.Array]]
+
+
+def is_gluon(kernel) -> bool:
+    """Whether a kernel is Gluon's (the Hopper kernels: no interpreter; TMA descriptors in the NVMMA
+    layout their buffers take), not a plain Triton kernel."""
+    return type(kernel).__name__ == "GluonJITFunction"
 
 
 def kernel_call(kernel_spec: KernelSpec, *, grid, outputs: Mapping[str, jax.ShapeDtypeStruct],
@@ -297,9 +305,26 @@ def _tokens_contiguous(run: Runner, p: Problem, x, heads: int, tokens: int) -> j
     return out
 
 
+def tma_loads_error(p: Problem, config: PortableConfig) -> str | None:
+    """Why the portable forward cannot load its unmasked key blocks by TMA (attention_fwd_tma_kernel) for
+    `p` with `config`'s other choices, or None: it takes token-major v, a power-of-two head dimension
+    of at least 16 bytes a row, 16-bit inputs, and TMA coordinates (int32) within its 2-D views."""
+    kv_token_stride = p.strides(p.num_kv_heads, p.kv_tokens)[0]
+    rows = p.num_segments * p.num_kv_heads * p.kv_tokens * p.head_dim // kv_token_stride
+    if config.v_key_major:
+        return "v comes key-major"
+    if p.itemsize != 2:
+        return f"{p.dtype} inputs (TMA loads: 16-bit)"
+    if head_block(p.head_dim) != p.head_dim or p.head_dim * p.itemsize < 16:
+        return f"head dimension D={p.head_dim} (TMA loads: a power of two, at least 8)"
+    if rows > MAX_SEQUENCE_ELEMENTS:
+        return f"{rows} rows of k (TMA coordinates are int32)"
+    return None
+
+
 def forward(run: Runner, p: Problem, config: PortableConfig, q, k, v, q_offsets, kv_offsets, slopes=None):
     """o (zero where no query is attended) and the float32 base-2 log-sum-exp [Z, H, T_q], by the portable
-    forward."""
+    forward (its unmasked key blocks loaded by TMA with config.tma_loads)."""
     if p.empty:
         return jnp.zeros(p.q_shape, q.dtype), jnp.full(p.stats_shape, jnp.inf, jnp.float32)
     tiles = config.tiles
@@ -308,18 +333,27 @@ def forward(run: Runner, p: Problem, config: PortableConfig, q, k, v, q_offsets,
     v_key_major = config.v_key_major
     if v_key_major:
         v = _tokens_contiguous(run, p, v, p.num_kv_heads, p.kv_tokens)
+    constants = dict(constants, NUM_HEADS=p.num_heads, OUT_SCALE=p.out_scale,
+                     INPUT_PRECISION=p.input_precision, BLOCK_M=tiles.fwd.block_m, BLOCK_N=tiles.fwd.block_n)
+    arrays = dict(q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets, slopes=_slopes(p, slopes))
+    if config.tma_loads:
+        if (reason := tma_loads_error(p, config)) is not None:
+            raise ValueError(f"the portable forward cannot load by TMA: {reason}")
+        kernel_spec, tile = spec.ATTENTION_FWD_TMA, (tiles.fwd.block_n, p.head_dim)
+        arrays.update(zip(("k_tiles", "v_tiles"), _tma_views(p, (), (k, v))))
+        blocks_ = dict(k_tiles=tile, v_tiles=tile)
+    else:
+        kernel_spec, blocks_ = spec.ATTENTION_FWD, None
+        constants.update(BLOCK_D=head_block(p.head_dim), V_KEY_MAJOR=v_key_major,
+                         KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN)
     call = kernel_call(
-        spec.ATTENTION_FWD, grid=_grid(p, config, slots),
+        kernel_spec, grid=_grid(p, config, slots),
         outputs=dict(o=jax.ShapeDtypeStruct(p.q_shape, q.dtype),
                      lse=jax.ShapeDtypeStruct(p.stats_shape, jnp.float32)),
         params=dict(params, fill_chunk=_fill_chunk(p.q_tokens, slots), slots=slots,
                     v_d_stride=v.shape[-1] // KEY_MAJOR_ALIGN if v_key_major else 0),
-        constants=dict(constants, NUM_HEADS=p.num_heads, BLOCK_D=head_block(p.head_dim),
-                       OUT_SCALE=p.out_scale, INPUT_PRECISION=p.input_precision, BLOCK_M=tiles.fwd.block_m,
-                       BLOCK_N=tiles.fwd.block_n, V_KEY_MAJOR=v_key_major, KEY_MAJOR_ALIGN=KEY_MAJOR_ALIGN),
-        config=tiles.fwd)
-    return launch(run, call, q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets,
-                  slopes=_slopes(p, slopes))
+        constants=constants, config=tiles.fwd, blocks=blocks_)
+    return launch(run, call, **arrays)
 
 
 def delta(run: Runner, p: Problem, block_m: int, o, do, lse, dlse=None):

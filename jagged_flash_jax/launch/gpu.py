@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat
-from .calls import KernelCall
+from .calls import KernelCall, is_gluon
 
 # What the GPU extra installs and what was tested together (jaxlib >= 0.11.1 allocates the global scratch
 # memory of Triton's tensor descriptors, which jax-triton 0.4 passes it; jax-triton 0.4 needs Python 3.12).
@@ -105,9 +105,12 @@ def available() -> bool:
     return on_gpu() and unavailable_reason() is None
 
 
-def _tensor_descriptor(jax_triton, x: jax.Array, block: tuple[int, ...]):
-    """A host-made TMA descriptor of `block` tiles over x, in the NVMMA shared layout Gluon's TMA loads
-    and wgmma take (the kernel allocates its buffers with the descriptor's layout)."""
+def _tensor_descriptor(jax_triton, x: jax.Array, block: tuple[int, ...], gluon: bool):
+    """A host-made TMA descriptor of `block` tiles over x: for a Gluon kernel in the NVMMA shared layout
+    its TMA loads and wgmma take (the kernel allocates its buffers with the descriptor's layout); for a
+    Triton kernel without one (Triton chooses it)."""
+    if not gluon:
+        return jax_triton.TensorDescriptor.from_array(x, block)
     from triton.experimental.gluon import language as gl
 
     dtype = {jnp.dtype(jnp.bfloat16): gl.bfloat16, jnp.dtype(jnp.float16): gl.float16,
@@ -128,7 +131,7 @@ def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         options["input_output_aliases"] = dict(call.aliases)
     arrays = list(arrays)
     for index, block in call.descriptors:
-        arrays[index] = _tensor_descriptor(jax_triton, arrays[index], block)
+        arrays[index] = _tensor_descriptor(jax_triton, arrays[index], block, is_gluon(call.kernel))
     with warnings.catch_warnings():
         # jax-triton 0.4 deprecates zeroed_outputs and input_output_aliases (for Refs, which need a newer
         # jax) and still takes them; pyproject pins jax-triton below 0.5.

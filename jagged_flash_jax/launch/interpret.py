@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
-from .calls import KernelCall
+from .calls import KernelCall, is_gluon
 
 # ---------------------------------------------------------------------------------------------------
 # Triton's interpreter
@@ -345,23 +345,32 @@ class Guarded:
         return bool(np.all(guards.view(bits) == sentinel(guards.dtype).view(bits)))
 
 
+def _descriptor(array: np.ndarray, block: tuple[int, ...]):
+    """Triton's host tensor descriptor of `block` tiles over a 2-D array (the interpreter reads zeros past
+    its ends, as TMA does)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(HostTensor(array), list(array.shape), [array.shape[1], 1], list(block))
+
+
 def _run_on_host(call: KernelCall, *arrays: np.ndarray):
     inputs = [Guarded(a, a.shape, _host_dtype(a.dtype)) for a in arrays]
     # Outputs start as the sentinel, not zeros: an element the kernel should have written shows up.
     outputs = [Guarded(None, s.shape, _host_dtype(s.dtype)) for s in call.out_shapes]
+    blocks = dict(call.descriptors)
+    args = [_descriptor(g.array, blocks[i]) if i in blocks else g.array for i, g in enumerate(inputs)]
     # Lanes that are never stored (keys past a sequence's end in the dk/dv kernel) may overflow exp2,
     # as they do silently on the GPU; stored values are checked by the tests, so numpy's warnings go.
     # A sentinel left in an output is a NaN that rounding to bfloat16 warns about: the tests look for it.
     with np.errstate(all="ignore"):
-        interpret(call.kernel, call.grid, *(g.array for g in inputs),
-                          *(g.array for g in outputs), **call.constants)
+        interpret(call.kernel, call.grid, *args, *(g.array for g in outputs), **call.constants)
         if not all(g.guards_intact() for g in inputs + outputs):
             raise RuntimeError(f"{call.kernel.__name__} wrote outside its arrays")
         return tuple(g.array.astype(s.dtype) for g, s in zip(outputs, call.out_shapes))
 
 
 def run(call: KernelCall, arrays: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-    if call.descriptors:  # the Hopper kernels': Gluon kernels have no interpreter
-        raise ValueError(f"{call.kernel.__name__} runs on the GPU only (TMA descriptors)")
+    if is_gluon(call.kernel):  # the Hopper kernels
+        raise ValueError(f"{call.kernel.__name__} runs on the GPU only (a Gluon kernel)")
     triton_internals()  # an unsupported Triton fails here, at trace time, with its own message
     return jax.pure_callback(functools.partial(_run_on_host, call), call.out_shapes, *arrays)

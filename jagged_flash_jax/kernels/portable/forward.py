@@ -44,21 +44,28 @@ def _online_softmax(scores, row_max, row_sum, QK_SCALE: tl.constexpr, EMPTY_ROWS
 
 
 @triton.jit
-def _fwd_block(state, queries, keys, key_start, cols, BAND: tl.constexpr, SCORES: tl.constexpr,
+def _fwd_block(state, queries, keys, tiles, key_start, cols, BAND: tl.constexpr, SCORES: tl.constexpr,
                DIMS: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-               MASKED: tl.constexpr, V_KEY_MAJOR: tl.constexpr):
+               MASKED: tl.constexpr, V_KEY_MAJOR: tl.constexpr, TMA: tl.constexpr):
     """The online softmax's state (acc, row_sum, row_max) after keys [key_start, key_start + BLOCK_N).
 
     queries = (q, query_rows, shift, slope): the block's queries, their rows, their key position shift
     and this head's ALiBi slope. keys = (k_base, v_base, lead, n_k, kv_token_stride, v_d_stride): the
     key window's keys and values, counted from the window's start; its first `lead` keys (before the
-    sequence, V_KEY_MAJOR only) and those from n_k on are masked.
+    sequence, V_KEY_MAJOR only) and those from n_k on are masked. With TMA an unmasked block's keys and
+    values come through tiles = (k_desc, v_desc, row, col), TMA descriptors of [BLOCK_N, D] tiles over
+    2-D views of k and v whose row `row` and column `col` are the window's first key.
     """
     acc, row_sum, row_max = state
     q, query_rows, shift, slope = queries
     k_base, v_base, lead, n_k, kv_token_stride, v_d_stride = keys
     key_rows = key_start + tl.arange(0, BLOCK_N)
-    k = load_tile(k_base, key_rows, cols, n_k, kv_token_stride, DIMS, MASKED)
+    BY_TMA: tl.constexpr = TMA and not MASKED
+    if BY_TMA:
+        k_desc, v_desc, row, col = tiles
+        k = k_desc.load([row + key_start, col])
+    else:
+        k = load_tile(k_base, key_rows, cols, n_k, kv_token_stride, DIMS, MASKED)
     scores, _ = transform_scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), query_rows[:, None],
                                  key_rows[None, :], shift, slope, SCORES)
     if MASKED:
@@ -71,7 +78,9 @@ def _fwd_block(state, queries, keys, key_start, cols, BAND: tl.constexpr, SCORES
     p, correction, row_sum, new_max = _online_softmax(
         scores, row_max, row_sum, SCORES[2],
         EMPTY_ROWS=MASKED and (BAND[0] or BAND[1] >= 0 or BAND[2] >= 0))
-    if V_KEY_MAJOR:
+    if BY_TMA:
+        v = v_desc.load([row + key_start, col])
+    elif V_KEY_MAJOR:
         v = tl.trans(load_tile_key_major(v_base, key_rows, cols, lead, n_k, v_d_stride, DIMS, MASKED))
     else:
         v = load_tile(v_base, key_rows, cols, n_k, kv_token_stride, DIMS, MASKED)
@@ -105,16 +114,9 @@ def attention_fwd_kernel(
     KEY_MAJOR_ALIGN-aligned token at or before the sequence's first (see `key_major_window`); its first
     `lead` keys are masked.
     """
-    batch, q_layout, kv_layout, offsets_strides = attention_params(params_ptr, STRIDE_ALIGN)
-    q_tokens, q_token_stride, _ = q_layout
-    kv_tokens, kv_token_stride, _ = kv_layout
-    BAND: tl.constexpr = (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
-    DIMS: tl.constexpr = (D, BLOCK_D)
+    batch, q_layout, kv_layout, fill_chunk, segment, sequence, head, slot, q_offsets_ptr, kv_offsets_ptr = \
+        _forward_program(params_ptr, q_offsets_ptr, kv_offsets_ptr, NUM_HEADS, STRIDE_ALIGN)
     FILL: tl.constexpr = (D, BLOCK_D, FILL_BLOCK, False)
-    fill_chunk = tl.load(params_ptr + PARAM_FWD_FILL_CHUNK)
-    segment, sequence, head, slot = program(batch, tl.load(params_ptr + PARAM_FWD_SLOTS), NUM_HEADS)
-    q_offsets_ptr += segment * offsets_strides[0]
-    kv_offsets_ptr += segment * offsets_strides[1]
     # The zero-fill programs return without reaching the attention code: ptxas 12.8 (Triton 3.6's)
     # miscompiled programs that zeroed their tail and then went on to a block, clobbering a uniform
     # register that held the offsets pointer.
@@ -126,10 +128,105 @@ def attention_fwd_kernel(
         zero_tail((o_ptr, o_ptr), q_offsets_ptr, sequence, segment, head, layout=q_layout, MAX_LEN=Q_MAX_LEN,
                   FILL=FILL)
         return
-    q_start, n_q = bounds(q_offsets_ptr, sequence, q_tokens, Q_MAX_LEN)
+    q_start, n_q = bounds(q_offsets_ptr, sequence, q_layout[0], Q_MAX_LEN)
     query_start = (slot - 1) * BLOCK_M
     if query_start >= n_q:
         return
+    _attend((q_ptr, k_ptr, v_ptr, slopes_ptr, params_ptr, o_ptr, lse_ptr), None,
+            (kv_offsets_ptr, q_layout, kv_layout, segment, sequence, head, q_start, n_q, query_start),
+            SHAPE=(NUM_HEADS, KV_GROUP, D, BLOCK_D), LENGTHS=(Q_MAX_LEN, KV_MAX_LEN),
+            BAND=(CAUSAL, WINDOW_LEFT, WINDOW_RIGHT), SCORES=(SOFTCAP, ALIBI, QK_SCALE),
+            OUTPUT=(OUT_SCALE, INPUT_PRECISION), TILES=(BLOCK_M, BLOCK_N),
+            MEMORY=(V_KEY_MAJOR, KEY_MAJOR_ALIGN, False))
+
+
+@triton.jit
+def attention_fwd_tma_kernel(
+    q_ptr, k_ptr, v_ptr, k_tiles_desc, v_tiles_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr,
+    o_ptr, lse_ptr,
+    NUM_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, D: tl.constexpr,
+    Q_MAX_LEN: tl.constexpr, KV_MAX_LEN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, QK_SCALE: tl.constexpr,
+    OUT_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, STRIDE_ALIGN: tl.constexpr, FILL_BLOCK: tl.constexpr,
+):
+    """`attention_fwd_kernel` with the keys and values of its unmasked key blocks loaded by TMA:
+    k_tiles_desc and v_tiles_desc are descriptors of [BLOCK_N, D] tiles over 2-D views of k and v (the
+    arrays k_ptr and v_ptr point at) whose rows are one token stride long. TMA writes shared memory
+    through the async proxy, which wgmma reads: the products need no proxy fence per key block, where
+    Triton >= 3.7 fences both products of every block loaded by cp.async. The masked blocks (a
+    sequence's last, the diagonal's) load as `attention_fwd_kernel`'s do: a TMA tile past the sequence
+    would read the next one's keys, whose values may be NaN under a probability of 0. A power-of-two D
+    (BLOCK_D = D), v token-major."""
+    batch, q_layout, kv_layout, fill_chunk, segment, sequence, head, slot, q_offsets_ptr, kv_offsets_ptr = \
+        _forward_program(params_ptr, q_offsets_ptr, kv_offsets_ptr, NUM_HEADS, STRIDE_ALIGN)
+    FILL: tl.constexpr = (D, D, FILL_BLOCK, False)
+    if sequence == batch:  # (the zero fills return first, as attention_fwd_kernel's)
+        zero_uncovered((o_ptr, o_ptr), q_offsets_ptr, batch, segment, head, chunk=slot, fill_chunk=fill_chunk,
+                       layout=q_layout, MAX_LEN=Q_MAX_LEN, FILL=FILL)
+        return
+    if slot == 0:
+        zero_tail((o_ptr, o_ptr), q_offsets_ptr, sequence, segment, head, layout=q_layout, MAX_LEN=Q_MAX_LEN,
+                  FILL=FILL)
+        return
+    q_start, n_q = bounds(q_offsets_ptr, sequence, q_layout[0], Q_MAX_LEN)
+    query_start = (slot - 1) * BLOCK_M
+    if query_start >= n_q:
+        return
+    _attend((q_ptr, k_ptr, v_ptr, slopes_ptr, params_ptr, o_ptr, lse_ptr), (k_tiles_desc, v_tiles_desc),
+            (kv_offsets_ptr, q_layout, kv_layout, segment, sequence, head, q_start, n_q, query_start),
+            SHAPE=(NUM_HEADS, KV_GROUP, D, D), LENGTHS=(Q_MAX_LEN, KV_MAX_LEN),
+            BAND=(CAUSAL, WINDOW_LEFT, WINDOW_RIGHT), SCORES=(SOFTCAP, ALIBI, QK_SCALE),
+            OUTPUT=(OUT_SCALE, INPUT_PRECISION), TILES=(BLOCK_M, BLOCK_N), MEMORY=(False, 16, True))
+
+
+@triton.jit
+def _forward_program(params_ptr, q_offsets_ptr, kv_offsets_ptr, NUM_HEADS: tl.constexpr,
+                     STRIDE_ALIGN: tl.constexpr):
+    """(batch, q_layout, kv_layout, fill_chunk, segment, sequence, head, slot, q_offsets_ptr,
+    kv_offsets_ptr): the forward program's runtime sizes, its place (memory.program) and its segment's
+    rows of offsets."""
+    batch, q_layout, kv_layout, offsets_strides = attention_params(params_ptr, STRIDE_ALIGN)
+    fill_chunk = tl.load(params_ptr + PARAM_FWD_FILL_CHUNK)
+    segment, sequence, head, slot = program(batch, tl.load(params_ptr + PARAM_FWD_SLOTS), NUM_HEADS)
+    q_offsets_ptr += segment * offsets_strides[0]
+    kv_offsets_ptr += segment * offsets_strides[1]
+    return (batch, q_layout, kv_layout, fill_chunk, segment, sequence, head, slot, q_offsets_ptr,
+            kv_offsets_ptr)
+
+
+@triton.jit
+def _attend(arrays, descriptors, block, SHAPE: tl.constexpr, LENGTHS: tl.constexpr, BAND: tl.constexpr,
+            SCORES: tl.constexpr, OUTPUT: tl.constexpr, TILES: tl.constexpr, MEMORY: tl.constexpr):
+    """o and the log-sum-exp of one query block (see attention_fwd_kernel). arrays = (q_ptr, k_ptr,
+    v_ptr, slopes_ptr, params_ptr, o_ptr, lse_ptr); descriptors = (k_tiles_desc, v_tiles_desc) with TMA
+    (MEMORY[2]: attention_fwd_tma_kernel), else None; block = (kv_offsets_ptr, q_layout, kv_layout,
+    segment, sequence, head, q_start, n_q, query_start). The constants, grouped: SHAPE (NUM_HEADS,
+    KV_GROUP, D, BLOCK_D), LENGTHS (Q_MAX_LEN, KV_MAX_LEN), BAND (CAUSAL, WINDOW_LEFT, WINDOW_RIGHT),
+    SCORES (SOFTCAP, ALIBI, QK_SCALE), OUTPUT (OUT_SCALE, INPUT_PRECISION), TILES (BLOCK_M, BLOCK_N),
+    MEMORY (V_KEY_MAJOR, KEY_MAJOR_ALIGN, TMA)."""
+    q_ptr, k_ptr, v_ptr, slopes_ptr, params_ptr, o_ptr, lse_ptr = arrays
+    kv_offsets_ptr, q_layout, kv_layout, segment, sequence, head, q_start, n_q, query_start = block
+    NUM_HEADS: tl.constexpr = SHAPE[0]
+    KV_GROUP: tl.constexpr = SHAPE[1]
+    D: tl.constexpr = SHAPE[2]
+    BLOCK_D: tl.constexpr = SHAPE[3]
+    KV_MAX_LEN: tl.constexpr = LENGTHS[1]
+    CAUSAL: tl.constexpr = BAND[0]
+    WINDOW_LEFT: tl.constexpr = BAND[1]
+    WINDOW_RIGHT: tl.constexpr = BAND[2]
+    ALIBI: tl.constexpr = SCORES[1]
+    QK_SCALE: tl.constexpr = SCORES[2]
+    OUT_SCALE: tl.constexpr = OUTPUT[0]
+    INPUT_PRECISION: tl.constexpr = OUTPUT[1]
+    BLOCK_M: tl.constexpr = TILES[0]
+    BLOCK_N: tl.constexpr = TILES[1]
+    V_KEY_MAJOR: tl.constexpr = MEMORY[0]
+    KEY_MAJOR_ALIGN: tl.constexpr = MEMORY[1]
+    TMA: tl.constexpr = MEMORY[2]
+    q_tokens, q_token_stride, _ = q_layout
+    kv_tokens, kv_token_stride, _ = kv_layout
+    DIMS: tl.constexpr = (D, BLOCK_D)
     kv_start, n_k = bounds(kv_offsets_ptr, sequence, kv_tokens, KV_MAX_LEN)
     kv_head = head // KV_GROUP
     if V_KEY_MAJOR:
@@ -143,6 +240,13 @@ def attention_fwd_kernel(
     n_window = n_k + lead
     q_base = token_ptr(q_ptr, segment, head, q_start, q_layout)
     k_base = token_ptr(k_ptr, segment, kv_head, kv_start - lead, kv_layout)
+    if TMA:  # the window's first key in the descriptors' 2-D views, rows one token stride long
+        first = ((segment.to(tl.int64) * kv_tokens + kv_start) * kv_token_stride
+                 + kv_head.to(tl.int64) * kv_layout[2])
+        tiles = (descriptors[0], descriptors[1], (first // kv_token_stride).to(tl.int32),
+                 (first % kv_token_stride).to(tl.int32))
+    else:
+        tiles = None
     cols = tl.arange(0, BLOCK_D)
     query_rows = query_start + tl.arange(0, BLOCK_M)
 
@@ -166,9 +270,9 @@ def attention_fwd_kernel(
             for key_start in range(lo, hi, BLOCK_N):
                 acc, row_sum, row_max = _fwd_block(
                     (acc, row_sum, row_max), (q, query_rows, shift, slope),
-                    (k_base, v_base, lead, n_window, kv_token_stride, v_d_stride), key_start, cols, BAND,
-                    SCORES=(SOFTCAP, ALIBI, QK_SCALE), DIMS=DIMS, BLOCK_N=BLOCK_N,
-                    INPUT_PRECISION=INPUT_PRECISION, MASKED=SPAN != 1, V_KEY_MAJOR=V_KEY_MAJOR)
+                    (k_base, v_base, lead, n_window, kv_token_stride, v_d_stride), tiles, key_start, cols,
+                    BAND, SCORES=SCORES, DIMS=DIMS, BLOCK_N=BLOCK_N,
+                    INPUT_PRECISION=INPUT_PRECISION, MASKED=SPAN != 1, V_KEY_MAJOR=V_KEY_MAJOR, TMA=TMA)
 
     attended = row_sum != 0  # false only for queries with no key (empty key sequence, or band); NaN: true
     acc = acc * (OUT_SCALE / tl.where(attended, row_sum, 1.0))[:, None]

@@ -146,11 +146,13 @@ IMPLS = {  # name -> (make(case), needs a GPU)
     # the portable backward, where auto takes the Hopper one (to compare the two)
     "jfa-triton-portable-bwd": (lambda case: jfa(case, "triton", backward_implementation=("portable", "xla")),
                                 True),
-    # the portable kernels with the forward's key blocks loaded by pointers (cp.async) wherever the
-    # tree's would load its unmasked ones by TMA (Hopper GPUs, triton >= 3.7): the forward's rows compare
-    # the two where auto takes the portable forward (D = 64, sequences up to 1024 tokens)
+    # the portable kernels, the forward's key blocks loaded by pointers (cp.async) and its unmasked ones
+    # by TMA (what Hopper GPUs take under triton >= 3.7), whatever the Triton: their forward rows compare
+    # the two loads (auto takes the portable forward at D = 64 and on sequences up to 1024 tokens)
     "jfa-triton-pointer-loads": (lambda case: jfa(case, "triton", implementation=_portable(tma_loads=False)),
                                  True),
+    "jfa-triton-tma-loads": (lambda case: jfa(case, "triton", implementation=_portable(tma_loads=True)),
+                             True),
     "jfa-xla": (lambda case: jfa(case, "xla"), False),
     "cudnn-packed": (cudnn_packed, True),
     "cudnn-padded": (cudnn_padded, True),

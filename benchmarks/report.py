@@ -16,7 +16,8 @@ IMPL_ORDER = (OURS, "jfa-triton-3.9", "jfa-triton-nondeterministic", "jfa-triton
               "jfa-triton-fused-dq", "jfa-triton-fused-dq-3.9",
               "jfa-triton-hopper-bwd", "jfa-triton-hopper-bwd-3.9", "jfa-triton-portable-bwd",
               "jfa-triton-portable-bwd-3.9", "jfa-triton-pointer-loads", "jfa-triton-pointer-loads-3.9",
-              "jfa-xla", "cudnn-packed", "cudnn-padded", FBGEMM)
+              "jfa-triton-tma-loads", "jfa-triton-tma-loads-3.9", "jfa-xla", "cudnn-packed", "cudnn-padded",
+              FBGEMM)
 
 
 def ok(row) -> bool:

@@ -1,7 +1,8 @@
-"""The portable forward's unmasked key blocks loaded by TMA (the tree on a Hopper GPU under triton >= 3.7)
-against loaded by pointers (cp.async, `jfa-triton-pointer-loads`), forward only, bfloat16, alternating
-in one process: `python -m benchmarks.probes.tma_forward [--cases A,B] [--rounds 2]` (a GPU). Each row
-prints the device time (CUPTI) and the kernels that ran.
+"""The portable forward with its unmasked key blocks loaded by TMA (`jfa-triton-tma-loads`: what a Hopper
+GPU takes under triton >= 3.7) against loaded by pointers (cp.async, `jfa-triton-pointer-loads`), under
+any Triton, forward only, bfloat16, alternating in one process: `python -m
+benchmarks.probes.tma_forward [--cases A,B] [--rounds 2]` (a GPU). Each row prints the device time
+(CUPTI) and the kernels that ran.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import types
 
 from benchmarks import cases, impls, run
 
-IMPLS = ("jfa-triton", "jfa-triton-pointer-loads")
+IMPLS = ("jfa-triton-tma-loads", "jfa-triton-pointer-loads")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.probes.tma_forward", description=__doc__)
-    p.add_argument("--cases", default="L4096-D64,gqa-16x4-L512-D64-causal")
+    p.add_argument("--cases", default="L4096-D64,L4096-D64-causal,gqa-16x4-L512-D64-causal,rec-long")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seconds", type=float, default=0.1)
     args = p.parse_args(argv)

@@ -106,6 +106,12 @@ HOPPER_DKDV_BANDED_OWN_WAITS_FROM = (3, 7)
 # key block that cp.async loaded, TMA's writes need no fence (docs/performance.md, "Measured on 2026-12-07,
 # session 3"; benchmarks/probes/proxy_fences.py).
 PORTABLE_TMA_LOADS_FROM = (3, 7)
+# ... at these head dimensions, where it measured faster (one H100, triton 3.9, benchmarks.probes.tma_forward;
+# tests/gpu_results, "2026-12-07, session 5"): rec-long (D = 128) 0.281 against 0.291-0.293 ms. At D = 64
+# it was not (L4096-D64 1.086-1.118 against 1.097-1.100 ms, its causal row 0.625 against 0.606-0.607, GQA
+# 16/4 L512 causal 0.509-0.516 against 0.460-0.463); D = 256 is not measured. Elsewhere
+# Portable(tma_loads=True) forces them.
+PORTABLE_TMA_LOADS_HEAD_DIMS = (128,)
 
 
 def hopper_dq_triton_stages(head_dim: int) -> int:

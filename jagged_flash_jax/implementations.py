@@ -152,7 +152,8 @@ class Portable(Implementation):
     products need them; `l2_reuse_bytes` is the size of q, k, v above which each sequence's programs run
     next to each other (launch/calls.py); `tma_loads` forces the forward's TMA loads of its unmasked key
     blocks on (True, wherever the problem allows: calls.tma_loads_error) or off (False) instead of taking
-    them on Hopper GPUs under triton >= configs.PORTABLE_TMA_LOADS_FROM."""
+    them on Hopper GPUs under triton >= configs.PORTABLE_TMA_LOADS_FROM at the head dimensions where they
+    measured faster (configs.PORTABLE_TMA_LOADS_HEAD_DIMS)."""
 
     name: str = "portable"
     launcher: str = "gpu"
@@ -175,7 +176,8 @@ class Portable(Implementation):
         config = PortableConfig(tiles, v_key_major, qdo_key_major, self.l2_reuse_bytes)
         wanted = self.tma_loads if self.tma_loads is not None else (
             self.launcher == "gpu" and _wgmma_reason(context.device) is None
-            and _compat.triton_release() >= configs.PORTABLE_TMA_LOADS_FROM)
+            and _compat.triton_release() >= configs.PORTABLE_TMA_LOADS_FROM
+            and p.head_dim in configs.PORTABLE_TMA_LOADS_HEAD_DIMS)
         tma_loads = wanted and calls.tma_loads_error(p, config) is None
         return dataclasses.replace(config, tma_loads=tma_loads) if tma_loads else config
 

@@ -674,33 +674,35 @@ def test_the_portable_forward_keeps_what_the_hopper_one_lacks(hopper_gpu, case):
 
 @pytest.mark.parametrize("layout", ["THD", "HTD"])
 def test_the_portable_forward_loads_by_tma_on_hopper_gpus_from_triton_3_7(hopper_gpu, monkeypatch, layout):
-    """On a Hopper GPU under triton >= 3.7 the portable forward of 16-bit inputs at a power-of-two D loads
-    its unmasked key blocks by TMA: k and v once more, as descriptors of [BLOCK_N, D] tiles over 2-D views
-    whose rows are one token stride long. Not under 3.6, off Hopper, for float32 or D = 96; an
-    implementation's tma_loads forces it either way where the problem allows."""
+    """On a Hopper GPU under triton >= 3.7 the portable forward of 16-bit inputs at D = 128 (where they
+    measured faster: configs.PORTABLE_TMA_LOADS_HEAD_DIMS) loads its unmasked key blocks by TMA: k and v
+    once more, as descriptors of [BLOCK_N, D] tiles over 2-D views whose rows are one token stride long.
+    Not under 3.6, off Hopper, for float32, at D = 64 or D = 96; an implementation's tma_loads forces it
+    either way where the problem allows (a power-of-two D among them)."""
     monkeypatch.setenv(select.FORWARD_ENV, "portable")
     tma, pointers = kernels.attention_fwd_tma_kernel, kernels.attention_fwd_kernel
-    for release, case, kernel in (((3, 9, 0), dict(dim=64), tma), ((3, 7, 0), dict(dtype=jnp.float16), tma),
-                                  ((3, 6, 0), dict(dim=64), pointers),
+    for release, case, kernel in (((3, 9, 0), dict(), tma), ((3, 7, 0), dict(dtype=jnp.float16), tma),
+                                  ((3, 6, 0), dict(), pointers), ((3, 9, 0), dict(dim=64), pointers),
                                   ((3, 9, 0), dict(dtype=jnp.float32), pointers),
                                   ((3, 9, 0), dict(dim=96), pointers)):
         monkeypatch.setattr(_compat, "triton_release", lambda release=release: release)
         assert _forward_kernel(hopper_gpu, layout=layout, **case) is kernel, (release, case)
     with select.use_device(gpu_device((8, 0))):
-        assert _forward_kernel(hopper_gpu, layout=layout, dim=64) is pointers
-    # The launch: k_tiles and v_tiles after q, k, v (40 tokens of 4 kv heads at D = 64).
-    _forward_kernel(hopper_gpu, layout=layout, dim=64, kv_heads=2)
+        assert _forward_kernel(hopper_gpu, layout=layout) is pointers
+    # The launch: k_tiles and v_tiles after q, k, v (40 tokens of 2 kv heads at D = 128).
+    _forward_kernel(hopper_gpu, layout=layout, kv_heads=2)
     call = hopper_gpu.calls[-1]
     k_tiles, v_tiles = call["args"][3:5]
-    view = (40, 2 * 64) if layout == "THD" else (2 * 40, 64)
+    view = (40, 2 * 128) if layout == "THD" else (2 * 40, 128)
     for tiles in (k_tiles, v_tiles):  # (Triton's layout: none given)
-        assert tiles.block_shape == (call["BLOCK_N"], 64) and tiles.base.shape == view
+        assert tiles.block_shape == (call["BLOCK_N"], 128) and tiles.base.shape == view
         assert tiles.layout is None
     assert "BLOCK_D" not in call and "V_KEY_MAJOR" not in call
-    # Forced: off under 3.9, on under 3.6, never where the problem does not allow it.
+    # Forced: off under 3.9, on under 3.6 and at D = 64, never where the problem does not allow it.
     q = jnp.ones((40, 4, 64), jnp.bfloat16)
     for release, tma_loads, dtype, kernel in (((3, 9, 0), False, jnp.bfloat16, pointers),
                                               ((3, 6, 0), True, jnp.bfloat16, tma),
+                                              ((3, 9, 0), True, jnp.bfloat16, tma),
                                               ((3, 6, 0), True, jnp.float32, pointers)):
         monkeypatch.setattr(_compat, "triton_release", lambda release=release: release)
         hopper_gpu.reset()

@@ -64,10 +64,9 @@
 #  32  the portable forward's fwd_causal at D = 64 (31's finding): the D = 64 GPU tests under auto beside
 #      the same with the portable kernels forced, then the causal D = 64 rows against cuDNN, under TRITON
 #      (3.6 staging .t39a; 3.9 after staging)
-#  33  the portable forward's TMA loads (the patch 2026-12-07_portable_forward_tma.mbox, on a copy): its
-#      GPU tests beside memcheck, then its forward against pointer loads, under TRITON (3.6 staging .t39a;
-#      3.9 after staging). Next session: 33 under 3.6, stage .t39b-.t39e, TRITON=3.9 33; if it is faster
-#      under 3.9 and correct under both, merge the branch portable-forward-tma, then 14, 15 on main
+#  33  the portable forward's TMA loads (merged on 2026-12-07, session 5; PATCH: a patch on a copy): their
+#      GPU tests beside memcheck, then the forward with them against pointer loads, under TRITON (3.6
+#      staging .t39a; 3.9 after staging)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. The Hopper forward at D = 64 (27 and 30 on 2026-12-07, session 2) was slower
 # unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md). Next: 31 under 3.6
@@ -484,20 +483,21 @@ case $call in
        grep -h "ok:" "$out/bench-rows-d64-causal-triton$triton.log" | cut -c1-150
      fi
      elapsed "call 32" ;;
-  33) # the portable forward's TMA loads (PATCH, default 2026-12-07_portable_forward_tma.mbox, applied to a
-     # copy; not merged) under TRITON (3.6 staging .t39a; 3.9 after staging, installing it): in the copy,
-     # the GPU tests of the TMA loads and of D = 64 (TESTS_K) under auto beside memcheck of the portable
-     # kernels (its "tma loads" variant, forced under either triton), then benchmarks.probes.tma_forward:
-     # the forward with TMA loads forced against pointer loads, alternating ROUNDS times on CASES
+  33) # the portable forward's TMA loads under TRITON (3.6 staging .t39a; 3.9 after staging, installing
+     # it), in the tree (or a copy with PATCH, a file of benchmarks/results/profile/, applied): the GPU
+     # tests of the TMA loads and of D = 64 (TESTS_K) under auto beside memcheck of the portable kernels
+     # (its "tma loads" variant, forced under either triton), then benchmarks.probes.tma_forward: the
+     # forward with TMA loads forced against pointer loads, alternating ROUNDS times on CASES
      use_triton ${TRITON:-3.6}
-     patched_copy /tmp/variant "${PATCH:-2026-12-07_portable_forward_tma.mbox}" || exit 1
-     vpath=${path%:*}:/tmp/variant
-     (cd /tmp/variant && memcheck $triton "$vpath" ${LIMIT:-240} "[]" True "-tma") &
-     (cd /tmp/variant && PYTHONPATH=$vpath timeout ${LIMIT:-240} python3 -m pytest tests -m gpu \
+     tree=$PWD
+     if [ -n "${PATCH:-}" ]; then patched_copy /tmp/variant "$PATCH" || exit 1; tree=/tmp/variant; fi
+     vpath=${path%:*}:$tree
+     (cd $tree && memcheck $triton "$vpath" ${LIMIT:-240} "[]" True "-tma") &
+     (cd $tree && PYTHONPATH=$vpath timeout ${LIMIT:-240} python3 -m pytest tests -m gpu \
         -k "${TESTS_K:-tma or D64 or d64}" -p xdist -n 8 -o addopts=-ra -q -p no:cacheprovider \
         > "$out/tests-tma-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/tests-tma-triton$triton.log")
      wait; elapsed "tests, memcheck"; summary
-     (cd /tmp/variant && PYTHONPATH=$vpath timeout ${BUDGET:-200} python3 -m benchmarks.probes.tma_forward \
+     (cd $tree && PYTHONPATH=$vpath timeout ${BUDGET:-200} python3 -m benchmarks.probes.tma_forward \
         --cases "${CASES:-L4096-D64,L4096-D64-causal,gqa-16x4-L512-D64-causal,rec-long}" --rounds ${ROUNDS:-2} \
         > "$out/tma-forward-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/tma-forward-triton$triton.log")
      grep "^\[ab\]" "$out/tma-forward-triton$triton.log" | cut -c1-170

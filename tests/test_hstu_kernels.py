@@ -24,14 +24,14 @@ import triton
 import triton.language as tl
 from helpers import attended_mask, hstu_mask_np, hstu_reference, relative_error
 
-from jagged_flash_jax.configs import INTERPRET_BLOCK_SIZES, BlockSizes, KernelConfig
+from jagged_flash_jax.configs import INTERPRET_BLOCK_SIZES, SHARED_MEMORY_BYTES, BlockSizes, KernelConfig
 from jagged_flash_jax.kernels.shared_hstu import key_range, query_spans, sequence_rule
 from jagged_flash_jax.launch import hstu, interpret
 from jagged_flash_jax.launch.calls import KernelCall
 from jagged_flash_jax.problem import HstuProblem
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: not installed
-from benchmarks.probes.ptx import compile_for_sm90, kernel_signature  # noqa: E402
+from benchmarks.probes.ptx import compile_for_sm90, compile_quietly, kernel_signature  # noqa: E402
 
 ALPHA = 0.35
 TOL = 1e-5
@@ -373,16 +373,15 @@ COMPILED = HstuProblem(layout="THD", num_heads=4, head_dim=128, value_dim=128, b
                        input_precision="tf32")
 
 
-def _launches(tiles):
-    """The KernelCalls of a forward and a backward of COMPILED (a launcher that records them)."""
+def _launches(tiles, p=COMPILED):
+    """The KernelCalls of a forward and a backward of `p` (D = V; a launcher that records them)."""
     calls = []
 
     def record(call, arrays):
         calls.append((call, arrays))
         return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
 
-    p = COMPILED
-    x = jnp.zeros(p.shape(p.head_dim), jnp.bfloat16)
+    x = jnp.zeros(p.shape(p.head_dim), p.dtype)
     rows = (jnp.asarray([[0, 20, 70, 96]], jnp.int32), jnp.asarray([[1, 5, 3]], jnp.int32),
             jnp.ones((p.tokens,), jnp.float32))
     hstu.forward(record, p, tiles, x, x, x, *rows)
@@ -409,3 +408,19 @@ def test_every_kernel_compiles_for_sm90_with_tensor_cores(tiles):
                                       call.num_stages)
         assert re.search(r"\b(wgmma|mma)\.", ptx), (
             f"{call.kernel.__name__}: no tensor-core product (triton {triton.__version__})")
+
+
+@pytest.mark.parametrize("dtype, max_seq_len", [("bfloat16", 256), ("float32", 64)])
+def test_the_widest_tiles_fit_shared_memory(dtype, max_seq_len):
+    """HSTU's portable kernels take the softmax kernels' tiles, fitted within sm_90's shared memory as
+    configs.portable_shared_bytes counts the softmax programs; HSTU's hold more. At D = V = 256, where
+    they come nearest (benchmarks.probes.hstu_shared compiles every fit: 229,376 bytes, the 16-bit
+    backward), each launch compiled for sm_90a stays within SHARED_MEMORY_BYTES."""
+    p = COMPILED.with_(head_dim=256, value_dim=256, dtype=dtype, max_seq_len=max_seq_len)
+    for call, arrays in _launches(hstu.tiles(p, interpret=False), p):
+        launch = dict(constants=call.constants, arrays=[dict(dtype=str(a.dtype)) for a in arrays],
+                      out=[dict(dtype=str(s.dtype)) for s in call.out_shapes])
+        signature, attrs = kernel_signature(call.kernel, launch)
+        _, metadata = compile_quietly(call.kernel, signature, call.constants, attrs, call.num_warps,
+                                      call.num_stages)
+        assert 0 < metadata["shared"] <= SHARED_MEMORY_BYTES, (call.kernel.__name__, metadata["shared"])

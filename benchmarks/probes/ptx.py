@@ -64,6 +64,13 @@ CASES = [
                                           op="fbgemm")),
     ("portable-d32-thd-fp16-segments", dict(kernels="portable", dim=32, dtype="float16", layout="THD",
                                             segments=True, causal=True)),
+    ("hstu-hopper-d128-thd-bf16-causal", dict(kernels="hopper", op="hstu", dim=128, dtype="bfloat16",
+                                             layout="THD", causal=True)),
+    ("hstu-portable-d64-v128-htd-bf16-options", dict(kernels="portable", op="hstu", dim=64, value_dim=128,
+                                                     dtype="bfloat16", layout="HTD", causal=True,
+                                                     max_attn_len=16, contextual_seq_len=4)),
+    ("hstu-portable-d128-thd-fp32", dict(kernels="portable", op="hstu", dim=128, dtype="float32",
+                                         layout="THD")),
 ]
 
 
@@ -153,9 +160,10 @@ def _pretended_hopper_gpu(calls: list):
 
 def _run_case(dim, dtype, layout, kernels, kv_heads=4, cross=False, causal=False, window=(None, None),
               softcap=None, alibi=False, op="standard", allow_tf32=True, two_launches=False, segments=False,
-              max_seq_len=2048):
+              max_seq_len=2048, value_dim=None, max_attn_len=0, contextual_seq_len=0):
     """Forward and backward of one case: 4 query heads, 96 query tokens in 3 sequences (80 keys in 3
-    with `cross`), under `kernels` ("hopper" or "portable" forced for both passes)."""
+    with `cross`), under `kernels` ("hopper" or "portable" forced for both passes). `op` "hstu" runs
+    hstu_attention (v of `value_dim`, default dim; HSTU's causal mask where causal)."""
     import jax
     import jax.numpy as jnp
 
@@ -177,7 +185,13 @@ def _run_case(dim, dtype, layout, kernels, kv_heads=4, cross=False, causal=False
         block_sizes = configs.BlockSizes(fwd=configs.KernelConfig(64, 32, num_warps=4, num_stages=2),
                                          dkdv=configs.KernelConfig(32, 64, num_warps=8, num_stages=2),
                                          dq=configs.KernelConfig(64, 32, num_warps=4, num_stages=2))
-    if op == "fbgemm":
+    if op == "hstu":
+        v = jax.random.normal(keys[2], (*k.shape[:-1], value_dim or dim), dtype)
+        f = lambda q, k, v: jfa.hstu_attention(  # noqa: E731
+            q, k, v, offsets, max_seq_len, alpha=0.5, causal=causal, layout=layout,
+            backend="triton", allow_tf32=allow_tf32, max_attn_len=max_attn_len,
+            contextual_seq_len=contextual_seq_len)
+    elif op == "fbgemm":
         f = lambda q, k, v: jfa.multi_head_jagged_flash_attention(  # noqa: E731
             q, k, v, offsets, max_seq_len, layout=layout, backend="triton", allow_tf32=allow_tf32)
     else:

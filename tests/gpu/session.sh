@@ -66,7 +66,9 @@
 #      (3.6 staging .t39a; 3.9 after staging)
 #  33  the portable forward's TMA loads (merged on 2026-12-07, session 5; PATCH: a patch on a copy): their
 #      GPU tests beside memcheck, then the forward with them against pointer loads, under TRITON (3.6
-#      staging .t39a; 3.9 after staging)
+#      staging .t39a; 3.9 after staging). Next: the rows where auto now takes them and that no run has
+#      timed, D = 128 below the Hopper forward's 1024 tokens, and D = 256: after staging, `TRITON=3.9
+#      TESTS_K=tma CASES=L256,L512,cross,L4096-D256 bash tests/gpu/session.sh 33`
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. The Hopper forward at D = 64 (27 and 30 on 2026-12-07, session 2) was slower
 # unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md). Next: 31 under 3.6

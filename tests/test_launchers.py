@@ -709,6 +709,13 @@ def test_the_portable_forward_loads_by_tma_on_hopper_gpus_from_triton_3_7(hopper
         jfa.jagged_attention(q.astype(dtype), q.astype(dtype), q.astype(dtype), jnp.asarray([0, 15, 40]), 32,
                              implementation=variant("triton", tma_loads=tma_loads))
         assert hopper_gpu.calls[-1]["kernel"] is kernel, (release, tma_loads, dtype)
+    # No key tokens (cross-attention with every key sequence empty): no descriptor over an empty array.
+    hopper_gpu.reset()
+    empty = jnp.ones((0, 4, 64), jnp.bfloat16)
+    out = jfa.jagged_attention(q, empty, empty, jnp.asarray([0, 15, 40]), 32,
+                               kv_offsets=jnp.zeros(3, jnp.int32), kv_max_seq_len=8,
+                               implementation=variant("triton", tma_loads=True))
+    assert hopper_gpu.calls[-1]["kernel"] is pointers and out.shape == q.shape
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0), None])

@@ -308,7 +308,10 @@ def _tokens_contiguous(run: Runner, p: Problem, x, heads: int, tokens: int) -> j
 def tma_loads_error(p: Problem, config: PortableConfig) -> str | None:
     """Why the portable forward cannot load its unmasked key blocks by TMA (attention_fwd_tma_kernel) for
     `p` with `config`'s other choices, or None: it takes token-major v, a power-of-two head dimension
-    of at least 16 bytes a row, 16-bit inputs, and TMA coordinates (int32) within its 2-D views."""
+    of at least 16 bytes a row, 16-bit inputs, key tokens (a TMA descriptor has no empty dimension), and
+    TMA coordinates (int32) within its 2-D views."""
+    if p.kv_tokens == 0:
+        return "no key tokens (no TMA descriptor over an empty array)"
     kv_token_stride = p.strides(p.num_kv_heads, p.kv_tokens)[0]
     rows = p.num_segments * p.num_kv_heads * p.kv_tokens * p.head_dim // kv_token_stride
     if config.v_key_major:

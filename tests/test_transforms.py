@@ -104,6 +104,37 @@ def test_vmap_of_unbatched_keys_and_nested_vmap():
                              for a in range(2)]))
 
 
+@pytest.mark.parametrize("layout", ["THD", "HTD"])
+def test_vmap_with_tma_loads(layout, monkeypatch):
+    """Batched offsets fold into offsets segments: the TMA forward's tiles (Hopper's portable forward,
+    forced here) start at each segment's keys in the descriptors' 2-D views. bfloat16 at D = 16 (the TMA
+    loads' inputs), sequences longer than the interpreter's 32-key blocks (so some load by TMA): the
+    forward equals the pointer loads' bitwise in the interpreter, and a loop of single calls on the xla
+    backend."""
+    from jagged_flash_jax.launch import calls
+
+    launched = []
+    kernel_call = calls.kernel_call
+    monkeypatch.setattr(calls, "kernel_call", lambda s, **kw: launched.append(s.name) or kernel_call(s, **kw))
+    rng = np.random.default_rng(5)
+    shape = lambda h: (V, 96, h, 16) if layout == "THD" else (V, h, 96, 16)  # noqa: E731
+    q, k, v = (jnp.asarray(rng.standard_normal(shape(h)), jnp.bfloat16) for h in (H, HK, HK))
+    offsets = jnp.asarray([[0, 40, 40, 90], [0, 6, 60, 96]], jnp.int32)
+
+    def op(implementation):
+        return lambda q, k, v, offsets: jfa.jagged_attention(q, k, v, offsets, 64, layout=layout,
+                                                             implementation=implementation)
+
+    out = {}
+    for tma in (False, True):
+        launched.clear()
+        out[tma] = jax.jit(jax.vmap(op(variant("interpret", tma_loads=tma))))(q, k, v, offsets)
+        assert set(launched) == {"attention_fwd_tma_kernel" if tma else "attention_fwd_kernel"}, tma
+    np.testing.assert_array_equal(out[True], out[False])
+    single = jax.jit(op("xla"))
+    close(out[True], jnp.stack([single(q[i], k[i], v[i], offsets[i]) for i in range(V)]), tol=1e-2)
+
+
 def test_vmap_folds_into_one_launch():
     """A vmapped call is one kernel launch (no loop): one callback in the compiled program, run on the
     folded problem."""

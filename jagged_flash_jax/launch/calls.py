@@ -308,8 +308,8 @@ def _tokens_contiguous(run: Runner, p: Problem, x, heads: int, tokens: int) -> j
 def tma_loads_error(p: Problem, config: PortableConfig) -> str | None:
     """Why the portable forward cannot load its unmasked key blocks by TMA (attention_fwd_tma_kernel) for
     `p` with `config`'s other choices, or None: it takes token-major v, a power-of-two head dimension
-    of at least 16 bytes a row, 16-bit inputs, key tokens (a TMA descriptor has no empty dimension), and
-    TMA coordinates (int32) within its 2-D views."""
+    of at least 16 (the kernels' least, head_block), 16-bit inputs, key tokens (a TMA descriptor has no
+    empty dimension), and TMA coordinates (int32) within its 2-D views."""
     if p.kv_tokens == 0:
         return "no key tokens (no TMA descriptor over an empty array)"
     kv_token_stride = p.strides(p.num_kv_heads, p.kv_tokens)[0]
@@ -318,8 +318,8 @@ def tma_loads_error(p: Problem, config: PortableConfig) -> str | None:
         return "v comes key-major"
     if p.itemsize != 2:
         return f"{p.dtype} inputs (TMA loads: 16-bit)"
-    if head_block(p.head_dim) != p.head_dim or p.head_dim * p.itemsize < 16:
-        return f"head dimension D={p.head_dim} (TMA loads: a power of two, at least 8)"
+    if head_block(p.head_dim) != p.head_dim:
+        return f"head dimension D={p.head_dim} (TMA loads: a power of two, at least 16)"
     if rows > MAX_SEQUENCE_ELEMENTS:
         return f"{rows} rows of k (TMA coordinates are int32)"
     return None

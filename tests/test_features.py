@@ -21,6 +21,7 @@ from helpers import (
     reference,
     relative_error,
     run_vjp,
+    variant,
 )
 
 import jagged_flash_jax as jfa
@@ -62,7 +63,8 @@ BOTH_LAYOUTS = ("all-causal-cross-gqa-blocks", "window-right-cross-nq>nk-mqa")
 XLA_CASES = ("window", "window-right-cross-nq>nk-mqa", "all-causal-cross-gqa-blocks", "all-self-blocks")
 
 
-def check(case: str, backend: str, layout: str, precision="fp32", **extra):
+def check(case: str, backend, layout: str, precision="fp32", **extra):
+    """`case` against float64, run by `backend` (a name, or an implementation value)."""
     spec = dict(CASES[case], **extra)
     dtype, allow_tf32, tol = TOLERANCES[precision]
     batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
@@ -70,8 +72,9 @@ def check(case: str, backend: str, layout: str, precision="fp32", **extra):
                        lead=1, extra=2, seed=len(case), scale=0.8)
     if spec.pop("alibi", False):
         spec["alibi_slopes"] = np.asarray(SLOPES[:batch.q.shape[1]], np.float32)
-    results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, backend=backend,
-                      allow_tf32=allow_tf32, **spec)
+    where = dict(backend=backend) if isinstance(backend, str) else dict(implementation=backend)
+    results = run_vjp(jfa.jagged_attention, batch, dtype, layout=layout, allow_tf32=allow_tf32, **where,
+                      **spec)
     max_len, kv_max = spec["max_seq_len"], spec.get("kv_max_seq_len", spec["max_seq_len"])
     expected = reference(*results[:4], batch.offsets, max_len, kv_offsets=batch.kv_offsets,
                          kv_max_seq_len=kv_max, scale=spec.get("scale", batch.q.shape[-1] ** -0.5),
@@ -85,6 +88,20 @@ def check(case: str, backend: str, layout: str, precision="fp32", **extra):
 @pytest.mark.parametrize("case,backend", case_backend_params(CASES, xla=lambda case: case in XLA_CASES))
 def test_matches_float64(case, backend):
     check(case, backend, "THD")
+
+
+# The portable forward's TMA loads (which Hopper GPUs take at D = 128 under triton >= 3.7; forced here) with
+# every option over several key blocks: a window's clean blocks by TMA, its edges by pointers.
+@pytest.mark.parametrize("case,layout", [("all-self-blocks", "THD"), ("all-causal-cross-gqa-blocks", "HTD")])
+@pytest.mark.parametrize("backend", backend_params(KERNEL_BACKENDS))
+def test_tma_loads_with_every_option(case, layout, backend, monkeypatch):
+    from jagged_flash_jax.launch import calls
+
+    launched = []
+    kernel_call = calls.kernel_call
+    monkeypatch.setattr(calls, "kernel_call", lambda s, **kw: launched.append(s.name) or kernel_call(s, **kw))
+    check(case, variant(backend, tma_loads=True), layout, "bf16")
+    assert "attention_fwd_tma_kernel" in launched and "attention_fwd_kernel" not in launched
 
 
 # HTD: the xla backend transposes it once, for one case.

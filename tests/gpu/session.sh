@@ -69,6 +69,11 @@
 #      staging .t39a; 3.9 after staging). Next: the rows where auto now takes them and that no run has
 #      timed, D = 128 below the Hopper forward's 1024 tokens, and D = 256: after staging, `TRITON=3.9
 #      TESTS_K=tma CASES=L256,L512,cross,L4096-D256 bash tests/gpu/session.sh 33`
+#  34  the sequences' order (benchmarks.probes.sequence_order): CASES' lengths as drawn, longest first and
+#      shortest first, forward and forward + backward, alternating ROUNDS times, under TRITON (3.9 after
+#      staging, installing it; 3.6 staging .t39a): what taking the longest sequences' items first could
+#      gain the persistent Hopper kernels (its --model predicts 3.4% of `long`'s kernels, 1.6% of
+#      dlrm-long's, 0.3% of L8192's)
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. The Hopper forward at D = 64 (27 and 30 on 2026-12-07, session 2) was slower
 # unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md). Next: 31 under 3.6
@@ -504,5 +509,12 @@ case $call in
         > "$out/tma-forward-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/tma-forward-triton$triton.log")
      grep "^\[ab\]" "$out/tma-forward-triton$triton.log" | cut -c1-170
      elapsed "call 33" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..33|stage DIR" >&2; exit 2 ;;
+  34) # the sequences' order: what a longest-first scheduler could gain (see the header)
+     use_triton ${TRITON:-3.9}
+     PYTHONPATH=$path timeout ${BUDGET:-300} python3 -m benchmarks.probes.sequence_order \
+       --cases "${CASES:-long,dlrm-long,L8192,rec-long}" --rounds ${ROUNDS:-2} \
+       > "$out/sequence-order-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/sequence-order-triton$triton.log"
+     grep "^\[" "$out/sequence-order-triton$triton.log" | cut -c1-150
+     elapsed "call 34" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..34|stage DIR" >&2; exit 2 ;;
 esac

@@ -1,0 +1,94 @@
+"""What the order of the sequences costs the persistent Hopper kernels: `python -m
+benchmarks.probes.sequence_order [--cases A,B] [--rounds 2] [--model]` (a GPU; --model alone runs on
+the CPU).
+
+The Hopper kernels take their (sequence, head, block) items from a counter in sequence order
+(kernels/hopper/scheduler.py), so the last items a launch hands out are the last sequence's, whatever
+its length: where it is long, the SMs that finish first wait for it. Taking the longest sequences'
+items first (longest-processing-time first, as FlashAttention-3 orders its causal items) would leave
+the short ones' for the tail. This times one case's lengths in three orders of the same sequences
+(as drawn, longest first, shortest first), alternating, forward and forward + backward, bfloat16,
+CUPTI: the gain a scheduler that took the longest sequences first could have, before building it.
+
+--model prints what a greedy schedule of the items predicts (each SM taking the next item when it is
+free; an item's cost its loop's blocks plus half a block, on 132 SMs): the work over the SMs' time,
+in each order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import types
+
+import numpy as np
+
+from benchmarks import cases, impls, run
+
+ORDERS = ("drawn", "longest-first", "shortest-first")
+SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderedCase(cases.Case):
+    """A case whose sequences come in `order` (ORDERS), the same lengths."""
+
+    order: str = "drawn"
+
+    def lengths(self) -> np.ndarray:
+        drawn = super().lengths()
+        if self.order == "drawn":
+            return drawn
+        ordered = np.sort(drawn)
+        return ordered[::-1].copy() if self.order == "longest-first" else ordered
+
+
+def ordered(case: cases.Case, order: str) -> OrderedCase:
+    fields = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)}
+    return OrderedCase(**dict(fields, name=f"{case.name}-{order}"), order=order)
+
+
+def model(case: cases.Case, order: str, block: int = 128, loop_block: int = 64) -> float:
+    """The greedy schedule's efficiency (work over SMs x makespan) for the dk/dv kernel's items (key
+    blocks of `block`, each walking the sequence's query blocks of `loop_block`)."""
+    lengths = np.minimum(ordered(case, order).lengths(), case.max_seq_len)
+    items = [-(-n // loop_block) + 0.5
+             for n in lengths for _ in range(case.heads) for _ in range(-(-n // block))]
+    finish = [0.0] * SMS
+    for cost in items:
+        heapq.heappush(finish, heapq.heappop(finish) + cost)
+    return sum(items) / SMS / max(finish)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.sequence_order", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="long,dlrm-long,L8192,rec-long")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=0.1)
+    p.add_argument("--model", action="store_true", help="the greedy schedule's prediction only")
+    args = p.parse_args(argv)
+    selected = cases.select(args.cases.split(","), False)
+    for case in selected:
+        print(f"[model] {case.name:12s} " + " ".join(f"{o} {model(case, o):.3f}" for o in ORDERS), flush=True)
+    if args.model:
+        return
+    options = types.SimpleNamespace(deadline=0, quick=False, seconds=args.seconds, iterations=10)
+    for case in selected:
+        for r in range(args.rounds):
+            for order in ORDERS if r % 2 == 0 else ORDERS[::-1]:
+                variant = ordered(case, order)
+                jobs = [("jfa-triton", mode, impls.IMPLS["jfa-triton"][0], True) for mode in cases.MODES]
+
+                def emit(row, r=r, name=case.name, order=order):
+                    kernels = {k: round(v, 4) for k, v in (row.get("kernels") or {}).items()}
+                    print(f"[order] round {r} {name:12s} {order:15s} {row['mode']:8s} {row['status']:5s} "
+                          f"{row.get('ms', float('nan')):.4f} ms {kernels} {row.get('error', '')}",
+                          flush=True)
+
+                run.measure_case(variant, "bfloat16", jobs, options, emit)
+
+
+if __name__ == "__main__":
+    main()

@@ -49,9 +49,9 @@ def ordered(case: cases.Case, order: str) -> OrderedCase:
     return OrderedCase(**dict(fields, name=f"{case.name}-{order}"), order=order)
 
 
-def model(case: cases.Case, order: str, block: int = 128, loop_block: int = 64) -> float:
-    """The greedy schedule's efficiency (work over SMs x makespan) for the dk/dv kernel's items (key
-    blocks of `block`, each walking the sequence's query blocks of `loop_block`)."""
+def model(case: cases.Case, order: str, block: int, loop_block: int) -> float:
+    """The greedy schedule's efficiency (work over SMs x makespan) for a kernel's items (blocks of
+    `block` rows, each walking the sequence's other side in blocks of `loop_block`; self-attention)."""
     lengths = np.minimum(ordered(case, order).lengths(), case.max_seq_len)
     items = [-(-n // loop_block) + 0.5
              for n in lengths for _ in range(case.heads) for _ in range(-(-n // block))]
@@ -70,8 +70,10 @@ def main(argv=None) -> None:
     p.add_argument("--model", action="store_true", help="the greedy schedule's prediction only")
     args = p.parse_args(argv)
     selected = cases.select(args.cases.split(","), False)
-    for case in selected:
-        print(f"[model] {case.name:12s} " + " ".join(f"{o} {model(case, o):.3f}" for o in ORDERS), flush=True)
+    for case in selected:  # dk/dv: key blocks of 128 walking query blocks of 64; forward, dq: 128 and 128
+        for kernel, loop_block in (("dk/dv", 64), ("fwd, dq", 128)):
+            print(f"[model] {case.name:12s} {kernel:8s} "
+                  + " ".join(f"{o} {model(case, o, 128, loop_block):.3f}" for o in ORDERS), flush=True)
     if args.model:
         return
     options = types.SimpleNamespace(deadline=0, quick=False, seconds=args.seconds, iterations=10)

@@ -14,7 +14,6 @@ import itertools
 import pathlib
 import re
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,7 @@ from jagged_flash_jax.launch.calls import KernelCall
 from jagged_flash_jax.problem import HstuProblem
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: not installed
-from benchmarks.probes.ptx import compile_for_sm90, compile_quietly, kernel_signature  # noqa: E402
+from benchmarks.probes.ptx import compile_quietly, kernel_signature  # noqa: E402
 
 ALPHA = 0.35
 TOL = 1e-5
@@ -389,6 +388,14 @@ def _launches(tiles, p=COMPILED):
     return calls
 
 
+def _compiled(call: KernelCall, arrays) -> tuple[str, dict]:
+    """A recorded launch compiled for sm_90a as jax-triton compiles it: (ptx, metadata)."""
+    launch = dict(constants=call.constants, arrays=[dict(dtype=str(a.dtype)) for a in arrays],
+                  out=[dict(dtype=str(s.dtype)) for s in call.out_shapes])
+    signature, attrs = kernel_signature(call.kernel, launch)
+    return compile_quietly(call.kernel, signature, call.constants, attrs, call.num_warps, call.num_stages)
+
+
 @pytest.mark.parametrize("tiles", ["default", "two-launches"])
 def test_every_kernel_compiles_for_sm90_with_tensor_cores(tiles):
     """bfloat16, D = V = 128, causal with targets, a window, a context and a per-token scale: each launch
@@ -399,13 +406,7 @@ def test_every_kernel_compiles_for_sm90_with_tensor_cores(tiles):
     assert [call.kernel.__name__ for call, _ in calls] == ["hstu_fwd_kernel"] + ["hstu_bwd_kernel"] * (
         len(calls) - 1)
     for call, arrays in calls:
-        launch = dict(constants=call.constants, arrays=[dict(dtype=str(a.dtype)) for a in arrays],
-                      out=[dict(dtype=str(s.dtype)) for s in call.out_shapes])
-        signature, attrs = kernel_signature(call.kernel, launch)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ptx, _ = compile_for_sm90(call.kernel, signature, call.constants, attrs, call.num_warps,
-                                      call.num_stages)
+        ptx, _ = _compiled(call, arrays)
         assert re.search(r"\b(wgmma|mma)\.", ptx), (
             f"{call.kernel.__name__}: no tensor-core product (triton {triton.__version__})")
 
@@ -418,9 +419,5 @@ def test_the_widest_tiles_fit_shared_memory(dtype, max_seq_len):
     backward), each launch compiled for sm_90a stays within SHARED_MEMORY_BYTES."""
     p = COMPILED.with_(head_dim=256, value_dim=256, dtype=dtype, max_seq_len=max_seq_len)
     for call, arrays in _launches(hstu.tiles(p, interpret=False), p):
-        launch = dict(constants=call.constants, arrays=[dict(dtype=str(a.dtype)) for a in arrays],
-                      out=[dict(dtype=str(s.dtype)) for s in call.out_shapes])
-        signature, attrs = kernel_signature(call.kernel, launch)
-        _, metadata = compile_quietly(call.kernel, signature, call.constants, attrs, call.num_warps,
-                                      call.num_stages)
+        _, metadata = _compiled(call, arrays)
         assert 0 < metadata["shared"] <= SHARED_MEMORY_BYTES, (call.kernel.__name__, metadata["shared"])

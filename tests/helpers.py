@@ -67,6 +67,18 @@ class FusedDq(Spy):
         super().__init__("hopper-fused-dq", calls)
 
 
+def launched_kernels(monkeypatch) -> list[str]:
+    """The names of the kernels launched from here on, in order (each launch's KernelSpec, recorded as
+    launch/calls.kernel_call builds it); the list fills as the test runs."""
+    from jagged_flash_jax.launch import calls
+
+    launched = []
+    kernel_call = calls.kernel_call
+    monkeypatch.setattr(calls, "kernel_call",
+                        lambda spec, **kw: launched.append(spec.name) or kernel_call(spec, **kw))
+    return launched
+
+
 def implementation_of(backend: str):
     """The implementation a test's `backend` names when it spies on it or varies it: "triton" is the
     portable kernels on the GPU."""

@@ -18,6 +18,7 @@ from helpers import (
     attended_mask,
     backend_params,
     case_backend_params,
+    launched_kernels,
     reference,
     relative_error,
     run_vjp,
@@ -95,11 +96,7 @@ def test_matches_float64(case, backend):
 @pytest.mark.parametrize("case,layout", [("all-self-blocks", "THD"), ("all-causal-cross-gqa-blocks", "HTD")])
 @pytest.mark.parametrize("backend", backend_params(KERNEL_BACKENDS))
 def test_tma_loads_with_every_option(case, layout, backend, monkeypatch):
-    from jagged_flash_jax.launch import calls
-
-    launched = []
-    kernel_call = calls.kernel_call
-    monkeypatch.setattr(calls, "kernel_call", lambda s, **kw: launched.append(s.name) or kernel_call(s, **kw))
+    launched = launched_kernels(monkeypatch)
     check(case, variant(backend, tma_loads=True), layout, "bf16")
     assert "attention_fwd_tma_kernel" in launched and "attention_fwd_kernel" not in launched
 

@@ -15,6 +15,7 @@ from helpers import (
     attended_mask,
     backend_params,
     case_backend_params,
+    launched_kernels,
     reference,
     run_vjp,
     variant,
@@ -157,11 +158,7 @@ def test_tma_loads_read_no_key_past_a_sequence(backend, causal, layout, monkeypa
     """The TMA tiles cover the unmasked key blocks only: the tokens no sequence attends (inf keys and
     nan values on each sequence's tokens past max_seq_len, right before the next sequence's) reach no
     output, and the forward is the pointer loads' (bitwise, in the interpreter)."""
-    from jagged_flash_jax.launch import calls
-
-    launched = []
-    kernel_call = calls.kernel_call
-    monkeypatch.setattr(calls, "kernel_call", lambda s, **kw: launched.append(s.name) or kernel_call(s, **kw))
+    launched = launched_kernels(monkeypatch)
     max_len = 48
     batch = Batch.make([40, 70, 33, 64], 2, 32, lead=3, extra=5, seed=3, scale=0.6)
     attended = attended_mask(batch.offsets, batch.q.shape[0], max_len)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Spy, backend_params, relative_error, variant
+from helpers import Spy, backend_params, launched_kernels, relative_error, variant
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -111,11 +111,7 @@ def test_vmap_with_tma_loads(layout, monkeypatch):
     loads' inputs), sequences longer than the interpreter's 32-key blocks (so some load by TMA): the
     forward equals the pointer loads' bitwise in the interpreter, and a loop of single calls on the xla
     backend."""
-    from jagged_flash_jax.launch import calls
-
-    launched = []
-    kernel_call = calls.kernel_call
-    monkeypatch.setattr(calls, "kernel_call", lambda s, **kw: launched.append(s.name) or kernel_call(s, **kw))
+    launched = launched_kernels(monkeypatch)
     rng = np.random.default_rng(5)
     shape = lambda h: (V, 96, h, 16) if layout == "THD" else (V, h, 96, 16)  # noqa: E731
     q, k, v = (jnp.asarray(rng.standard_normal(shape(h)), jnp.bfloat16) for h in (H, HK, HK))

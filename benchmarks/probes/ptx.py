@@ -248,21 +248,19 @@ def _kernel(name: str):
     return getattr(kernels, name)
 
 
-def _is_gluon(fn) -> bool:
-    return type(fn).__name__.startswith("Gluon")
-
-
 def kernel_signature(kernel, launch: dict) -> tuple[dict, dict]:
     """The signature and attributes jax-triton 0.4.1 builds: descriptors as
     `tensordesc<dtype[block],layout>` (a Gluon kernel's, in the NVMMA layout the launcher gives them) or
     `tensordesc<dtype[block]>` (a Triton kernel's: Triton chooses), 16-divisible pointers, the constants
     as constexprs."""
+    from jagged_flash_jax.launch.calls import is_gluon
+
     params = [name for name in kernel.arg_names if name not in launch["constants"]]
     arrays = launch["arrays"] + launch["out"]
     signature = {}
     for name, array in zip(params, arrays, strict=True):
         type_name = _TYPE_NAMES[array["dtype"]]
-        if "block" in array and not _is_gluon(kernel):
+        if "block" in array and not is_gluon(kernel):
             signature[name] = f"tensordesc<{type_name}[{','.join(map(str, array['block']))}]>"
         elif "block" in array:
             from triton.experimental.gluon import language as gl
@@ -289,14 +287,16 @@ def compile_for_sm90(kernel, signature: dict, constants: dict, attrs: dict, num_
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    target = GPUTarget("cuda", 90, 128 if _is_gluon(kernel) else 32)
+    from jagged_flash_jax.launch.calls import is_gluon
+
+    target = GPUTarget("cuda", 90, 128 if is_gluon(kernel) else 32)
     backend = CUDABackend(target)
     options = backend.parse_options(dict(num_warps=num_warps, num_stages=num_stages,
                                          **(backend_options or {})))
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
-    source_class = GluonASTSource if _is_gluon(kernel) else ASTSource
+    source_class = GluonASTSource if is_gluon(kernel) else ASTSource
     source = source_class(kernel, signature, dict(constants), attrs)
     module = source.make_ir(target, options, backend.get_codegen_implementation(options),
                             backend.get_module_map(), context)

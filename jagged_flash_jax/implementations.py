@@ -178,8 +178,8 @@ class Portable(Implementation):
             self.launcher == "gpu" and _wgmma_reason(context.device) is None
             and _compat.triton_release() >= configs.PORTABLE_TMA_LOADS_FROM
             and p.head_dim in configs.PORTABLE_TMA_LOADS_HEAD_DIMS)
-        tma_loads = wanted and calls.tma_loads_error(p, config) is None
-        return dataclasses.replace(config, tma_loads=tma_loads) if tma_loads else config
+        return dataclasses.replace(config,
+                                   tma_loads=bool(wanted) and calls.tma_loads_error(p, config) is None)
 
     def supports(self, p, context, config, backward):
         if self.launcher == "gpu" and (reason := gpu_reason(context.device)):

@@ -312,14 +312,14 @@ def tma_loads_error(p: Problem, config: PortableConfig) -> str | None:
     empty dimension), and TMA coordinates (int32) within its 2-D views."""
     if p.kv_tokens == 0:
         return "no key tokens (no TMA descriptor over an empty array)"
-    kv_token_stride = p.strides(p.num_kv_heads, p.kv_tokens)[0]
-    rows = p.num_segments * p.num_kv_heads * p.kv_tokens * p.head_dim // kv_token_stride
     if config.v_key_major:
         return "v comes key-major"
     if p.itemsize != 2:
         return f"{p.dtype} inputs (TMA loads: 16-bit)"
     if head_block(p.head_dim) != p.head_dim:
         return f"head dimension D={p.head_dim} (TMA loads: a power of two, at least 16)"
+    kv_token_stride = p.strides(p.num_kv_heads, p.kv_tokens)[0]
+    rows = p.num_segments * p.num_kv_heads * p.kv_tokens * p.head_dim // kv_token_stride
     if rows > MAX_SEQUENCE_ELEMENTS:
         return f"{rows} rows of k (TMA coordinates are int32)"
     return None

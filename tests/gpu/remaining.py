@@ -12,7 +12,8 @@ import re
 import subprocess
 import sys
 
-OUTCOME = re.compile(r"\b(?:PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS) (tests/\S+(?: \S+)*?)(?= - |\s*$)")
+# (a log's last outcome may have its `rc=` line appended: pytest, stopped by the limit, ended no line)
+OUTCOME = re.compile(r"\b(?:PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS) (tests/\S+(?: \S+)*?)(?= - |\s*(?:rc=\d+)?$)")
 
 
 def reached(log: str) -> set[str]:

@@ -13,7 +13,8 @@ import subprocess
 import sys
 
 # (a log's last outcome may have its `rc=` line appended: pytest, stopped by the limit, ended no line)
-OUTCOME = re.compile(r"\b(?:PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS) (tests/\S+(?: \S+)*?)(?= - |\s*(?:rc=\d+)?$)")
+OUTCOME = re.compile(r"\b(?:PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS) (tests/\S+(?: \S+)*?)"
+                     r"(?= - |\s*(?:rc=\d+)?$)")
 
 
 def reached(log: str) -> set[str]:

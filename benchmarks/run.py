@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 
 import jax
 
@@ -98,6 +99,18 @@ def measure_case(case: C.Case, dtype: str, jobs: list[tuple], args, emit) -> Non
                 row["traceback"] = traceback.format_exc(limit=8)[-3000:]
         del future
         emit(row)
+
+
+def probe_options(seconds: float) -> types.SimpleNamespace:
+    """`measure_case`'s options for a probe timing rows in its own process: no deadline, every input set,
+    `seconds` of timing per row."""
+    return types.SimpleNamespace(deadline=0, quick=False, seconds=seconds, iterations=10)
+
+
+def row_account(row: dict) -> str:
+    """A probe's line for a measured row: its status, device time, each kernel's time and any error."""
+    kernels = {k: round(v, 4) for k, v in (row.get("kernels") or {}).items()}
+    return f"{row['status']:5s} {row.get('ms', float('nan')):.4f} ms {kernels} {row.get('error', '')}"
 
 
 def _read_rows(path: pathlib.Path) -> list[dict]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
-import types
 
 import numpy as np
 
@@ -76,7 +75,7 @@ def main(argv=None) -> None:
                   + " ".join(f"{o} {model(case, o, 128, loop_block):.3f}" for o in ORDERS), flush=True)
     if args.model:
         return
-    options = types.SimpleNamespace(deadline=0, quick=False, seconds=args.seconds, iterations=10)
+    options = run.probe_options(args.seconds)
     for case in selected:
         for r in range(args.rounds):
             for order in ORDERS if r % 2 == 0 else ORDERS[::-1]:
@@ -84,9 +83,7 @@ def main(argv=None) -> None:
                 jobs = [("jfa-triton", mode, impls.IMPLS["jfa-triton"][0], True) for mode in cases.MODES]
 
                 def emit(row, r=r, name=case.name, order=order):
-                    kernels = {k: round(v, 4) for k, v in (row.get("kernels") or {}).items()}
-                    print(f"[order] round {r} {name:12s} {order:15s} {row['mode']:8s} {row['status']:5s} "
-                          f"{row.get('ms', float('nan')):.4f} ms {kernels} {row.get('error', '')}",
+                    print(f"[order] round {r} {name:12s} {order:15s} {row['mode']:8s} {run.row_account(row)}",
                           flush=True)
 
                 run.measure_case(variant, "bfloat16", jobs, options, emit)

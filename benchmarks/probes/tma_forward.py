@@ -8,7 +8,6 @@ benchmarks.probes.tma_forward [--cases A,B] [--rounds 2]` (a GPU). Each row prin
 from __future__ import annotations
 
 import argparse
-import types
 
 from benchmarks import cases, impls, run
 
@@ -21,16 +20,14 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seconds", type=float, default=0.1)
     args = p.parse_args(argv)
-    options = types.SimpleNamespace(deadline=0, quick=False, seconds=args.seconds, iterations=10)
+    options = run.probe_options(args.seconds)
     for case in cases.select(args.cases.split(","), False):
         for r in range(args.rounds):
             order = IMPLS if r % 2 == 0 else IMPLS[::-1]
             jobs = [(name, "fwd", impls.IMPLS[name][0], True) for name in order]
 
             def emit(row, r=r, case=case):
-                kernels = {k: round(v, 4) for k, v in (row.get("kernels") or {}).items()}
-                print(f"[ab] round {r} {case.name:28s} {row['impl']:26s} {row['status']:5s} "
-                      f"{row.get('ms', float('nan')):.4f} ms {kernels} {row.get('error', '')}", flush=True)
+                print(f"[ab] round {r} {case.name:28s} {row['impl']:26s} {run.row_account(row)}", flush=True)
 
             run.measure_case(case, "bfloat16", jobs, options, emit)
 

@@ -125,11 +125,23 @@ def cudnn_packed(case: Case):
 
 def _portable(**settings):
     """The portable kernels (GPU) with other settings (implementations.Portable's fields)."""
+    return _implementation("portable", **settings)
+
+
+def _implementation(name: str, **settings):
+    """Implementation `name` with other settings (its class's fields)."""
     import dataclasses
 
     from jagged_flash_jax.implementations import IMPLEMENTATIONS
 
-    return dataclasses.replace(IMPLEMENTATIONS["portable"], **settings)
+    return dataclasses.replace(IMPLEMENTATIONS[name], **settings)
+
+
+def _hopper_ordered(case: Case, longest_first: bool):
+    """The Hopper kernels, forward and backward, wherever they run (else portable, else xla), taking the
+    sequences longest first or in the offsets' order."""
+    chosen = (_implementation("hopper", longest_first=longest_first), "portable", "xla")
+    return jfa(case, "triton", implementation=chosen, backward_implementation=chosen)
 
 
 IMPLS = {  # name -> (make(case), needs a GPU)
@@ -153,6 +165,10 @@ IMPLS = {  # name -> (make(case), needs a GPU)
                                  True),
     "jfa-triton-tma-loads": (lambda case: jfa(case, "triton", implementation=_portable(tma_loads=True)),
                              True),
+    # the Hopper kernels wherever they run, the sequences with the most work first (auto's) or in the
+    # offsets' order (implementations.Hopper's longest_first): the scheduler's order compared
+    "jfa-triton-hopper-longest-first": (lambda case: _hopper_ordered(case, True), True),
+    "jfa-triton-hopper-given-order": (lambda case: _hopper_ordered(case, False), True),
     "jfa-xla": (lambda case: jfa(case, "xla"), False),
     "cudnn-packed": (cudnn_packed, True),
     "cudnn-padded": (cudnn_padded, True),

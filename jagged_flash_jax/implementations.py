@@ -248,6 +248,9 @@ class Hopper(Implementation):
     # reproducible, so only a caller who names it, or asks for deterministic=False, gets it; auto then
     # where it measured faster (configs.FUSED_DQ_MIN_LENGTH).
     fused_dq: bool = False
+    # The kernels hand out the sequences with the most work first (launch/calls.sequence_order), so that
+    # short ones fill the launch's tail; False: in the offsets' order. The numbers are the same.
+    longest_first: bool = True
 
     def _kernels(self, backward: bool) -> tuple[str, ...]:
         return ("dkdv", "dq") if backward else ("fwd",)
@@ -263,7 +266,7 @@ class Hopper(Implementation):
         # The backward's preprocess is the portable kernel: its row block is the portable table's.
         portable = PORTABLE.config(p, dataclasses.replace(context, block_sizes=None), backward)
         return HopperConfig(tiles, context.device.sms, portable.tiles.preprocess_block_m,
-                            fused_dq=backward and self.fused_dq)
+                            fused_dq=backward and self.fused_dq, longest_first=self.longest_first)
 
     def supports(self, p, context, config, backward):
         if config is None:

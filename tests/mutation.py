@@ -97,6 +97,9 @@ MUTANTS = [
  ("select: deterministic=False leaves the dq-fused backward out", "jagged_flash_jax/select.py", "    if not deterministic and fused is not None", "    if False and fused is not None", "tests/test_launchers.py -k deterministic"),
  ("implementations: deterministic=False fuses dq at every length", "jagged_flash_jax/implementations.py", "            if longest < (shortest := FUSED_DQ_MIN_LENGTH[p.head_dim]):", "            if longest < (shortest := 0):", "tests/test_launchers.py -k deterministic"),
  ("kernels: D = 256's P^T and dS^T tiles once per ring slot (past shared memory)", "jagged_flash_jax/kernels/hopper/dkdv.py", "        pds_smem = gl.allocate_shared_memory(dtype, [4, CONSUMER_ROWS, BLOCK_M // 2], half_layout)", "        pds_smem = gl.allocate_shared_memory(dtype, [4 * STAGES, CONSUMER_ROWS, BLOCK_M // 2], half_layout)", 'tests/test_hopper.py -k "backward_compiles_for_sm90a and 256"'),
+ ("launch: the Hopper kernels take the shortest sequences first", "jagged_flash_jax/launch/calls.py", "    return jnp.argsort(-work, stable=True).astype(jnp.int32)", "    return jnp.argsort(work, stable=True).astype(jnp.int32)", "tests/test_launchers.py -k longest_sequences_first"),
+ ("launch: the sequences' work counts their queries only", "jagged_flash_jax/launch/calls.py", "    work = n_q.astype(jnp.float32) * n_k.astype(jnp.float32)", "    work = n_q.astype(jnp.float32)", "tests/test_launchers.py -k longest_sequences_first"),
+ ("implementations: Hopper's longest_first not passed on", "jagged_flash_jax/implementations.py", "fused_dq=backward and self.fused_dq, longest_first=self.longest_first)", "fused_dq=backward and self.fused_dq)", "tests/test_launchers.py -k sequences_order"),
 ]
 
 

@@ -351,7 +351,7 @@ def test_the_tma_fused_dq_hopper_backward_compiles_for_sm90a(dim, causal, layout
         pytest.skip("this Triton's Gluon has no TMA reduce-add (tma.async_atomic_add, triton >= 3.7)")
     call, arrays = fused_dq_call(monkeypatch, True, dim, causal, layout, dtype, options, block_m)
     assert call.kernel.__name__ == "attention_bwd_dkdv_dq_tma_kernel" and call.zeroed_outputs == (2,)
-    assert call.aliases == ((9, 3),) and dict(call.descriptors)[9] == (call.constants["BLOCK_M"], 64)
+    assert call.aliases == ((10, 3),) and dict(call.descriptors)[10] == (call.constants["BLOCK_M"], 64)
     ptx, metadata = compile_for_sm90(call, arrays)
     check_compiled(ptx, metadata)
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", ptx)
@@ -854,6 +854,32 @@ def test_backward_at_large_logits(scale, exponent, layout, dim, backward_kernels
     results, expected = one_hot_rows(scale, exponent, layout, dim, backward_kernels)
     assert backward_kernels.ran == ["hopper"]
     assert relative_error(results[7], expected[3]) < TOLERANCES["bf16"][2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["self-causal", "cross-nq<nk-causal-gqa", "cross-D64-gqa",
+                                  "cross-D256-causal-gqa", "cross-causal-all-options-gqa"], ids=str)
+def test_the_sequences_order_changes_no_bit(case):
+    """The Hopper kernels taking the sequences with the most work first (the default: these cases'
+    lengths come in another order) or in the offsets' order (Hopper(longest_first=False)), forward and
+    deterministic backward: o, dq, dk, dv bitwise equal, as each element is one program's either way."""
+    Chosen("forward")  # (skips off Hopper GPUs)
+    spec = dict(BACKWARD_CASES[case])
+    batch = Batch.make(spec.pop("lengths"), spec.pop("heads"), spec.pop("dim"),
+                       kv_lengths=spec.pop("kv_lengths", None), kv_heads=spec.pop("kv_heads", None),
+                       lead=3, extra=70, seed=len(case), scale=0.6)
+    if spec.pop("alibi", False):
+        spec["alibi_slopes"] = jnp.asarray(slopes_for(batch.q.shape[1]))
+    results = []
+    for longest_first in (True, False):
+        calls_ = []
+        hopper = Spy(dataclasses.replace(implementations.HOPPER, longest_first=longest_first), calls_)
+        results.append(run_vjp(jfa.jagged_attention, batch, jnp.bfloat16, implementation=hopper,
+                               backward_implementation=hopper, **spec))
+        assert [(kind, config.longest_first) for kind, _, _, config in calls_] == [
+            ("forward", longest_first), ("backward", longest_first)]
+    for name, first, given in zip(("o", "dq", "dk", "dv"), results[0][4:], results[1][4:]):
+        np.testing.assert_array_equal(first, given, err_msg=name)
 
 
 LOG2E = float(np.log2(np.e))

@@ -811,8 +811,9 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
         assert isinstance(desc, hopper_gpu.TensorDescriptor)
         assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
         assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-    # The offsets, and the slopes' one-element placeholder (no ALiBi).
-    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 3), i32), ((1,), f32)]
+    # The offsets, the order of the 2 sequences (calls.sequence_order) and the slopes' one-element
+    # placeholder (no ALiBi).
+    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32)] * 2 + [((2,), i32), ((1,), f32)]
     # batch, q and kv tokens, q token/head strides, kv token/head strides (in units of 16 elements),
     # offsets row strides, then the query blocks per (sequence, head) and the tokens per zero-fill
     # program (40 tokens over 2 slots).
@@ -861,7 +862,8 @@ def test_the_hopper_launch_passes_the_options(hopper_gpu):
     (call,) = hopper_gpu.calls
     assert call["kernel"] is kernels.hopper_attention_fwd_kernel
     assert (call["WINDOW_LEFT"], call["WINDOW_RIGHT"], call["SOFTCAP"], call["ALIBI"]) == (8, 2, 10.0, True)
-    assert (call["args"][5].shape, call["args"][5].dtype) == ((1, 4), jnp.float32)  # traced here
+    slopes = call["args"][spec.HOPPER_FWD.index("slopes")]
+    assert (slopes.shape, slopes.dtype) == ((1, 4), jnp.float32)  # traced here
 
 
 def _step_launches(fake, tokens: int, max_seq_len: int, **options) -> list[dict]:
@@ -993,7 +995,10 @@ def test_the_hopper_launch_zeroes_its_own_outputs():
         assert call.constants["OUT_SCALE"] == 0.5 and call.constants["BLOCK_N"] == 64
         assert call.params[spec.HOPPER_FWD.slot("blocks")] == 3
         assert call.params[spec.HOPPER_FWD.slot("fill_chunk")] == 75
-        assert [a.shape for a in arrays[3:]] == [(1, batch + 1), (1, batch + 1), (1,), (len(call.params),)]
+        assert [a.shape for a in arrays[3:]] == [(1, batch + 1), (1, batch + 1), (max(batch, 1),), (1,),
+                                                 (len(call.params),)]
+        # The sequences' order: the second (260 tokens attended) before the first (40); a placeholder.
+        np.testing.assert_array_equal(arrays[spec.HOPPER_FWD.index("order")], [1, 0] if batch else [0])
         assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (1, 4, 300), jnp.float32)
 
 
@@ -1288,9 +1293,10 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
             assert isinstance(desc, hopper_backward_gpu.TensorDescriptor)
             assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
             assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-        # The log-sum-exp and delta, the offsets, the slopes' one-element placeholder (no ALiBi).
+        # The log-sum-exp and delta, the offsets, the 2 sequences' order, the slopes' one-element
+        # placeholder (no ALiBi).
         assert [(a.shape, a.dtype) for a in args[4:-1]] == ([((1, 4, 40), f32)] * 2 + [((1, 3), i32)] * 2
-                                                            + [((1,), f32)])
+                                                            + [((2,), i32), ((1,), f32)])
         assert hopper_backward_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, *params)
         assert tuple(call.pop("out_type")) == outputs
         options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
@@ -1320,7 +1326,8 @@ def test_the_hopper_backward_launches_pass_the_options(hopper_backward_gpu):
         assert call["kernel"] is kernel
         options = (call["WINDOW_LEFT"], call["WINDOW_RIGHT"], call["SOFTCAP"], call["ALIBI"])
         assert options == (8, 2, 10.0, True)
-        assert (call["args"][8].shape, call["args"][8].dtype) == ((1, 4), jnp.float32)
+        slopes = call["args"][spec.HOPPER_BWD_DQ.index("slopes")]
+        assert (slopes.shape, slopes.dtype) == ((1, 4), jnp.float32)
 
 
 def _fused_dq_shapes(layout: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -1399,10 +1406,10 @@ def test_the_tma_fused_dq_hopper_backward_is_one_launch(hopper_backward_gpu, mon
     assert fused_call["kernel"] is kernels.hopper_attention_bwd_dkdv_dq_tma_kernel
     fused_call, dkdv = dict(fused_call, kernel=None), dict(dkdv, kernel=None)
     fused_args, args = fused_call.pop("args"), dkdv.pop("args")
-    dq_acc, rows = fused_args[9:11]
+    dq_acc, rows = fused_args[10:12]
     assert [a.block_shape for a in fused_args[:4]] == [a.block_shape for a in args[:4]]
     assert [a.base.shape for a in fused_args[:4]] == [a.base.shape for a in args[:4]]
-    assert ([(a.shape, a.dtype) for a in fused_args[4:9] + fused_args[11:]]
+    assert ([(a.shape, a.dtype) for a in fused_args[4:10] + fused_args[12:]]
             == [(a.shape, a.dtype) for a in args[4:]])
     assert (rows.shape, rows.dtype) == ((2,), jnp.int32)
     assert hopper_backward_gpu.params[id(fused_args[-1])] == hopper_backward_gpu.params[id(args[-1])]
@@ -1413,7 +1420,7 @@ def test_the_tma_fused_dq_hopper_backward_is_one_launch(hopper_backward_gpu, mon
     i32, f32 = jnp.dtype(jnp.int32), jnp.dtype(jnp.float32)
     assert tuple(fused_call.pop("out_type")) == (_sds(kv_shape, jnp.bfloat16), _sds(kv_shape, jnp.bfloat16),
                                                  _sds((1,), i32), _sds(view, f32))
-    assert fused_call.pop("input_output_aliases") == {9: 3}
+    assert fused_call.pop("input_output_aliases") == {10: 3}
     assert (fused_call.pop("zeroed_outputs"), dkdv.pop("zeroed_outputs")) == ((2,), (2,))
     dkdv.pop("out_type")
     assert fused_call == dkdv  # warps, stages, backend options and every constant
@@ -1453,10 +1460,65 @@ def test_the_tma_fused_dq_launch_updates_float32_zeros(monkeypatch, layout):
         rows = arrays[spec.HOPPER_BWD_DKDV_DQ_TMA.index("dq_rows")]
         assert rows.dtype == jnp.int32
         np.testing.assert_array_equal(rows, [0, 40 + config.tiles.dkdv.block_m][:batch])
-        assert dict(call.descriptors)[9] == (config.tiles.dkdv.block_m, 64)
-        assert call.aliases == ((9, 3),) and call.zeroed_outputs == (2,)
+        assert dict(call.descriptors)[10] == (config.tiles.dkdv.block_m, 64)
+        assert call.aliases == ((10, 3),) and call.zeroed_outputs == (2,)
         assert [(s.shape, s.dtype) for s in call.out_shapes[2:]] == [((1,), jnp.int32), (view, jnp.float32)]
         assert (dq.shape, dq.dtype, dk.shape, dv.shape) == (q_shape, jnp.float16, kv_shape, kv_shape)
+
+
+def _work_order(q_offsets, kv_offsets, tokens, max_lens) -> list[int]:
+    """The sequences by their work n_q * n_k (float64, clamped as the kernels clamp them), the most first,
+    equal work in the offsets' order."""
+    n_q = [n for _, n in clamped_sequences(q_offsets, tokens[0], max_lens[0])]
+    n_k = [n for _, n in clamped_sequences(kv_offsets, tokens[1], max_lens[1])]
+    return sorted(range(len(n_q)), key=lambda b: (-float(n_q[b]) * n_k[b], b))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_hopper_kernels_take_the_longest_sequences_first(seed):
+    """calls.sequence_order, the Hopper kernels' `order` input (which they index unchecked): for any
+    offsets (random lengths, or random integers: negative, decreasing, past the tokens) a permutation of
+    the sequences, the most work n_q * n_k first, ties in the offsets' order; the offsets' order itself
+    with longest_first=False; a placeholder without sequences."""
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(1, 40))
+    tokens = (int(rng.integers(1, 900)), int(rng.integers(1, 900)))
+    max_lens = (int(rng.integers(1, 1000)), int(rng.integers(1, 1000)))
+    if seed % 2:  # malformed
+        q_offsets, kv_offsets = (rng.integers(-50, t + 50, batch + 1) for t in tokens)
+    else:
+        q_offsets = np.concatenate([[0], np.cumsum(rng.integers(0, 2 * tokens[0] // batch + 2, batch))])
+        kv_offsets = q_offsets if seed % 4 == 0 else np.sort(rng.integers(0, tokens[1] + 1, batch + 1))
+    p = _hopper_problem(batch, num_heads=2, num_kv_heads=2, head_dim=128, q_tokens=tokens[0],
+                        kv_tokens=tokens[1], max_seq_len=max_lens[0], kv_max_seq_len=max_lens[1],
+                        causal=False, dtype="bfloat16")
+    config = HopperConfig(configs.hopper_block_sizes(128, jnp.bfloat16, *max_lens), programs=7,
+                          preprocess_block_m=64)
+    assert config.longest_first
+    for rows in ((batch + 1,), (1, batch + 1)):  # as the launchers get them: one segment's row
+        order = calls.sequence_order(p, config, jnp.asarray(q_offsets.reshape(rows), jnp.int32),
+                                     jnp.asarray(kv_offsets.reshape(rows), jnp.int32))
+        assert order.dtype == jnp.int32
+        np.testing.assert_array_equal(order, _work_order(q_offsets, kv_offsets, tokens, max_lens))
+    given = dataclasses.replace(config, longest_first=False)
+    order = calls.sequence_order(p, given, jnp.asarray(q_offsets), jnp.asarray(kv_offsets))
+    np.testing.assert_array_equal(order, np.arange(batch))
+    empty = dataclasses.replace(p, batch=0)
+    np.testing.assert_array_equal(calls.sequence_order(empty, config, jnp.zeros(1, jnp.int32),
+                                                       jnp.zeros(1, jnp.int32)), [0])
+
+
+@pytest.mark.parametrize("longest_first", [True, False])
+def test_the_hopper_implementation_sets_the_sequences_order(longest_first):
+    """implementations.Hopper's longest_first (True by default) reaches the forward's and the backward's
+    HopperConfig, which calls.sequence_order reads."""
+    p = _hopper_problem(2, num_heads=4, num_kv_heads=4, head_dim=128, q_tokens=300, kv_tokens=300,
+                        max_seq_len=2048, kv_max_seq_len=2048, causal=False, dtype="bfloat16")
+    context = implementations.Context(gpu_device((9, 0)), configs.load_table(None))
+    assert implementations.HOPPER.longest_first
+    hopper = dataclasses.replace(implementations.HOPPER, longest_first=longest_first)
+    for backward in (False, True):
+        assert hopper.config(p, context, backward).longest_first is longest_first
 
 
 PADDED_DQ_OFFSETS = {

@@ -54,7 +54,7 @@ def test_an_input_updated_in_place_is_returned_after_the_outputs():
     after the kernel's outputs, so that their arguments keep their places; the kernel has no output
     argument of its own for it."""
     tma = spec.HOPPER_BWD_DKDV_DQ_TMA
-    assert tma.results == ("dk", "dv", "counter", "dq_acc") and tma.aliases == ((9, 3),)
+    assert tma.results == ("dk", "dv", "counter", "dq_acc") and tma.aliases == ((10, 3),)
     assert tma.inputs[tma.aliases[0][0]] == "dq_acc" and "dq_acc_desc" in tma.arg_names
     assert "dq_acc_ptr" not in tma.arg_names and tma.zeroed == ("counter",)
     assert spec.HOPPER_BWD_DKDV_DQ.aliases == () and spec.HOPPER_BWD_DKDV_DQ.results[2] == "dq_acc"

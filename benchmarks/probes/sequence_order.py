@@ -1,14 +1,18 @@
 """What the order of the sequences costs the persistent Hopper kernels: `python -m
-benchmarks.probes.sequence_order [--cases A,B] [--rounds 2] [--model]` (a GPU; --model alone runs on
-the CPU).
+benchmarks.probes.sequence_order [--cases A,B] [--rounds 2] [--model | --scheduler]` (a GPU; --model
+alone runs on the CPU).
 
-The Hopper kernels take their (sequence, head, block) items from a counter in sequence order
-(kernels/hopper/scheduler.py), so the last items a launch hands out are the last sequence's, whatever
-its length: where it is long, the SMs that finish first wait for it. Taking the longest sequences'
-items first (longest-processing-time first, as FlashAttention-3 orders its causal items) would leave
-the short ones' for the tail. This times one case's lengths in three orders of the same sequences
-(as drawn, longest first, shortest first), alternating, forward and forward + backward, bfloat16,
-CUPTI: the gain a scheduler that took the longest sequences first could have, before building it.
+The Hopper kernels take their (sequence, head, block) items from a counter. In the offsets' order, the
+last items a launch hands out are the last sequence's, whatever its length: where it is long, the SMs
+that finish first wait for it. Taking the longest sequences' items first (longest-processing-time first,
+as FlashAttention-3 orders its causal items) leaves the short ones' for the tail. By default this times
+one case's lengths in three orders of the same sequences (as drawn, longest first, shortest first)
+through auto's kernels, alternating, forward and forward + backward, bfloat16, CUPTI: what the order
+alone is worth (measured before the kernels ordered the sequences themselves).
+
+--scheduler times the lengths as drawn through the Hopper kernels (forward and backward, wherever they
+run) taking the sequences with the most work first (implementations.Hopper's longest_first, the
+default) against in the offsets' order, alternating: what the scheduler gains.
 
 --model prints what a greedy schedule of the items predicts (each SM taking the next item when it is
 free; an item's cost its loop's blocks plus half a block, on 132 SMs): the work over the SMs' time,
@@ -67,6 +71,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seconds", type=float, default=0.1)
     p.add_argument("--model", action="store_true", help="the greedy schedule's prediction only")
+    p.add_argument("--scheduler", action="store_true",
+                   help="the drawn lengths through the Hopper kernels longest first against in order")
     args = p.parse_args(argv)
     selected = cases.select(args.cases.split(","), False)
     for case in selected:  # dk/dv: key blocks of 128 walking query blocks of 64; forward, dq: 128 and 128
@@ -76,18 +82,24 @@ def main(argv=None) -> None:
     if args.model:
         return
     options = run.probe_options(args.seconds)
+    # (label, case, implementation): the lengths in each order through auto's kernels, or with
+    # --scheduler the lengths as drawn through the Hopper kernels taking the sequences longest first
+    # (calls.sequence_order) or in the offsets' order
+    if args.scheduler:
+        variants = lambda case: [(name, case, f"jfa-triton-hopper-{name}")  # noqa: E731
+                                 for name in ("longest-first", "given-order")]
+    else:
+        variants = lambda case: [(order, ordered(case, order), "jfa-triton") for order in ORDERS]  # noqa: E731
     for case in selected:
         for r in range(args.rounds):
-            for order in ORDERS if r % 2 == 0 else ORDERS[::-1]:
-                variant = ordered(case, order)
-                jobs = [("jfa-triton", mode, impls.IMPLS["jfa-triton"][0], True) for mode in cases.MODES]
+            for label, variant, impl in variants(case)[::1 if r % 2 == 0 else -1]:
+                jobs = [(impl, mode, impls.IMPLS[impl][0], True) for mode in cases.MODES]
 
-                def emit(row, r=r, name=case.name, order=order):
-                    print(f"[order] round {r} {name:12s} {order:15s} {row['mode']:8s} {run.row_account(row)}",
+                def emit(row, r=r, name=case.name, label=label):
+                    print(f"[order] round {r} {name:12s} {label:15s} {row['mode']:8s} {run.row_account(row)}",
                           flush=True)
 
                 run.measure_case(variant, "bfloat16", jobs, options, emit)
-
 
 if __name__ == "__main__":
     main()

@@ -137,18 +137,22 @@ ATTENTION_BWD = KernelSpec(
                "FILL_BLOCK", "QDO_KEY_MAJOR", "KEY_MAJOR_ALIGN", "DQ_PROGRAMS", "DKDV_PROGRAMS"))
 
 # The persistent Hopper kernels: per (sequence, head) `blocks` blocks of work, taken from a counter (an
-# output the launcher zeroes) after each program's share of the zero fills, in chunks of `fill_chunk`.
+# output the launcher zeroes) after each program's share of the zero fills, in chunks of `fill_chunk`,
+# the sequences in the order of `order` (int32 [batch], a permutation of 0..batch-1 that the launcher
+# makes: kernels/hopper/scheduler._take; the kernels index sequences by it unchecked).
 _HOPPER_PARAMS = ATTENTION_PARAMS + ("blocks", "fill_chunk")
 _HOPPER_CONSTANTS = ("BLOCK_M", "BLOCK_N", "STAGES", "STRIDE_ALIGN", "FILL_BLOCK", "CONSUMER_REGS",
                      "PRODUCER_REGS")
 
 HOPPER_FWD = KernelSpec(
-    "hopper_attention_fwd_kernel", inputs=("q", "k", "v", "q_offsets", "kv_offsets", "slopes", "params"),
+    "hopper_attention_fwd_kernel",
+    inputs=("q", "k", "v", "q_offsets", "kv_offsets", "order", "slopes", "params"),
     outputs=("o", "lse", "counter"), params=_HOPPER_PARAMS,
     constants=("NUM_HEADS", *_SHAPE, *_LENGTHS, *_BAND, *_SCORES, "OUT_SCALE", *_HOPPER_CONSTANTS),
     descriptors=("q", "k", "v"), zeroed=("counter",))
 
-_HOPPER_BWD_INPUTS = ("q", "do", "k", "v", "lse", "delta", "q_offsets", "kv_offsets", "slopes", "params")
+_HOPPER_BWD_INPUTS = ("q", "do", "k", "v", "lse", "delta", "q_offsets", "kv_offsets", "order", "slopes",
+                      "params")
 
 HOPPER_BWD_DKDV = KernelSpec(
     "hopper_attention_bwd_dkdv_kernel", inputs=_HOPPER_BWD_INPUTS, outputs=("dk", "dv", "counter"),

@@ -77,12 +77,15 @@ class HopperConfig:
     """The Hopper kernels' configuration: their tiles (configs.hopper_block_sizes), the persistent grid's
     programs (one per SM), the backward preprocess's row block (a portable kernel), and whether the
     backward fuses dq into the dk/dv kernel (`fused_dq`: five products per tile instead of seven, and one
-    launch instead of two, but dq accumulated by float32 atomic adds, so not bitwise deterministic)."""
+    launch instead of two, but dq accumulated by float32 atomic adds, so not bitwise deterministic), and
+    whether the kernels take the sequences with the most work first (`longest_first`, `sequence_order`)
+    or in the offsets' order: the same numbers either way."""
 
     tiles: BlockSizes
     programs: int
     preprocess_block_m: int
     fused_dq: bool = False  # (added by a TMA reduce-add where Triton has it: `hopper_backward`)
+    longest_first: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,8 +470,24 @@ def hopper_forward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_off
         dict(q=(tiles.block_m // 2, p.head_dim), k=(tiles.block_n, p.head_dim),
              v=(tiles.block_n, p.head_dim)))
     o, lse, _ = launch(run, call, q=q_view, k=k_view, v=v_view, q_offsets=q_offsets, kv_offsets=kv_offsets,
-                       slopes=_slopes(p, slopes))
+                       order=sequence_order(p, config, q_offsets, kv_offsets), slopes=_slopes(p, slopes))
     return o, lse
+
+
+def sequence_order(p: Problem, config: HopperConfig, q_offsets, kv_offsets) -> jax.Array:
+    """The order the Hopper kernels take the sequences in (their `order` input), int32 [max(B, 1)], a
+    permutation of 0..B-1 whatever the offsets: with config.longest_first by their work, n_q * n_k (the
+    lengths clamped as the kernels clamp them, `jagged.sequence_bounds`), the most first and equal work
+    in the offsets' order, so that the launch's last items are short sequences' (longest processing time
+    first); else the offsets' order. (A one-element placeholder without sequences.)"""
+    if p.batch == 0:
+        return jnp.zeros((1,), jnp.int32)
+    if not config.longest_first:
+        return jnp.arange(p.batch, dtype=jnp.int32)
+    _, n_q = sequence_bounds(q_offsets.reshape(-1)[:p.batch + 1], p.q_tokens, p.max_seq_len)
+    _, n_k = sequence_bounds(kv_offsets.reshape(-1)[:p.batch + 1], p.kv_tokens, p.kv_max_seq_len)
+    work = n_q.astype(jnp.float32) * n_k.astype(jnp.float32)
+    return jnp.argsort(-work, stable=True).astype(jnp.int32)
 
 
 def padded_dq_rows(p: Problem, block_m: int) -> int:
@@ -531,7 +550,8 @@ def hopper_backward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_of
     dkdv, dq = config.tiles.dkdv, config.tiles.dq
     q_view, do_view, k_view, v_view = _tma_views(p, (q, do), (k, v))
     inputs = dict(q=q_view, do=do_view, k=k_view, v=v_view, lse=lse, delta=delta_, q_offsets=q_offsets,
-                  kv_offsets=kv_offsets, slopes=_slopes(p, slopes))
+                  kv_offsets=kv_offsets, order=sequence_order(p, config, q_offsets, kv_offsets),
+                  slopes=_slopes(p, slopes))
     scales = dict(DS_SCALE=p.scale * p.out_scale)
     dkdv_outputs = dict(dk=jax.ShapeDtypeStruct(p.kv_shape, k.dtype),
                         dv=jax.ShapeDtypeStruct(p.kv_shape, v.dtype))

@@ -73,7 +73,8 @@
 #      shortest first, forward and forward + backward, alternating ROUNDS times, under TRITON (3.9 after
 #      staging, installing it; 3.6 staging .t39a): what taking the longest sequences' items first could
 #      gain the persistent Hopper kernels (its --model predicts 3.4% of `long`'s kernels, 1.6% of
-#      dlrm-long's, 0.3% of L8192's)
+#      dlrm-long's, 0.3% of L8192's); SCHEDULER=1: the drawn lengths through the Hopper kernels taking
+#      the sequences longest first (calls.sequence_order) against in the offsets' order
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. The Hopper forward at D = 64 (27 and 30 on 2026-12-07, session 2) was slower
 # unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md). Next: 31 under 3.6
@@ -511,7 +512,7 @@ case $call in
      elapsed "call 33" ;;
   34) # the sequences' order: what a longest-first scheduler could gain (see the header)
      use_triton ${TRITON:-3.9}
-     PYTHONPATH=$path timeout ${BUDGET:-300} python3 -m benchmarks.probes.sequence_order \
+     PYTHONPATH=$path timeout ${BUDGET:-300} python3 -m benchmarks.probes.sequence_order ${SCHEDULER:+--scheduler} \
        --cases "${CASES:-long,dlrm-long,L8192,rec-long}" --rounds ${ROUNDS:-2} \
        > "$out/sequence-order-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/sequence-order-triton$triton.log"
      grep "^\[" "$out/sequence-order-triton$triton.log" | cut -c1-150

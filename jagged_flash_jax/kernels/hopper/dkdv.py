@@ -70,7 +70,7 @@ DQ_TMA_REDUCE: gl.constexpr = gl.constexpr(2)  # a TMA reduce-add of the tile fr
 
 @gluon.jit
 def attention_bwd_dkdv_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr, slopes_ptr,
     params_ptr, dk_ptr, dv_ptr, counter_ptr,
     NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
     KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
@@ -93,14 +93,14 @@ def attention_bwd_dkdv_kernel(
     TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
     BUILD: gl.constexpr = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS)
     _dkdv_program((q_desc, do_desc, k_desc, v_desc),
-                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr),
+                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr, slopes_ptr, params_ptr),
                   (dk_ptr, dv_ptr, None, counter_ptr), SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
                   BUILD, FUSED_DQ=0)
 
 
 @gluon.jit
 def attention_bwd_dkdv_dq_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr, slopes_ptr,
     params_ptr, dk_ptr, dv_ptr, dq_acc_ptr, counter_ptr,
     NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
     KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
@@ -122,14 +122,14 @@ def attention_bwd_dkdv_dq_kernel(
     TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
     BUILD: gl.constexpr = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS)
     _dkdv_program((q_desc, do_desc, k_desc, v_desc),
-                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr),
+                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr, slopes_ptr, params_ptr),
                   (dk_ptr, dv_ptr, (dq_acc_ptr, None), counter_ptr), SHAPE, LENGTHS, BAND, SCORES, SCALES,
                   TILES, BUILD, FUSED_DQ=DQ_ATOMIC_ADDS)
 
 
 @gluon.jit
 def attention_bwd_dkdv_dq_tma_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr, slopes_ptr,
     dq_acc_desc, dq_rows_ptr, params_ptr, dk_ptr, dv_ptr, counter_ptr,
     NUM_KV_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
     KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
@@ -154,7 +154,7 @@ def attention_bwd_dkdv_dq_tma_kernel(
     TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
     BUILD: gl.constexpr = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS)
     _dkdv_program((q_desc, do_desc, k_desc, v_desc),
-                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr),
+                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr, slopes_ptr, params_ptr),
                   (dk_ptr, dv_ptr, (dq_acc_desc, dq_rows_ptr), counter_ptr), SHAPE, LENGTHS, BAND, SCORES,
                   SCALES, TILES, BUILD, FUSED_DQ=DQ_TMA_REDUCE)
 
@@ -172,7 +172,7 @@ def _dkdv_program(descs, inputs, outputs, SHAPE: gl.constexpr, LENGTHS: gl.const
     constant, which they do not capture), so the unfused kernel compiles as if the option did not
     exist."""
     q_desc, do_desc, k_desc, v_desc = descs
-    lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr = inputs
+    lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr, slopes_ptr, params_ptr = inputs
     dk_ptr, dv_ptr, dq, counter_ptr = outputs
     NUM_KV_HEADS: gl.constexpr = SHAPE[0]
     D: gl.constexpr = SHAPE[2]
@@ -210,7 +210,7 @@ def _dkdv_program(descs, inputs, outputs, SHAPE: gl.constexpr, LENGTHS: gl.const
     kv_bar, kv_free, ready, empty, tail_bar = barriers
 
     pipe = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_free, ready, empty, tail_bar)
-    schedule = (counter_ptr, end, blocks, ring)
+    schedule = (counter_ptr, end, blocks, ring, order_ptr)
     sequences = (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens)
     if FUSED_DQ:
         # dS^T of each ring slot's query tile, [BLOCK_N keys, BLOCK_M], each consumer writing its 64 keys'
@@ -289,7 +289,7 @@ def _dkdv_producer_loop(buffers, stats, schedule, sequences, layouts, SHAPE: gl.
     query are blocks too: their dk, dv are zeros), each handed out to the consumers and then
     `_dkdv_produce`d, the ring's position and K and V's phase running on; then `end`, which ends the
     consumers."""
-    counter_ptr, end, blocks, ring = schedule  # (names, not `_`: a name reassigned in the loop is carried)
+    counter_ptr, end, blocks, ring, order_ptr = schedule  # (names, not `_`: a reassigned name is carried)
     q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens = sequences
     q_layout, kv_layout = layouts
     t = 0
@@ -367,7 +367,7 @@ def _dkdv_consumer_loop(pipe, schedule, sequences, arrays, SHAPE: gl.constexpr, 
                         BAND: gl.constexpr, SCORES: gl.constexpr, SCALES: gl.constexpr, TILES: gl.constexpr,
                         WG: gl.constexpr, FUSED_DQ: gl.constexpr):
     """Consumer warpgroup WG: `_dkdv_consume` for each key block the producer hands out, until `end`."""
-    counter_ptr, end, blocks, ring = schedule  # (names, not `_`: a name reassigned in the loop is carried)
+    counter_ptr, end, blocks, ring, order_ptr = schedule  # (names, not `_`: a reassigned name is carried)
     t = 0
     tail_phases = gl.to_tensor(0)
     i = 0

@@ -30,7 +30,7 @@ from .scores import alibi_slope, capped_biased
 
 @gluon.jit
 def attention_bwd_dq_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, slopes_ptr,
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr, slopes_ptr,
     params_ptr, dq_ptr, counter_ptr,
     NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
     KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
@@ -56,7 +56,7 @@ def attention_bwd_dq_kernel(
 
     # The shared memory and barriers of the warp-specialized region, set up once.
     pipe, ring = dq_buffers(q_desc, do_desc, k_desc, v_desc, (D, D, BLOCK_N, STAGES))
-    schedule = (counter_ptr, end, blocks, ring)
+    schedule = (counter_ptr, end, blocks, ring, order_ptr)
     sequences = (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens)
     SHAPE: gl.constexpr = (NUM_HEADS, KV_GROUP, D)
     LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)

@@ -41,7 +41,7 @@ from .scores import alibi_slope, softmax_step
 
 @gluon.jit
 def attention_fwd_kernel(
-    q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, slopes_ptr, params_ptr,
+    q_desc, k_desc, v_desc, q_offsets_ptr, kv_offsets_ptr, order_ptr, slopes_ptr, params_ptr,
     o_ptr, lse_ptr, counter_ptr,
     NUM_HEADS: gl.constexpr, KV_GROUP: gl.constexpr, D: gl.constexpr, Q_MAX_LEN: gl.constexpr,
     KV_MAX_LEN: gl.constexpr, CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
@@ -73,7 +73,7 @@ def attention_fwd_kernel(
     end = batch * NUM_HEADS * blocks
 
     pipe, ring = forward_pipe((q_desc, k_desc, v_desc), D, D, BLOCK_N, STAGES)
-    schedule = (counter_ptr, end, blocks, ring)
+    schedule = (counter_ptr, end, blocks, ring, order_ptr)
     sequences = (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens)
     SHAPE: gl.constexpr = (NUM_HEADS, KV_GROUP, D)
     LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)

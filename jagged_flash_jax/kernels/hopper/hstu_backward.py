@@ -123,7 +123,7 @@ def hstu_bwd_dkdv_kernel(
     kv_bar, kv_free, ready, empty, tail_bar = barriers
 
     pipe = (k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar)
-    schedule = (counter_ptr, end, blocks, ring)
+    schedule = (counter_ptr, end, blocks, ring, None)  # (in the order given)
     sequences = (offsets_ptr, num_targets_ptr, tokens)
     MASK: gl.constexpr = (CAUSAL, MAX_ATTN_LEN, CONTEXT_LEN, MIN_FULL_LEN, HAS_TARGETS)
     SCORES: gl.constexpr = (ALPHA, SCALE, TOKEN_SCALE)
@@ -159,7 +159,7 @@ def _dkdv_producer_loop(buffers, schedule, sequences, layouts, NUM_HEADS: gl.con
     """The load partition: the key blocks `fetch` takes from the counter, each handed out to the
     consumers and then loaded (`_dkdv_produce`), the ring's position and K and V's phase running on;
     then `end`, which ends the consumers."""
-    counter_ptr, end, blocks, ring = schedule  # (names, not `_`: a name reassigned in the loop is carried)
+    counter_ptr, end, blocks, ring, order_ptr = schedule  # (names, not `_`: a reassigned name is carried)
     offsets_ptr, num_targets_ptr, tokens = sequences
     t = 0
     i = 0
@@ -209,7 +209,7 @@ def _dkdv_produce(buffers, block, layouts, t, kvp, TILES: gl.constexpr):
 def _dkdv_consumer_loop(pipe, schedule, sequences, arrays, NUM_HEADS: gl.constexpr, MAX_LEN: gl.constexpr,
                         MASK: gl.constexpr, SCORES: gl.constexpr, TILES: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG: `_dkdv_consume` for each key block the producer hands out, until `end`."""
-    counter_ptr, end, blocks, ring = schedule  # (names, not `_`: a name reassigned in the loop is carried)
+    counter_ptr, end, blocks, ring, order_ptr = schedule  # (names, not `_`: a reassigned name is carried)
     t = 0
     tail_phases = gl.to_tensor(0)
     i = 0
@@ -351,7 +351,7 @@ def hstu_bwd_dq_kernel(
     end = batch * NUM_HEADS * blocks
 
     pipe, ring = dq_buffers(q_desc, do_desc, k_desc, v_desc, (D, V, BLOCK_N, STAGES))
-    schedule = (counter_ptr, end, blocks, ring)
+    schedule = (counter_ptr, end, blocks, ring, None)  # (in the order given)
     # The scheduler's bundles, HSTU's way (as hstu_forward.py's): the offsets and tokens first (what
     # `fetch` reads), num_targets in the place of the keys' offsets; SHAPE = (NUM_HEADS, D, V); MASK in
     # the place of the band; SCORES = (ALPHA, TOKEN_SCALE, NUM_HEADS), the last dscale's row length.

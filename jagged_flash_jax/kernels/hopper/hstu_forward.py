@@ -86,7 +86,7 @@ def hstu_fwd_kernel(
     end = batch * NUM_HEADS * blocks
 
     pipe, ring = forward_pipe((q_desc, k_desc, v_desc), D, V, BLOCK_N, STAGES)  # forward.py's
-    schedule = (counter_ptr, end, blocks, ring)
+    schedule = (counter_ptr, end, blocks, ring, None)  # (in the order given)
     # The scheduler's bundles, HSTU's way: the queries' offsets and tokens first (what `fetch` reads),
     # num_targets in the place of the keys' offsets; SHAPE = (NUM_HEADS, D, V), the last the output's
     # width; LENGTHS the queries' and the keys' MAX_LEN; MASK in the place of the band.

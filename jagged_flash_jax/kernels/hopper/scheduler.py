@@ -3,8 +3,9 @@ taken from a global counter past the empty blocks and handed from the producer t
 a 2-slot ring in shared memory; the block each item is; the loops of the forward's and dq's producer
 and consumers, and the buffers of dq's (`dq_buffers`, the softmax dq kernel's and HSTU's).
 
-Bundles: schedule = (counter_ptr, end, blocks, ring), the counter the launcher zeroes, the item count,
-the blocks of each (sequence, head) and the item ring (items, item_full, item_empty); sequences =
+Bundles: schedule = (counter_ptr, end, blocks, ring, order_ptr), the counter the launcher zeroes, the
+item count, the blocks of each (sequence, head), the item ring (items, item_full, item_empty) and the
+order the sequences are handed out in (`_take`; None: as given); sequences =
 (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens); SHAPE = (NUM_HEADS, KV_GROUP, D); LENGTHS =
 (Q_MAX_LEN, KV_MAX_LEN); TILES = (BLOCK_M, BLOCK_N, STAGES).
 """
@@ -41,18 +42,34 @@ def _empty_block(offsets_ptr, num_tokens, item, blocks, NUM_HEADS: gl.constexpr,
 
 
 @gluon.jit
+def _take(schedule, NUM_HEADS: gl.constexpr):
+    """The launch counter's next number, as the item it stands for: with an order (schedule's order_ptr
+    not None: int32 [batch], a permutation of the sequences, the launcher's), the items of sequence
+    order[s] in the place of sequence s's, so the sequences are handed out in that order, each (sequence,
+    head)'s blocks as `item_position` orders them; without one, the number itself. A number >= end
+    stays as it is (none left)."""
+    counter_ptr, end, blocks, ring, order_ptr = schedule
+    item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+    if order_ptr is not None:
+        if item < end:
+            per_sequence = NUM_HEADS * blocks
+            item = gl.load(order_ptr + item // per_sequence) * per_sequence + item % per_sequence
+    return item
+
+
+@gluon.jit
 def fetch(schedule, offsets_ptr, num_tokens, NUM_HEADS: gl.constexpr, MAX_LEN: gl.constexpr,
           BLOCK: gl.constexpr, LAST_FIRST: gl.constexpr):
-    """The next block with rows (see `_empty_block`) from the launch's counter, or a number >= end when
-    none is left. A block's offsets are read only when it is one (< end): with no sequence, offsets has
-    one entry."""
-    counter_ptr, end, blocks, ring = schedule
-    item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+    """The next block with rows (see `_empty_block`) from the launch's counter (`_take`: in the
+    schedule's order of the sequences), or a number >= end when none is left. A block's offsets are read
+    only when it is one (< end): with no sequence, offsets has one entry."""
+    counter_ptr, end, blocks, ring, order_ptr = schedule
+    item = _take(schedule, NUM_HEADS)
     skip = item < end
     if skip:
         skip = _empty_block(offsets_ptr, num_tokens, item, blocks, NUM_HEADS, MAX_LEN, BLOCK, LAST_FIRST)
     while skip:
-        item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+        item = _take(schedule, NUM_HEADS)
         skip = item < end
         if skip:
             skip = _empty_block(offsets_ptr, num_tokens, item, blocks, NUM_HEADS, MAX_LEN, BLOCK, LAST_FIRST)
@@ -213,7 +230,7 @@ def produce_items(produce: gl.constexpr, origins: gl.constexpr, buffers, schedul
     query tiles, then its band's key tiles from the ring's position t), the ring's position and the
     query tiles' phase running on; then `end`, which ends the consumers."""
     q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens = sequences
-    counter_ptr, end, blocks, ring = schedule
+    counter_ptr, end, blocks, ring, order_ptr = schedule
     BLOCK_M: gl.constexpr = TILES[0]
     BLOCK_N: gl.constexpr = TILES[1]
     t = 0
@@ -249,7 +266,7 @@ def consume_items(consume: gl.constexpr, describe: gl.constexpr, pipe, schedule,
     `describe(sequences, item, blocks, SHAPE[0], LENGTHS, BAND, BLOCK_M, BLOCK_N)`, `query_block`'s tuple
     for the softmax kernels; position: (t, i, tails), the ring's position, the block's index among this
     consumer's and the count of tail hand-overs), which returns t and tails after the block."""
-    counter_ptr, end, blocks, ring = schedule  # (names, not `_`: a name reassigned in the loop is carried)
+    counter_ptr, end, blocks, ring, order_ptr = schedule  # (names, not `_`: a reassigned name is carried)
     t = 0
     tails = 0
     i = 0

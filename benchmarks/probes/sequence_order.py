@@ -64,6 +64,15 @@ def model(case: cases.Case, order: str, block: int, loop_block: int) -> float:
     return sum(items) / SMS / max(finish)
 
 
+def variants(case: cases.Case, scheduler: bool) -> list[tuple[str, cases.Case, str]]:
+    """(label, case, implementation) of each row to time: the lengths in each of ORDERS through auto's
+    kernels, or with `scheduler` the lengths as drawn through the Hopper kernels taking the sequences
+    longest first (calls.sequence_order) or in the offsets' order."""
+    if scheduler:
+        return [(name, case, f"jfa-triton-hopper-{name}") for name in ("longest-first", "given-order")]
+    return [(order, ordered(case, order), "jfa-triton") for order in ORDERS]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.probes.sequence_order", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,17 +91,9 @@ def main(argv=None) -> None:
     if args.model:
         return
     options = run.probe_options(args.seconds)
-    # (label, case, implementation): the lengths in each order through auto's kernels, or with
-    # --scheduler the lengths as drawn through the Hopper kernels taking the sequences longest first
-    # (calls.sequence_order) or in the offsets' order
-    if args.scheduler:
-        variants = lambda case: [(name, case, f"jfa-triton-hopper-{name}")  # noqa: E731
-                                 for name in ("longest-first", "given-order")]
-    else:
-        variants = lambda case: [(order, ordered(case, order), "jfa-triton") for order in ORDERS]  # noqa: E731
     for case in selected:
         for r in range(args.rounds):
-            for label, variant, impl in variants(case)[::1 if r % 2 == 0 else -1]:
+            for label, variant, impl in variants(case, args.scheduler)[::1 if r % 2 == 0 else -1]:
                 jobs = [(impl, mode, impls.IMPLS[impl][0], True) for mode in cases.MODES]
 
                 def emit(row, r=r, name=case.name, label=label):

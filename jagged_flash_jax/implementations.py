@@ -420,6 +420,9 @@ class HstuHopper(Implementation):
 
     name: str = "hstu-hopper"
     hopper = True
+    # As Hopper's: the kernels hand out the sequences longest first (launch/hstu.sequence_order); False:
+    # in the offsets' order. The numbers are the same.
+    longest_first: bool = True
 
     def preferred(self, p, context, backward):
         if p.max_seq_len < configs.HSTU_HOPPER_AUTO_MIN_LENGTH:
@@ -429,9 +432,11 @@ class HstuHopper(Implementation):
 
     def config(self, p, context, backward):
         if not backward:
-            return launch_hstu.HopperHstuConfig(configs.HSTU_HOPPER_FWD_TILE, context.device.sms)
+            return launch_hstu.HopperHstuConfig(configs.HSTU_HOPPER_FWD_TILE, context.device.sms,
+                                                longest_first=self.longest_first)
         hopper = launch_hstu.HopperHstuBackwardConfig(configs.HSTU_HOPPER_BWD_DKDV_TILE,
-                                                      configs.HSTU_HOPPER_BWD_DQ_TILE, context.device.sms)
+                                                      configs.HSTU_HOPPER_BWD_DQ_TILE, context.device.sms,
+                                                      longest_first=self.longest_first)
         if self._hopper_reason(p, context, hopper) is None:
             return hopper
         return HSTU_PORTABLE.config(p, context, backward)  # where the Hopper backward cannot run

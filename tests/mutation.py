@@ -100,6 +100,8 @@ MUTANTS = [
  ("launch: the Hopper kernels take the shortest sequences first", "jagged_flash_jax/launch/calls.py", "    return jnp.argsort(-work, stable=True).astype(jnp.int32)", "    return jnp.argsort(work, stable=True).astype(jnp.int32)", "tests/test_launchers.py -k longest_sequences_first"),
  ("launch: the sequences' work counts their queries only", "jagged_flash_jax/launch/calls.py", "    work = n_q.astype(jnp.float32) * n_k.astype(jnp.float32)", "    work = n_q.astype(jnp.float32)", "tests/test_launchers.py -k longest_sequences_first"),
  ("implementations: Hopper's longest_first not passed on", "jagged_flash_jax/implementations.py", "fused_dq=backward and self.fused_dq, longest_first=self.longest_first)", "fused_dq=backward and self.fused_dq)", "tests/test_launchers.py -k sequences_order"),
+ ("launch: HSTU's Hopper kernels take the sequences in the offsets' order", "jagged_flash_jax/launch/hstu.py", "    return calls.work_order(n, n, longest_first)", "    return calls.work_order(n, n, False)", "tests/test_launchers.py -k hstu_hopper_kernels_take"),
+ ("implementations: HstuHopper's longest_first not passed on to the backward", "jagged_flash_jax/implementations.py", "                                                      longest_first=self.longest_first)", "                                                      )", "tests/test_launchers.py -k hstu_hopper_implementation_sets"),
 ]
 
 

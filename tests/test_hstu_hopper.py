@@ -289,6 +289,28 @@ def test_two_runs_are_bitwise_equal(case, programs, hstu_hopper):
     assert_ran_hopper(hstu_hopper)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal", "all-wide", "noncausal"])
+def test_the_sequences_order_changes_no_bit(case, hstu_hopper):
+    """The Hopper HSTU kernels taking the sequences longest first (the default; these lengths come in
+    another order) or in the offsets' order (HstuHopper(longest_first=False)) on 3 programs: o, dq, dk,
+    dv and the per-token scale's gradient bitwise equal, as each element is one program's either way."""
+    options = dict(CASES[case])
+    b = HstuBatch.make([130, 3, 1000, 0, 700], heads=2, dim=128, value_dim=128,
+                       targets=[20, 3, 40, 0, 0] if "targets" in options else None, attn_scale="jagged",
+                       lead=1, extra=2, seed=13)
+    options.pop("targets", None)
+    results = []
+    with select.use_device(dataclasses.replace(select.current_device(), sms=3)):
+        for longest_first in (True, False):
+            spy = Spy(dataclasses.replace(hstu_hopper.inner, longest_first=longest_first))
+            results.append(run(spy, b, max_seq_len=900, alpha=ALPHA, dtype=jnp.bfloat16, **options))
+            assert_ran_hopper(spy)
+            assert {config.longest_first for _, _, _, config in spy.calls} == {longest_first}
+    for name, first, given in zip(("o", "dq", "dk", "dv", "d_attn_scale"), results[0][4:], results[1][4:]):
+        np.testing.assert_array_equal(first, given, err_msg=name)
+
+
 # The adversarial offsets of test_memory_safety.py (a token axis of 24): negative, decreasing, past the
 # end, overlapping; and int64 ones far past int32.
 TOKENS = 24

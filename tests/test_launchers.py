@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import triton
 import triton.language as tl
-from helpers import Batch, FusedDq, clamped_sequences, reference, variant
+from helpers import Batch, FusedDq, Spy, clamped_sequences, reference, variant
 
 import jagged_flash_jax as jfa
 from jagged_flash_jax import _compat, checks, configs, implementations, kernels, select, transforms
@@ -34,9 +34,10 @@ from jagged_flash_jax.configs import BlockSizes, KernelConfig
 from jagged_flash_jax.implementations import Device
 from jagged_flash_jax.kernels import spec
 from jagged_flash_jax.launch import calls, gpu
+from jagged_flash_jax.launch import hstu as launch_hstu
 from jagged_flash_jax.launch import interpret as interpret_launch
 from jagged_flash_jax.launch.calls import HopperConfig
-from jagged_flash_jax.problem import Problem
+from jagged_flash_jax.problem import HstuProblem, Problem
 
 TESTS = Path(__file__).resolve().parent
 LOG2E = 1.4426950408889634
@@ -1521,6 +1522,64 @@ def test_the_hopper_implementation_sets_the_sequences_order(longest_first):
         assert hopper.config(p, context, backward).longest_first is longest_first
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_hstu_hopper_kernels_take_the_longest_sequences_first(seed):
+    """launch/hstu.sequence_order, the Hopper HSTU kernels' `order` input: for any offsets (random
+    lengths, or random integers, int32 or int64) a permutation of the sequences, the longest (clamped as
+    the kernels clamp them) first, ties in the offsets' order; the offsets' order with longest_first
+    False; a placeholder without sequences."""
+    rng = np.random.default_rng(seed)
+    batch, tokens, max_len = int(rng.integers(1, 40)), int(rng.integers(1, 900)), int(rng.integers(1, 1000))
+    if seed % 2:  # malformed
+        offsets = rng.integers(-50, tokens + 50, batch + 1)
+    else:
+        offsets = np.concatenate([[0], np.cumsum(rng.integers(0, 2 * tokens // batch + 2, batch))])
+    p = HstuProblem(layout="THD", num_heads=2, head_dim=64, value_dim=64, batch=batch, num_segments=1,
+                    tokens=tokens, offsets_rows=1, max_seq_len=max_len, alpha=0.5, scale=None,
+                    dtype="bfloat16")
+    want = _work_order(offsets, offsets, (tokens, tokens), (max_len, max_len))
+    for dtype in (jnp.int32, jnp.int64):
+        with jax.enable_x64(dtype == jnp.int64):
+            order = launch_hstu.sequence_order(p, True, jnp.asarray(offsets.reshape(1, -1), dtype))
+            assert order.dtype == jnp.int32
+            np.testing.assert_array_equal(order, want)
+    given = launch_hstu.sequence_order(p, False, jnp.asarray(offsets))
+    np.testing.assert_array_equal(given, np.arange(batch))
+    empty = launch_hstu.sequence_order(dataclasses.replace(p, batch=0), True, jnp.zeros((1, 1), jnp.int32))
+    np.testing.assert_array_equal(empty, [0])
+
+
+@pytest.mark.parametrize("longest_first", [True, False])
+def test_the_hstu_hopper_implementation_sets_the_sequences_order(fake_jax_triton, longest_first):
+    """implementations.HstuHopper's longest_first (True by default) reaches the forward's and the
+    backward's configs, and from them the three launches' `order` (sequences of 15 and 25 tokens)."""
+    assert implementations.HSTU_HOPPER.longest_first
+    hstu = Spy(dataclasses.replace(implementations.HSTU_HOPPER, longest_first=longest_first), calls_ := [])
+    with select.use_device(gpu_device((9, 0), sms=78)):
+        _hstu_call(implementation=hstu, grad=True)
+    assert [(kind, config.longest_first) for kind, _, _, config in calls_] == [
+        ("forward", longest_first), ("backward", longest_first)]
+    # The launches again with those configs, their arrays concrete (under the gradient they are traced).
+    (_, _, p, forward), (_, _, _, backward) = calls_
+    recorded = []
+
+    def run(call, arrays):
+        recorded.append((call.kernel, arrays))
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in call.out_shapes)
+
+    qk, v = jnp.zeros((40, 4, 128), jnp.bfloat16), jnp.zeros((40, 4, 64), jnp.bfloat16)
+    offsets = jnp.asarray([[0, 15, 40]], jnp.int32)
+    launch_hstu.hopper_forward(run, p, forward, qk, qk, v, offsets, None, None)
+    launch_hstu.hopper_backward(run, p, backward, qk, qk, v, offsets, None, None, v)
+    specs = {kernels.hopper_hstu_fwd_kernel: spec.HOPPER_HSTU_FWD,
+             kernels.hopper_hstu_bwd_dkdv_kernel: spec.HOPPER_HSTU_BWD_DKDV,
+             kernels.hopper_hstu_bwd_dq_kernel: spec.HOPPER_HSTU_BWD_DQ}
+    assert [kernel for kernel, _ in recorded] == list(specs)
+    want = [1, 0] if longest_first else [0, 1]
+    for kernel, arrays in recorded:
+        np.testing.assert_array_equal(arrays[specs[kernel].index("order")], want)
+
+
 PADDED_DQ_OFFSETS = {
     "lengths 5, 59, 0, 136, 133": [0, 5, 64, 64, 200, 333],
     "tokens outside, lengths 17, 0, 130, 150": [3, 20, 20, 150, 300],
@@ -2090,8 +2149,10 @@ def test_gpu_launcher_arguments_of_the_hstu_hopper_forward(fake_jax_triton, layo
         assert isinstance(desc, fake_jax_triton.TensorDescriptor)
         assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
         assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-    # The offsets and targets as [1, ...] rows, the per-token scale (or the placeholder of a static one).
-    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 2), i32),
+    # The offsets and targets as [1, ...] rows, the sequences' order (launch/hstu.sequence_order; its
+    # values: test_the_hstu_hopper_implementation_sets_the_sequences_order), the per-token scale (or a
+    # static one's placeholder).
+    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 2), i32), ((2,), i32),
                                                         ((40,) if token_scale else (1,), f32)]
     # batch, tokens, q/k token and head strides, v's (in units of 16 elements), the row strides of the
     # offsets and targets, the tokens per zero-fill chunk (40 over 2), the query blocks per (sequence, head).
@@ -2150,7 +2211,7 @@ def test_gpu_launcher_arguments_of_the_hstu_hopper_backward(fake_jax_triton, lay
             assert isinstance(desc, fake_jax_triton.TensorDescriptor)
             assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
             assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-        assert [(a.shape, a.dtype) for a in args[4:-1]] == [((1, 3), i32), ((1, 2), i32),
+        assert [(a.shape, a.dtype) for a in args[4:-1]] == [((1, 3), i32), ((1, 2), i32), ((2,), i32),
                                                             ((40,) if token_scale else (1,), f32)]
         strides = (32, 8, 16, 4) if layout == "THD" else (8, 320, 4, 160)
         # ... the tokens per zero-fill chunk (40 over 2), the key (dq: query) blocks per (sequence, head).
@@ -2190,9 +2251,6 @@ def test_the_hstu_hopper_backward_falls_back_to_the_portable_one(fake_jax_triton
 def test_the_hstu_hopper_backward_takes_one_offsets_segment(fake_jax_triton, segments):
     """A problem of two offsets segments (what vmap and data-parallel packing can make) gets the portable
     backward's config, which supports it, from "hstu-hopper"; a problem of one, the Hopper backward's."""
-    from jagged_flash_jax.launch import hstu as launch_hstu
-    from jagged_flash_jax.problem import HstuProblem
-
     p = HstuProblem(layout="THD", num_heads=2, head_dim=128, value_dim=128, batch=2, num_segments=segments,
                     tokens=64, offsets_rows=segments, max_seq_len=40, alpha=0.5, scale=0.25, dtype="bfloat16",
                     causal=True)

@@ -221,10 +221,12 @@ HSTU_BWD = KernelSpec(
 # forward's slots up to fill_chunk (one offsets segment: the row strides are 0), then, in the place of
 # its slots, the query blocks of each (sequence, head); its constants without the padded dimensions and
 # the precision (16-bit inputs, D and V the tiles' own), with the Hopper kernels'.
+# The sequences are handed out in the order of `order`, as the softmax Hopper kernels' (_HOPPER_PARAMS).
 HOPPER_HSTU_PARAMS = HSTU_PARAMS[:HSTU_PARAMS.index("slots")] + ("blocks",)
+_HOPPER_HSTU_ROWS = ("offsets", "num_targets", "order", "scale", "params")
 
 HOPPER_HSTU_FWD = KernelSpec(
-    "hopper_hstu_fwd_kernel", inputs=("q", "k", "v", *_HSTU_ROWS), outputs=("o", "counter"),
+    "hopper_hstu_fwd_kernel", inputs=("q", "k", "v", *_HOPPER_HSTU_ROWS), outputs=("o", "counter"),
     params=HOPPER_HSTU_PARAMS,
     constants=(*(c for c in _HSTU_PROBLEM if c not in ("BLOCK_D", "BLOCK_V", "INPUT_PRECISION")),
                *_HOPPER_CONSTANTS),
@@ -235,7 +237,7 @@ HOPPER_HSTU_FWD = KernelSpec(
 # on its runtime parameters and constants; q, do (the arrays of queries) and k, v as TMA descriptors.
 # dscale is HSTU_BWD's (the per-token scale's gradient per head, float32 [T, H], a one-element
 # placeholder without TOKEN_SCALE), zeroed by the launcher: the dq kernel writes the attended tokens only.
-_HOPPER_HSTU_BWD_INPUTS = ("q", "do", "k", "v", *_HSTU_ROWS)
+_HOPPER_HSTU_BWD_INPUTS = ("q", "do", "k", "v", *_HOPPER_HSTU_ROWS)
 
 HOPPER_HSTU_BWD_DKDV = KernelSpec(
     "hopper_hstu_bwd_dkdv_kernel", inputs=_HOPPER_HSTU_BWD_INPUTS, outputs=("dk", "dv", "counter"),

@@ -475,17 +475,25 @@ def hopper_forward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_off
 
 
 def sequence_order(p: Problem, config: HopperConfig, q_offsets, kv_offsets) -> jax.Array:
-    """The order the Hopper kernels take the sequences in (their `order` input), int32 [max(B, 1)], a
-    permutation of 0..B-1 whatever the offsets: with config.longest_first by their work, n_q * n_k (the
-    lengths clamped as the kernels clamp them, `jagged.sequence_bounds`), the most first and equal work
-    in the offsets' order, so that the launch's last items are short sequences' (longest processing time
-    first); else the offsets' order. (A one-element placeholder without sequences.)"""
-    if p.batch == 0:
-        return jnp.zeros((1,), jnp.int32)
-    if not config.longest_first:
-        return jnp.arange(p.batch, dtype=jnp.int32)
+    """The order the Hopper kernels take the sequences in (their `order` input): `work_order` of their
+    lengths, clamped as the kernels clamp them (`jagged.sequence_bounds`), with config.longest_first."""
     _, n_q = sequence_bounds(q_offsets.reshape(-1)[:p.batch + 1], p.q_tokens, p.max_seq_len)
     _, n_k = sequence_bounds(kv_offsets.reshape(-1)[:p.batch + 1], p.kv_tokens, p.kv_max_seq_len)
+    return work_order(n_q, n_k, config.longest_first)
+
+
+def work_order(n_q, n_k, longest_first: bool) -> jax.Array:
+    """The order the persistent Hopper kernels hand out B sequences of n_q queries and n_k keys ([B]
+    each) in (their `order` input, kernels/hopper/scheduler._take: the softmax kernels', `sequence_order`,
+    and HSTU's, launch/hstu.sequence_order), int32 [max(B, 1)], a permutation of 0..B-1: with
+    longest_first by their work n_q * n_k, the most first and equal work in the given order, so that the
+    launch's last items are short sequences' (longest processing time first); else the given order. (A
+    one-element placeholder without sequences.)"""
+    batch = n_q.shape[0]
+    if batch == 0:
+        return jnp.zeros((1,), jnp.int32)
+    if not longest_first:
+        return jnp.arange(batch, dtype=jnp.int32)
     work = n_q.astype(jnp.float32) * n_k.astype(jnp.float32)
     return jnp.argsort(-work, stable=True).astype(jnp.int32)
 

@@ -26,6 +26,7 @@ from ..configs import (
     default_block_sizes,
     head_block,
 )
+from ..jagged import sequence_bounds
 from ..kernels import spec
 from ..problem import HstuProblem
 from . import calls
@@ -192,22 +193,25 @@ def backward(run: Runner, p: HstuProblem, tiles: BlockSizes, q, k, v, offsets, n
 class HopperHstuConfig:
     """The Hopper forward's configuration: its tile (configs.HSTU_HOPPER_FWD_TILE: BLOCK_M = 128 queries,
     two consumer warpgroups', BLOCK_N keys, num_stages the depth of its key and value ring,
-    max_registers the cap setmaxnreg redistributes) and the persistent grid's programs (one per SM)."""
+    max_registers the cap setmaxnreg redistributes), the persistent grid's programs (one per SM) and
+    whether the kernel takes the sequences longest first (`sequence_order`)."""
 
     tile: KernelConfig
     programs: int
+    longest_first: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class HopperHstuBackwardConfig:
     """The Hopper backward's configuration: the dk/dv kernel's tile (configs.HSTU_HOPPER_BWD_DKDV_TILE:
     BLOCK_N = 128 keys, two consumer warpgroups', BLOCK_M queries per ring tile, num_stages the ring's
-    depth), the dq kernel's (configs.HSTU_HOPPER_BWD_DQ_TILE, as the forward's), and the persistent
-    grids' programs (one per SM)."""
+    depth), the dq kernel's (configs.HSTU_HOPPER_BWD_DQ_TILE, as the forward's), the persistent grids'
+    programs (one per SM) and whether they take the sequences longest first (`sequence_order`)."""
 
     dkdv: KernelConfig
     dq: KernelConfig
     programs: int
+    longest_first: bool = True
 
 
 def _hopper_call(kernel_spec: spec.KernelSpec, p: HstuProblem, programs: int, tile: KernelConfig,
@@ -226,6 +230,13 @@ def _hopper_call(kernel_spec: spec.KernelSpec, p: HstuProblem, programs: int, ti
                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=tile.num_stages,
                        CONSUMER_REGS=HOPPER_CONSUMER_REGS, PRODUCER_REGS=HOPPER_PRODUCER_REGS),
         config=tile, num_stages=triton_stages, blocks=descriptor_blocks)
+
+
+def sequence_order(p: HstuProblem, longest_first: bool, offsets) -> jax.Array:
+    """The order the Hopper HSTU kernels take the sequences in (their `order` input, as the softmax
+    ones'): calls.work_order of their lengths n, clamped as the kernels clamp them, each n x n."""
+    _, n = sequence_bounds(offsets.reshape(-1)[:p.batch + 1], p.tokens, p.max_seq_len)
+    return calls.work_order(n, n, longest_first)
 
 
 def _one_segment(p: HstuProblem, what: str) -> None:
@@ -259,7 +270,8 @@ def hopper_forward(run: Runner, p: HstuProblem, config: HopperHstuConfig, q, k, 
         # The query tile is one consumer warpgroup's 64 rows.
         dict(q=(tile.block_m // 2, p.head_dim), k=(tile.block_n, p.head_dim), v=(tile.block_n, p.value_dim)))
     q_view, k_view, v_view = _views(p, (q, k), (v,))
-    o, _ = calls.launch(run, call, q=q_view, k=k_view, v=v_view, **rows)
+    o, _ = calls.launch(run, call, q=q_view, k=k_view, v=v_view,
+                        order=sequence_order(p, config.longest_first, offsets), **rows)
     return o
 
 
@@ -275,7 +287,8 @@ def hopper_backward(run: Runner, p: HstuProblem, config: HopperHstuBackwardConfi
     _one_segment(p, "backward")
     rows = _rows(p, offsets, num_targets, scale_tokens)
     q_view, k_view, do_view, v_view = _views(p, (q, k), (do, v))
-    inputs = dict(q=q_view, do=do_view, k=k_view, v=v_view, **rows)
+    inputs = dict(q=q_view, do=do_view, k=k_view, v=v_view,
+                  order=sequence_order(p, config.longest_first, offsets), **rows)
     dkdv, dq = config.dkdv, config.dq
     # Two consumer warpgroups of 64 rows: the dk/dv kernel's keys (K and V loaded in halves), the dq
     # kernel's queries (Q and dO likewise).

@@ -84,7 +84,7 @@ def _read_params(params_ptr, STRIDE_ALIGN: gl.constexpr):
 
 @gluon.jit
 def hstu_bwd_dkdv_kernel(
-    q_desc, do_desc, k_desc, v_desc, offsets_ptr, num_targets_ptr, scale_ptr, params_ptr,
+    q_desc, do_desc, k_desc, v_desc, offsets_ptr, num_targets_ptr, order_ptr, scale_ptr, params_ptr,
     dk_ptr, dv_ptr, counter_ptr,
     NUM_HEADS: gl.constexpr, D: gl.constexpr, V: gl.constexpr, MAX_LEN: gl.constexpr, ALPHA: gl.constexpr,
     SCALE: gl.constexpr, TOKEN_SCALE: gl.constexpr, CAUSAL: gl.constexpr, MAX_ATTN_LEN: gl.constexpr,
@@ -123,7 +123,7 @@ def hstu_bwd_dkdv_kernel(
     kv_bar, kv_free, ready, empty, tail_bar = barriers
 
     pipe = (k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar)
-    schedule = (counter_ptr, end, blocks, ring, None)  # (in the order given)
+    schedule = (counter_ptr, end, blocks, ring, order_ptr)
     sequences = (offsets_ptr, num_targets_ptr, tokens)
     MASK: gl.constexpr = (CAUSAL, MAX_ATTN_LEN, CONTEXT_LEN, MIN_FULL_LEN, HAS_TARGETS)
     SCORES: gl.constexpr = (ALPHA, SCALE, TOKEN_SCALE)
@@ -327,7 +327,7 @@ def _seen_t(keys, m0, rule, MASK: gl.constexpr, BLOCK_M: gl.constexpr, col_layou
 
 @gluon.jit
 def hstu_bwd_dq_kernel(
-    q_desc, do_desc, k_desc, v_desc, offsets_ptr, num_targets_ptr, scale_ptr, params_ptr,
+    q_desc, do_desc, k_desc, v_desc, offsets_ptr, num_targets_ptr, order_ptr, scale_ptr, params_ptr,
     dq_ptr, dscale_ptr, counter_ptr,
     NUM_HEADS: gl.constexpr, D: gl.constexpr, V: gl.constexpr, MAX_LEN: gl.constexpr, ALPHA: gl.constexpr,
     SCALE: gl.constexpr, TOKEN_SCALE: gl.constexpr, CAUSAL: gl.constexpr, MAX_ATTN_LEN: gl.constexpr,
@@ -351,7 +351,7 @@ def hstu_bwd_dq_kernel(
     end = batch * NUM_HEADS * blocks
 
     pipe, ring = dq_buffers(q_desc, do_desc, k_desc, v_desc, (D, V, BLOCK_N, STAGES))
-    schedule = (counter_ptr, end, blocks, ring, None)  # (in the order given)
+    schedule = (counter_ptr, end, blocks, ring, order_ptr)
     # The scheduler's bundles, HSTU's way (as hstu_forward.py's): the offsets and tokens first (what
     # `fetch` reads), num_targets in the place of the keys' offsets; SHAPE = (NUM_HEADS, D, V); MASK in
     # the place of the band; SCORES = (ALPHA, TOKEN_SCALE, NUM_HEADS), the last dscale's row length.

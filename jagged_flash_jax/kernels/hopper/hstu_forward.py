@@ -51,7 +51,7 @@ PARAM_HSTU_BLOCKS: gl.constexpr = gl.constexpr(HOPPER_HSTU_FWD.slot("blocks"))
 
 @gluon.jit
 def hstu_fwd_kernel(
-    q_desc, k_desc, v_desc, offsets_ptr, num_targets_ptr, scale_ptr, params_ptr,
+    q_desc, k_desc, v_desc, offsets_ptr, num_targets_ptr, order_ptr, scale_ptr, params_ptr,
     o_ptr, counter_ptr,
     NUM_HEADS: gl.constexpr, D: gl.constexpr, V: gl.constexpr, MAX_LEN: gl.constexpr, ALPHA: gl.constexpr,
     SCALE: gl.constexpr, TOKEN_SCALE: gl.constexpr, CAUSAL: gl.constexpr, MAX_ATTN_LEN: gl.constexpr,
@@ -86,7 +86,7 @@ def hstu_fwd_kernel(
     end = batch * NUM_HEADS * blocks
 
     pipe, ring = forward_pipe((q_desc, k_desc, v_desc), D, V, BLOCK_N, STAGES)  # forward.py's
-    schedule = (counter_ptr, end, blocks, ring, None)  # (in the order given)
+    schedule = (counter_ptr, end, blocks, ring, order_ptr)
     # The scheduler's bundles, HSTU's way: the queries' offsets and tokens first (what `fetch` reads),
     # num_targets in the place of the keys' offsets; SHAPE = (NUM_HEADS, D, V), the last the output's
     # width; LENGTHS the queries' and the keys' MAX_LEN; MASK in the place of the band.

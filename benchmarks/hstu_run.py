@@ -1,5 +1,6 @@
 """HSTU attention on the JAX side: the library's op (`hstu_attention`, on the triton or xla backend, or
-"jfa-hstu-hopper": its Hopper forward and backward, named, not in the default list) and the padded-JAX
+"jfa-hstu-hopper": its Hopper forward and backward, named, not in the default list; "jfa-hstu-hopper-given-
+order": the same taking the sequences in the offsets' order, not longest first) and the padded-JAX
 baseline (hstu_padded.py), on the cases of hstu_cases.py, forward and forward + backward, timed as
 benchmarks/run.py times the softmax ops (benchmarks/timing.py: CUPTI device time, rotating over input
 sets). generative-recommenders' own Triton kernel is timed by hstu_torch_bench.py (PyTorch) on the same
@@ -14,6 +15,7 @@ writes DIR/hstu_results.json (one row per case, mode and implementation) and pri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import traceback
@@ -24,13 +26,23 @@ import jax.numpy as jnp
 from benchmarks import hstu_padded, timing
 from benchmarks.hstu_cases import MODES, HstuCase, select
 from jagged_flash_jax import hstu_attention
+from jagged_flash_jax.implementations import HSTU_HOPPER
 
 IMPLS = ("jfa-triton", "jfa-xla", "padded")
 
 
+def _where(backend: str) -> dict:
+    """hstu_attention's backend, or the implementation named: "hstu-hopper" (which backend="auto" does
+    not choose), or "hstu-hopper-given-order" (HstuHopper's longest_first off)."""
+    if backend == "hstu-hopper":
+        return dict(implementation=backend)
+    if backend == "hstu-hopper-given-order":
+        return dict(implementation=dataclasses.replace(HSTU_HOPPER, longest_first=False))
+    return dict(backend=backend)
+
+
 def _library_step(case: HstuCase, mode: str, backend: str):
-    # "hstu-hopper" is an implementation, which backend="auto" does not choose: named.
-    where = dict(implementation=backend) if backend == "hstu-hopper" else dict(backend=backend)
+    where = _where(backend)
 
     def op(q, k, v, offsets, targets):
         return hstu_attention(q, k, v, offsets, case.max_seq_len, alpha=case.alpha, num_targets=targets,

@@ -74,7 +74,8 @@
 #      staging, installing it; 3.6 staging .t39a): what taking the longest sequences' items first could
 #      gain the persistent Hopper kernels (its --model predicts 3.4% of `long`'s kernels, 1.6% of
 #      dlrm-long's, 0.3% of L8192's); SCHEDULER=1: the drawn lengths through the Hopper kernels taking
-#      the sequences longest first (calls.sequence_order) against in the offsets' order
+#      the sequences longest first (calls.sequence_order) against in the offsets' order; HSTU=1: then
+#      HSTU's Hopper kernels on its long cases, longest first against in the offsets' order
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. The Hopper forward at D = 64 (27 and 30 on 2026-12-07, session 2) was slower
 # unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md). Next: 31 under 3.6
@@ -516,6 +517,12 @@ case $call in
        --cases "${CASES:-long,dlrm-long,L8192,rec-long}" --rounds ${ROUNDS:-2} \
        > "$out/sequence-order-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/sequence-order-triton$triton.log"
      grep "^\[" "$out/sequence-order-triton$triton.log" | cut -c1-150
+     if [ "${HSTU:-0}" = 1 ]; then  # HSTU's Hopper kernels likewise (one run each, not alternating)
+       PYTHONPATH=$path timeout ${HSTU_BUDGET:-150} python3 -m benchmarks.hstu_run --out "/tmp/hstu-order-$triton" \
+         --cases "${long_hstu[@]}" --impls jfa-hstu-hopper,jfa-hstu-hopper-given-order --seconds 0.2 \
+         > "$out/hstu-order-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hstu-order-triton$triton.log"
+       grep "^\[hstu\]" "$out/hstu-order-triton$triton.log" | cut -c1-150
+     fi
      elapsed "call 34" ;;
   *) echo "usage: bash tests/gpu/session.sh 1..34|stage DIR" >&2; exit 2 ;;
 esac

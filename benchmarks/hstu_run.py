@@ -1,6 +1,6 @@
 """HSTU attention on the JAX side: the library's op (`hstu_attention`, on the triton or xla backend, or
-"jfa-hstu-hopper": its Hopper forward and backward, named, not in the default list; "jfa-hstu-hopper-given-
-order": the same taking the sequences in the offsets' order, not longest first) and the padded-JAX
+"jfa-hstu-hopper": its Hopper forward and backward, named, not in the default list; "jfa-hstu-hopper-longest-
+first": the same taking the sequences longest first) and the padded-JAX
 baseline (hstu_padded.py), on the cases of hstu_cases.py, forward and forward + backward, timed as
 benchmarks/run.py times the softmax ops (benchmarks/timing.py: CUPTI device time, rotating over input
 sets). generative-recommenders' own Triton kernel is timed by hstu_torch_bench.py (PyTorch) on the same
@@ -33,11 +33,11 @@ IMPLS = ("jfa-triton", "jfa-xla", "padded")
 
 def _where(backend: str) -> dict:
     """hstu_attention's backend, or the implementation named: "hstu-hopper" (which backend="auto" does
-    not choose), or "hstu-hopper-given-order" (HstuHopper's longest_first off)."""
+    not choose), or "hstu-hopper-longest-first" (HstuHopper's longest_first on)."""
     if backend == "hstu-hopper":
         return dict(implementation=backend)
-    if backend == "hstu-hopper-given-order":
-        return dict(implementation=dataclasses.replace(HSTU_HOPPER, longest_first=False))
+    if backend == "hstu-hopper-longest-first":
+        return dict(implementation=dataclasses.replace(HSTU_HOPPER, longest_first=True))
     return dict(backend=backend)
 
 

@@ -248,9 +248,11 @@ class Hopper(Implementation):
     # reproducible, so only a caller who names it, or asks for deterministic=False, gets it; auto then
     # where it measured faster (configs.FUSED_DQ_MIN_LENGTH).
     fused_dq: bool = False
-    # The kernels hand out the sequences with the most work first (launch/calls.sequence_order), so that
-    # short ones fill the launch's tail; False: in the offsets' order. The numbers are the same.
-    longest_first: bool = True
+    # True: the kernels hand out the sequences with the most work first (launch/calls.sequence_order), so
+    # that short ones fill the launch's tail, each item's sequence read from that order; False (the
+    # default): in the offsets' order. The numbers are the same. Measured on an H100 (docs/performance.md,
+    # 2026-12-07, session 7): 3-7% off `long`'s kernels, 1-5% onto rec-long's and L8192's.
+    longest_first: bool = False
 
     def _kernels(self, backward: bool) -> tuple[str, ...]:
         return ("dkdv", "dq") if backward else ("fwd",)
@@ -420,9 +422,9 @@ class HstuHopper(Implementation):
 
     name: str = "hstu-hopper"
     hopper = True
-    # As Hopper's: the kernels hand out the sequences longest first (launch/hstu.sequence_order); False:
-    # in the offsets' order. The numbers are the same.
-    longest_first: bool = True
+    # As Hopper's: True, the kernels hand out the sequences longest first (launch/hstu.sequence_order);
+    # False (the default), in the offsets' order. The numbers are the same.
+    longest_first: bool = False
 
     def preferred(self, p, context, backward):
         if p.max_seq_len < configs.HSTU_HOPPER_AUTO_MIN_LENGTH:

@@ -292,8 +292,8 @@ def test_two_runs_are_bitwise_equal(case, programs, hstu_hopper):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["causal", "all-wide", "noncausal"])
 def test_the_sequences_order_changes_no_bit(case, hstu_hopper):
-    """The Hopper HSTU kernels taking the sequences longest first (the default; these lengths come in
-    another order) or in the offsets' order (HstuHopper(longest_first=False)) on 3 programs: o, dq, dk,
+    """The Hopper HSTU kernels taking the sequences longest first (HstuHopper(longest_first=True): these
+    lengths come in another order) or in the offsets' order (the default) on 3 programs: o, dq, dk,
     dv and the per-token scale's gradient bitwise equal, as each element is one program's either way."""
     options = dict(CASES[case])
     b = HstuBatch.make([130, 3, 1000, 0, 700], heads=2, dim=128, value_dim=128,

@@ -812,9 +812,9 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
         assert isinstance(desc, hopper_gpu.TensorDescriptor)
         assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
         assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-    # The offsets, the order of the 2 sequences (calls.sequence_order) and the slopes' one-element
-    # placeholder (no ALiBi).
-    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32)] * 2 + [((2,), i32), ((1,), f32)]
+    # The offsets, the one-element placeholders of the sequences' order (calls.sequence_order: the
+    # offsets' order by default) and of the slopes (no ALiBi).
+    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32)] * 2 + [((1,), i32), ((1,), f32)]
     # batch, q and kv tokens, q token/head strides, kv token/head strides (in units of 16 elements),
     # offsets row strides, then the query blocks per (sequence, head) and the tokens per zero-fill
     # program (40 tokens over 2 slots).
@@ -828,7 +828,7 @@ def test_gpu_launcher_arguments_of_the_hopper_forward(hopper_gpu, layout):
                         WINDOW_LEFT=-1, WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False,
                         QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16, FILL_BLOCK=calls.FILL_BLOCK, OUT_SCALE=1.0,
                         BLOCK_M=128, BLOCK_N=64, STAGES=3, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
-                        PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS)
+                        PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS, ORDERED=False)
 
 
 @pytest.mark.parametrize("max_seq_len", [512, 1024, 1025])
@@ -984,7 +984,7 @@ def test_the_hopper_launch_zeroes_its_own_outputs():
     fields = dict(num_heads=4, num_kv_heads=4, head_dim=256, q_tokens=300, kv_tokens=300, max_seq_len=260,
                   kv_max_seq_len=300, causal=False, dtype="float16")
     config = HopperConfig(configs.hopper_block_sizes(256, jnp.float16, 260, 300), programs=7,
-                          preprocess_block_m=64)
+                          preprocess_block_m=64, longest_first=True)
     offsets = jnp.asarray([[0, 40, 300]], jnp.int32)
     for batch in (2, 0):
         recorded.clear()
@@ -998,7 +998,9 @@ def test_the_hopper_launch_zeroes_its_own_outputs():
         assert call.params[spec.HOPPER_FWD.slot("fill_chunk")] == 75
         assert [a.shape for a in arrays[3:]] == [(1, batch + 1), (1, batch + 1), (max(batch, 1),), (1,),
                                                  (len(call.params),)]
-        # The sequences' order: the second (260 tokens attended) before the first (40); a placeholder.
+        # The sequences' order (longest_first: ORDERED): the second (260 tokens attended) before the
+        # first (40); a placeholder without sequences.
+        assert call.constants["ORDERED"] is True
         np.testing.assert_array_equal(arrays[spec.HOPPER_FWD.index("order")], [1, 0] if batch else [0])
         assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (1, 4, 300), jnp.float32)
 
@@ -1294,10 +1296,10 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
             assert isinstance(desc, hopper_backward_gpu.TensorDescriptor)
             assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
             assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-        # The log-sum-exp and delta, the offsets, the 2 sequences' order, the slopes' one-element
-        # placeholder (no ALiBi).
+        # The log-sum-exp and delta, the offsets, the one-element placeholders of the sequences' order
+        # (the offsets' by default) and of the slopes (no ALiBi).
         assert [(a.shape, a.dtype) for a in args[4:-1]] == ([((1, 4, 40), f32)] * 2 + [((1, 3), i32)] * 2
-                                                            + [((2,), i32), ((1,), f32)])
+                                                            + [((1,), i32), ((1,), f32)])
         assert hopper_backward_gpu.params[id(args[-1])] == (2, 40, 50, *strides, 0, 0, *params)
         assert tuple(call.pop("out_type")) == outputs
         options = (call.pop("num_warps"), call.pop("num_stages"), call.pop("backend_options"))
@@ -1312,7 +1314,7 @@ def test_gpu_launcher_arguments_of_the_hopper_backward(hopper_backward_gpu, layo
                             WINDOW_RIGHT=-1, SOFTCAP=0.0, ALIBI=False, QK_SCALE=0.5 * LOG2E, STRIDE_ALIGN=16,
                             FILL_BLOCK=calls.FILL_BLOCK, DS_SCALE=0.5,
                             CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
-                            PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS, **heads)
+                            PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS, ORDERED=False, **heads)
 
 
 def test_the_hopper_backward_launches_pass_the_options(hopper_backward_gpu):
@@ -1480,7 +1482,8 @@ def test_the_hopper_kernels_take_the_longest_sequences_first(seed):
     """calls.sequence_order, the Hopper kernels' `order` input (which they index unchecked): for any
     offsets (random lengths, or random integers: negative, decreasing, past the tokens) a permutation of
     the sequences, the most work n_q * n_k first, ties in the offsets' order; the offsets' order itself
-    with longest_first=False; a placeholder without sequences."""
+    with longest_first (the kernels' ORDERED); a placeholder, never read, without it or without
+    sequences."""
     rng = np.random.default_rng(seed)
     batch = int(rng.integers(1, 40))
     tokens = (int(rng.integers(1, 900)), int(rng.integers(1, 900)))
@@ -1494,8 +1497,7 @@ def test_the_hopper_kernels_take_the_longest_sequences_first(seed):
                         kv_tokens=tokens[1], max_seq_len=max_lens[0], kv_max_seq_len=max_lens[1],
                         causal=False, dtype="bfloat16")
     config = HopperConfig(configs.hopper_block_sizes(128, jnp.bfloat16, *max_lens), programs=7,
-                          preprocess_block_m=64)
-    assert config.longest_first
+                          preprocess_block_m=64, longest_first=True)
     for rows in ((batch + 1,), (1, batch + 1)):  # as the launchers get them: one segment's row
         order = calls.sequence_order(p, config, jnp.asarray(q_offsets.reshape(rows), jnp.int32),
                                      jnp.asarray(kv_offsets.reshape(rows), jnp.int32))
@@ -1503,7 +1505,7 @@ def test_the_hopper_kernels_take_the_longest_sequences_first(seed):
         np.testing.assert_array_equal(order, _work_order(q_offsets, kv_offsets, tokens, max_lens))
     given = dataclasses.replace(config, longest_first=False)
     order = calls.sequence_order(p, given, jnp.asarray(q_offsets), jnp.asarray(kv_offsets))
-    np.testing.assert_array_equal(order, np.arange(batch))
+    np.testing.assert_array_equal(order, [0])
     empty = dataclasses.replace(p, batch=0)
     np.testing.assert_array_equal(calls.sequence_order(empty, config, jnp.zeros(1, jnp.int32),
                                                        jnp.zeros(1, jnp.int32)), [0])
@@ -1511,12 +1513,12 @@ def test_the_hopper_kernels_take_the_longest_sequences_first(seed):
 
 @pytest.mark.parametrize("longest_first", [True, False])
 def test_the_hopper_implementation_sets_the_sequences_order(longest_first):
-    """implementations.Hopper's longest_first (True by default) reaches the forward's and the backward's
+    """implementations.Hopper's longest_first (False by default) reaches the forward's and the backward's
     HopperConfig, which calls.sequence_order reads."""
     p = _hopper_problem(2, num_heads=4, num_kv_heads=4, head_dim=128, q_tokens=300, kv_tokens=300,
                         max_seq_len=2048, kv_max_seq_len=2048, causal=False, dtype="bfloat16")
     context = implementations.Context(gpu_device((9, 0)), configs.load_table(None))
-    assert implementations.HOPPER.longest_first
+    assert not implementations.HOPPER.longest_first
     hopper = dataclasses.replace(implementations.HOPPER, longest_first=longest_first)
     for backward in (False, True):
         assert hopper.config(p, context, backward).longest_first is longest_first
@@ -1526,8 +1528,8 @@ def test_the_hopper_implementation_sets_the_sequences_order(longest_first):
 def test_the_hstu_hopper_kernels_take_the_longest_sequences_first(seed):
     """launch/hstu.sequence_order, the Hopper HSTU kernels' `order` input: for any offsets (random
     lengths, or random integers, int32 or int64) a permutation of the sequences, the longest (clamped as
-    the kernels clamp them) first, ties in the offsets' order; the offsets' order with longest_first
-    False; a placeholder without sequences."""
+    the kernels clamp them) first, ties in the offsets' order; without longest_first, or without
+    sequences, a placeholder, never read."""
     rng = np.random.default_rng(seed)
     batch, tokens, max_len = int(rng.integers(1, 40)), int(rng.integers(1, 900)), int(rng.integers(1, 1000))
     if seed % 2:  # malformed
@@ -1544,16 +1546,16 @@ def test_the_hstu_hopper_kernels_take_the_longest_sequences_first(seed):
             assert order.dtype == jnp.int32
             np.testing.assert_array_equal(order, want)
     given = launch_hstu.sequence_order(p, False, jnp.asarray(offsets))
-    np.testing.assert_array_equal(given, np.arange(batch))
+    np.testing.assert_array_equal(given, [0])
     empty = launch_hstu.sequence_order(dataclasses.replace(p, batch=0), True, jnp.zeros((1, 1), jnp.int32))
     np.testing.assert_array_equal(empty, [0])
 
 
 @pytest.mark.parametrize("longest_first", [True, False])
 def test_the_hstu_hopper_implementation_sets_the_sequences_order(fake_jax_triton, longest_first):
-    """implementations.HstuHopper's longest_first (True by default) reaches the forward's and the
+    """implementations.HstuHopper's longest_first (False by default) reaches the forward's and the
     backward's configs, and from them the three launches' `order` (sequences of 15 and 25 tokens)."""
-    assert implementations.HSTU_HOPPER.longest_first
+    assert not implementations.HSTU_HOPPER.longest_first
     hstu = Spy(dataclasses.replace(implementations.HSTU_HOPPER, longest_first=longest_first), calls_ := [])
     with select.use_device(gpu_device((9, 0), sms=78)):
         _hstu_call(implementation=hstu, grad=True)
@@ -1575,7 +1577,7 @@ def test_the_hstu_hopper_implementation_sets_the_sequences_order(fake_jax_triton
              kernels.hopper_hstu_bwd_dkdv_kernel: spec.HOPPER_HSTU_BWD_DKDV,
              kernels.hopper_hstu_bwd_dq_kernel: spec.HOPPER_HSTU_BWD_DQ}
     assert [kernel for kernel, _ in recorded] == list(specs)
-    want = [1, 0] if longest_first else [0, 1]
+    want = [1, 0] if longest_first else [0]  # (without longest_first a placeholder, never read)
     for kernel, arrays in recorded:
         np.testing.assert_array_equal(arrays[specs[kernel].index("order")], want)
 
@@ -2149,10 +2151,9 @@ def test_gpu_launcher_arguments_of_the_hstu_hopper_forward(fake_jax_triton, layo
         assert isinstance(desc, fake_jax_triton.TensorDescriptor)
         assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
         assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-    # The offsets and targets as [1, ...] rows, the sequences' order (launch/hstu.sequence_order; its
-    # values: test_the_hstu_hopper_implementation_sets_the_sequences_order), the per-token scale (or a
-    # static one's placeholder).
-    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 2), i32), ((2,), i32),
+    # The offsets and targets as [1, ...] rows, the sequences' order (launch/hstu.sequence_order: by
+    # default a placeholder, the offsets' order), the per-token scale (or a static one's placeholder).
+    assert [(a.shape, a.dtype) for a in args[3:-1]] == [((1, 3), i32), ((1, 2), i32), ((1,), i32),
                                                         ((40,) if token_scale else (1,), f32)]
     # batch, tokens, q/k token and head strides, v's (in units of 16 elements), the row strides of the
     # offsets and targets, the tokens per zero-fill chunk (40 over 2), the query blocks per (sequence, head).
@@ -2167,7 +2168,7 @@ def test_gpu_launcher_arguments_of_the_hstu_hopper_forward(fake_jax_triton, layo
                         TOKEN_SCALE=token_scale, CAUSAL=True, MAX_ATTN_LEN=8, CONTEXT_LEN=2, MIN_FULL_LEN=4,
                         HAS_TARGETS=True, BLOCK_M=128, BLOCK_N=64, STAGES=2, STRIDE_ALIGN=16,
                         FILL_BLOCK=calls.FILL_BLOCK, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
-                        PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS)
+                        PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS, ORDERED=False)
 
 
 @pytest.mark.parametrize("token_scale", [False, True], ids=["static-scale", "token-scale"])
@@ -2211,7 +2212,7 @@ def test_gpu_launcher_arguments_of_the_hstu_hopper_backward(fake_jax_triton, lay
             assert isinstance(desc, fake_jax_triton.TensorDescriptor)
             assert (desc.base.shape, desc.base.dtype, desc.block_shape) == (view, bf16, block)
             assert desc.layout == gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-        assert [(a.shape, a.dtype) for a in args[4:-1]] == [((1, 3), i32), ((1, 2), i32), ((2,), i32),
+        assert [(a.shape, a.dtype) for a in args[4:-1]] == [((1, 3), i32), ((1, 2), i32), ((1,), i32),
                                                             ((40,) if token_scale else (1,), f32)]
         strides = (32, 8, 16, 4) if layout == "THD" else (8, 320, 4, 160)
         # ... the tokens per zero-fill chunk (40 over 2), the key (dq: query) blocks per (sequence, head).
@@ -2227,7 +2228,7 @@ def test_gpu_launcher_arguments_of_the_hstu_hopper_backward(fake_jax_triton, lay
                             MAX_ATTN_LEN=8, CONTEXT_LEN=2, MIN_FULL_LEN=4, HAS_TARGETS=True,
                             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=2, STRIDE_ALIGN=16,
                             FILL_BLOCK=calls.FILL_BLOCK, CONSUMER_REGS=configs.HOPPER_CONSUMER_REGS,
-                            PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS)
+                            PRODUCER_REGS=configs.HOPPER_PRODUCER_REGS, ORDERED=False)
 
 
 @pytest.mark.parametrize("options,reason", [

@@ -11,8 +11,8 @@ through auto's kernels, alternating, forward and forward + backward, bfloat16, C
 alone is worth (measured before the kernels ordered the sequences themselves).
 
 --scheduler times the lengths as drawn through the Hopper kernels (forward and backward, wherever they
-run) taking the sequences with the most work first (implementations.Hopper's longest_first, the
-default) against in the offsets' order, alternating: what the scheduler gains.
+run) taking the sequences with the most work first (implementations.Hopper's longest_first) against
+in the offsets' order (the default), alternating: what the scheduler gains.
 
 --model prints what a greedy schedule of the items predicts (each SM taking the next item when it is
 free; an item's cost its loop's blocks plus half a block, on 132 SMs): the work over the SMs' time,

@@ -138,11 +138,12 @@ ATTENTION_BWD = KernelSpec(
 
 # The persistent Hopper kernels: per (sequence, head) `blocks` blocks of work, taken from a counter (an
 # output the launcher zeroes) after each program's share of the zero fills, in chunks of `fill_chunk`,
-# the sequences in the order of `order` (int32 [batch], a permutation of 0..batch-1 that the launcher
-# makes: kernels/hopper/scheduler._take; the kernels index sequences by it unchecked).
+# with ORDERED the sequences in the order of `order` (int32 [batch], a permutation of 0..batch-1 that the
+# launcher makes: kernels/hopper/scheduler._take; the kernels index sequences by it unchecked), else in
+# the offsets' order (`order` a one-element placeholder, never read).
 _HOPPER_PARAMS = ATTENTION_PARAMS + ("blocks", "fill_chunk")
 _HOPPER_CONSTANTS = ("BLOCK_M", "BLOCK_N", "STAGES", "STRIDE_ALIGN", "FILL_BLOCK", "CONSUMER_REGS",
-                     "PRODUCER_REGS")
+                     "PRODUCER_REGS", "ORDERED")
 
 HOPPER_FWD = KernelSpec(
     "hopper_attention_fwd_kernel",
@@ -221,7 +222,7 @@ HSTU_BWD = KernelSpec(
 # forward's slots up to fill_chunk (one offsets segment: the row strides are 0), then, in the place of
 # its slots, the query blocks of each (sequence, head); its constants without the padded dimensions and
 # the precision (16-bit inputs, D and V the tiles' own), with the Hopper kernels'.
-# The sequences are handed out in the order of `order`, as the softmax Hopper kernels' (_HOPPER_PARAMS).
+# The sequences are handed out as the softmax Hopper kernels' (ORDERED, `order`: _HOPPER_PARAMS).
 HOPPER_HSTU_PARAMS = HSTU_PARAMS[:HSTU_PARAMS.index("slots")] + ("blocks",)
 _HOPPER_HSTU_ROWS = ("offsets", "num_targets", "order", "scale", "params")
 

@@ -78,14 +78,15 @@ class HopperConfig:
     programs (one per SM), the backward preprocess's row block (a portable kernel), and whether the
     backward fuses dq into the dk/dv kernel (`fused_dq`: five products per tile instead of seven, and one
     launch instead of two, but dq accumulated by float32 atomic adds, so not bitwise deterministic), and
-    whether the kernels take the sequences with the most work first (`longest_first`, `sequence_order`)
-    or in the offsets' order: the same numbers either way."""
+    whether the kernels take the sequences with the most work first (`longest_first`, `sequence_order`:
+    each item's sequence then read from the order, a load on the producer's path) or in the offsets'
+    order (the default): the same numbers either way."""
 
     tiles: BlockSizes
     programs: int
     preprocess_block_m: int
     fused_dq: bool = False  # (added by a TMA reduce-add where Triton has it: `hopper_backward`)
-    longest_first: bool = True
+    longest_first: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,7 +449,7 @@ def _hopper_call(kernel_spec: KernelSpec, p: Problem, config: HopperConfig, tile
         params=dict(params, blocks=blocks_, fill_chunk=_fill_chunk(tokens, blocks_ + 1)),
         constants=dict(common, **constants, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                        STAGES=tiles.num_stages, CONSUMER_REGS=HOPPER_CONSUMER_REGS,
-                       PRODUCER_REGS=HOPPER_PRODUCER_REGS),
+                       PRODUCER_REGS=HOPPER_PRODUCER_REGS, ORDERED=config.longest_first),
         config=tiles, num_stages=triton_stages, blocks=descriptor_blocks)
 
 
@@ -485,15 +486,12 @@ def sequence_order(p: Problem, config: HopperConfig, q_offsets, kv_offsets) -> j
 def work_order(n_q, n_k, longest_first: bool) -> jax.Array:
     """The order the persistent Hopper kernels hand out B sequences of n_q queries and n_k keys ([B]
     each) in (their `order` input, kernels/hopper/scheduler._take: the softmax kernels', `sequence_order`,
-    and HSTU's, launch/hstu.sequence_order), int32 [max(B, 1)], a permutation of 0..B-1: with
-    longest_first by their work n_q * n_k, the most first and equal work in the given order, so that the
-    launch's last items are short sequences' (longest processing time first); else the given order. (A
-    one-element placeholder without sequences.)"""
-    batch = n_q.shape[0]
-    if batch == 0:
+    and HSTU's, launch/hstu.sequence_order) with longest_first (their ORDERED): int32 [B], a permutation
+    of 0..B-1 by their work n_q * n_k, the most first and equal work in the given order, so that the
+    launch's last items are short sequences' (longest processing time first). Without longest_first, or
+    without sequences, a one-element placeholder, never read."""
+    if n_q.shape[0] == 0 or not longest_first:
         return jnp.zeros((1,), jnp.int32)
-    if not longest_first:
-        return jnp.arange(batch, dtype=jnp.int32)
     work = n_q.astype(jnp.float32) * n_k.astype(jnp.float32)
     return jnp.argsort(-work, stable=True).astype(jnp.int32)
 

@@ -194,11 +194,11 @@ class HopperHstuConfig:
     """The Hopper forward's configuration: its tile (configs.HSTU_HOPPER_FWD_TILE: BLOCK_M = 128 queries,
     two consumer warpgroups', BLOCK_N keys, num_stages the depth of its key and value ring,
     max_registers the cap setmaxnreg redistributes), the persistent grid's programs (one per SM) and
-    whether the kernel takes the sequences longest first (`sequence_order`)."""
+    whether the kernel takes the sequences longest first (`sequence_order`; else in the offsets' order)."""
 
     tile: KernelConfig
     programs: int
-    longest_first: bool = True
+    longest_first: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,24 +211,26 @@ class HopperHstuBackwardConfig:
     dkdv: KernelConfig
     dq: KernelConfig
     programs: int
-    longest_first: bool = True
+    longest_first: bool = False
 
 
-def _hopper_call(kernel_spec: spec.KernelSpec, p: HstuProblem, programs: int, tile: KernelConfig,
-                 blocks_: int, outputs: dict, triton_stages: int,
-                 descriptor_blocks: dict) -> calls.KernelCall:
-    """A persistent Hopper HSTU launch of one offsets segment: `programs` programs, which take the
-    `blocks_` blocks per (sequence, head) from a counter (the last output, which the launch zeroes) after
-    their share of the zero fills (the tokens no sequence covers in blocks + 1 chunks per head), with the
-    portable kernels' parameters and constants (`_common`) less the padded dimensions and the precision."""
+def _hopper_call(kernel_spec: spec.KernelSpec, p: HstuProblem, config, tile: KernelConfig, blocks_: int,
+                 outputs: dict, triton_stages: int, descriptor_blocks: dict) -> calls.KernelCall:
+    """A persistent Hopper HSTU launch of one offsets segment: config.programs programs (config a
+    HopperHstuConfig or HopperHstuBackwardConfig), which take the `blocks_` blocks per (sequence, head)
+    from a counter (the last output, which the launch zeroes) after their share of the zero fills (the
+    tokens no sequence covers in blocks + 1 chunks per head), the sequences longest first with
+    config.longest_first (ORDERED), with the portable kernels' parameters and constants (`_common`) less
+    the padded dimensions and the precision."""
     params, constants = _common(p, blocks_, blocks_ + 1)
     return calls.kernel_call(
-        kernel_spec, grid=(programs,),
+        kernel_spec, grid=(config.programs,),
         outputs=dict(outputs, counter=jax.ShapeDtypeStruct((1,), jnp.int32)),
         params={name: blocks_ if name == "blocks" else params[name] for name in kernel_spec.params},
         constants=dict({name: constants[name] for name in kernel_spec.constants if name in constants},
                        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, STAGES=tile.num_stages,
-                       CONSUMER_REGS=HOPPER_CONSUMER_REGS, PRODUCER_REGS=HOPPER_PRODUCER_REGS),
+                       CONSUMER_REGS=HOPPER_CONSUMER_REGS, PRODUCER_REGS=HOPPER_PRODUCER_REGS,
+                       ORDERED=config.longest_first),
         config=tile, num_stages=triton_stages, blocks=descriptor_blocks)
 
 
@@ -265,7 +267,7 @@ def hopper_forward(run: Runner, p: HstuProblem, config: HopperHstuConfig, q, k, 
     rows = _rows(p, offsets, num_targets, scale_tokens)
     tile = config.tile
     call = _hopper_call(
-        spec.HOPPER_HSTU_FWD, p, config.programs, tile, calls.blocks(tile.block_m, p.tokens, p.max_seq_len),
+        spec.HOPPER_HSTU_FWD, p, config, tile, calls.blocks(tile.block_m, p.tokens, p.max_seq_len),
         dict(o=jax.ShapeDtypeStruct(p.shape(p.value_dim), q.dtype)), HOPPER_FWD_TRITON_STAGES,
         # The query tile is one consumer warpgroup's 64 rows.
         dict(q=(tile.block_m // 2, p.head_dim), k=(tile.block_n, p.head_dim), v=(tile.block_n, p.value_dim)))
@@ -293,7 +295,7 @@ def hopper_backward(run: Runner, p: HstuProblem, config: HopperHstuBackwardConfi
     # Two consumer warpgroups of 64 rows: the dk/dv kernel's keys (K and V loaded in halves), the dq
     # kernel's queries (Q and dO likewise).
     dkdv_call = _hopper_call(
-        spec.HOPPER_HSTU_BWD_DKDV, p, config.programs, dkdv,
+        spec.HOPPER_HSTU_BWD_DKDV, p, config, dkdv,
         calls.blocks(dkdv.block_n, p.tokens, p.max_seq_len),
         dict(dk=jax.ShapeDtypeStruct(p.shape(p.head_dim), k.dtype),
              dv=jax.ShapeDtypeStruct(p.shape(p.value_dim), v.dtype)), HOPPER_BWD_TRITON_STAGES,
@@ -302,7 +304,7 @@ def hopper_backward(run: Runner, p: HstuProblem, config: HopperHstuBackwardConfi
     dk, dv, _ = calls.launch(run, dkdv_call, **inputs)
     token_scale = p.scale is None
     dq_call = _hopper_call(
-        spec.HOPPER_HSTU_BWD_DQ, p, config.programs, dq, calls.blocks(dq.block_m, p.tokens, p.max_seq_len),
+        spec.HOPPER_HSTU_BWD_DQ, p, config, dq, calls.blocks(dq.block_m, p.tokens, p.max_seq_len),
         dict(dq=jax.ShapeDtypeStruct(p.shape(p.head_dim), q.dtype),
              # (a one-element placeholder without a per-token scale, never touched)
              dscale=jax.ShapeDtypeStruct((p.tokens, p.num_heads) if token_scale else (1,), jnp.float32)),

@@ -519,7 +519,7 @@ case $call in
      grep "^\[" "$out/sequence-order-triton$triton.log" | cut -c1-150
      if [ "${HSTU:-0}" = 1 ]; then  # HSTU's Hopper kernels likewise (one run each, not alternating)
        PYTHONPATH=$path timeout ${HSTU_BUDGET:-150} python3 -m benchmarks.hstu_run --out "/tmp/hstu-order-$triton" \
-         --cases "${long_hstu[@]}" --impls jfa-hstu-hopper,jfa-hstu-hopper-given-order --seconds 0.2 \
+         --cases "${long_hstu[@]}" --impls jfa-hstu-hopper,jfa-hstu-hopper-longest-first --seconds 0.2 \
          > "$out/hstu-order-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hstu-order-triton$triton.log"
        grep "^\[hstu\]" "$out/hstu-order-triton$triton.log" | cut -c1-150
      fi

@@ -77,7 +77,7 @@ def attention_bwd_dkdv_kernel(
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
     OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     STRIDE_ALIGN: gl.constexpr, FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, ORDERED: gl.constexpr,
 ):
     """dv = OUT_SCALE * P^T do and dk = DS_SCALE * dS^T q, with the portable backward's semantics (see
     portable/backward.attention_bwd_kernel), on a persistent grid of one program per SM as dq's: each
@@ -93,7 +93,8 @@ def attention_bwd_dkdv_kernel(
     TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
     BUILD: gl.constexpr = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS)
     _dkdv_program((q_desc, do_desc, k_desc, v_desc),
-                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr, slopes_ptr, params_ptr),
+                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr if ORDERED else None,
+                   slopes_ptr, params_ptr),
                   (dk_ptr, dv_ptr, None, counter_ptr), SHAPE, LENGTHS, BAND, SCORES, SCALES, TILES,
                   BUILD, FUSED_DQ=0)
 
@@ -107,7 +108,7 @@ def attention_bwd_dkdv_dq_kernel(
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
     OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     STRIDE_ALIGN: gl.constexpr, FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, ORDERED: gl.constexpr,
 ):
     """`attention_bwd_dkdv_kernel` with dq fused in (FUSED_DQ): each consumer warpgroup also forms
     DS_SCALE * dS k for each query tile it visits and adds it into dq_acc (float32, q's shape and
@@ -122,7 +123,8 @@ def attention_bwd_dkdv_dq_kernel(
     TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
     BUILD: gl.constexpr = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS)
     _dkdv_program((q_desc, do_desc, k_desc, v_desc),
-                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr, slopes_ptr, params_ptr),
+                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr if ORDERED else None,
+                   slopes_ptr, params_ptr),
                   (dk_ptr, dv_ptr, (dq_acc_ptr, None), counter_ptr), SHAPE, LENGTHS, BAND, SCORES, SCALES,
                   TILES, BUILD, FUSED_DQ=DQ_ATOMIC_ADDS)
 
@@ -136,7 +138,7 @@ def attention_bwd_dkdv_dq_tma_kernel(
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
     OUT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     STRIDE_ALIGN: gl.constexpr, FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, ORDERED: gl.constexpr,
 ):
     """`attention_bwd_dkdv_dq_kernel` with each warpgroup's dQ tile added whole by a TMA reduce-add from
     shared memory (triton >= 3.7): dq_acc_desc a descriptor of [BLOCK_M, 64] float32 blocks over dq_acc,
@@ -154,7 +156,8 @@ def attention_bwd_dkdv_dq_tma_kernel(
     TILES: gl.constexpr = (BLOCK_M, BLOCK_N, STAGES)
     BUILD: gl.constexpr = (STRIDE_ALIGN, FILL_BLOCK, CONSUMER_REGS, PRODUCER_REGS)
     _dkdv_program((q_desc, do_desc, k_desc, v_desc),
-                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr, slopes_ptr, params_ptr),
+                  (lse_ptr, delta_ptr, q_offsets_ptr, kv_offsets_ptr, order_ptr if ORDERED else None,
+                   slopes_ptr, params_ptr),
                   (dk_ptr, dv_ptr, (dq_acc_desc, dq_rows_ptr), counter_ptr), SHAPE, LENGTHS, BAND, SCORES,
                   SCALES, TILES, BUILD, FUSED_DQ=DQ_TMA_REDUCE)
 

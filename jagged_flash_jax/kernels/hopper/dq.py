@@ -37,6 +37,7 @@ def attention_bwd_dq_kernel(
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, DS_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
     FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ORDERED: gl.constexpr,
 ):
     """dq = DS_SCALE * dS k, with the portable backward's semantics (see
     portable/backward.attention_bwd_kernel), on a persistent grid of one program per SM as the Hopper
@@ -56,7 +57,7 @@ def attention_bwd_dq_kernel(
 
     # The shared memory and barriers of the warp-specialized region, set up once.
     pipe, ring = dq_buffers(q_desc, do_desc, k_desc, v_desc, (D, D, BLOCK_N, STAGES))
-    schedule = (counter_ptr, end, blocks, ring, order_ptr)
+    schedule = (counter_ptr, end, blocks, ring, order_ptr if ORDERED else None)  # (`_take`)
     sequences = (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens)
     SHAPE: gl.constexpr = (NUM_HEADS, KV_GROUP, D)
     LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)

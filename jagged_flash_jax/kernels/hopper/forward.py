@@ -48,6 +48,7 @@ def attention_fwd_kernel(
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, QK_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
     FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ORDERED: gl.constexpr,
 ):
     """o and the base-2 log-sum-exp, with the portable forward's semantics (see
     portable/forward.attention_fwd_kernel), on a persistent grid of one program per SM. Each program first
@@ -73,7 +74,7 @@ def attention_fwd_kernel(
     end = batch * NUM_HEADS * blocks
 
     pipe, ring = forward_pipe((q_desc, k_desc, v_desc), D, D, BLOCK_N, STAGES)
-    schedule = (counter_ptr, end, blocks, ring, order_ptr)
+    schedule = (counter_ptr, end, blocks, ring, order_ptr if ORDERED else None)  # (`_take`)
     sequences = (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens)
     SHAPE: gl.constexpr = (NUM_HEADS, KV_GROUP, D)
     LENGTHS: gl.constexpr = (Q_MAX_LEN, KV_MAX_LEN)

@@ -91,6 +91,7 @@ def hstu_bwd_dkdv_kernel(
     CONTEXT_LEN: gl.constexpr, MIN_FULL_LEN: gl.constexpr, HAS_TARGETS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
     FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ORDERED: gl.constexpr,
 ):
     """dk and dv with the portable backward's semantics (portable/hstu._dkdv_program), on a persistent grid
     of one program per SM, for one offsets segment: each program first does its share of the zero fills
@@ -123,7 +124,7 @@ def hstu_bwd_dkdv_kernel(
     kv_bar, kv_free, ready, empty, tail_bar = barriers
 
     pipe = (k_smem, v_smem, q_smem, do_smem, kv_bar, kv_free, ready, empty, tail_bar)
-    schedule = (counter_ptr, end, blocks, ring, order_ptr)
+    schedule = (counter_ptr, end, blocks, ring, order_ptr if ORDERED else None)  # (`_take`)
     sequences = (offsets_ptr, num_targets_ptr, tokens)
     MASK: gl.constexpr = (CAUSAL, MAX_ATTN_LEN, CONTEXT_LEN, MIN_FULL_LEN, HAS_TARGETS)
     SCORES: gl.constexpr = (ALPHA, SCALE, TOKEN_SCALE)
@@ -334,6 +335,7 @@ def hstu_bwd_dq_kernel(
     CONTEXT_LEN: gl.constexpr, MIN_FULL_LEN: gl.constexpr, HAS_TARGETS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
     FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ORDERED: gl.constexpr,
 ):
     """dq and, with TOKEN_SCALE, each head's share of the per-token scale's gradient (dscale [tokens,
     NUM_HEADS] float32, zeroed by the launcher, which sums the heads), with the portable backward's
@@ -351,7 +353,7 @@ def hstu_bwd_dq_kernel(
     end = batch * NUM_HEADS * blocks
 
     pipe, ring = dq_buffers(q_desc, do_desc, k_desc, v_desc, (D, V, BLOCK_N, STAGES))
-    schedule = (counter_ptr, end, blocks, ring, order_ptr)
+    schedule = (counter_ptr, end, blocks, ring, order_ptr if ORDERED else None)  # (`_take`)
     # The scheduler's bundles, HSTU's way (as hstu_forward.py's): the offsets and tokens first (what
     # `fetch` reads), num_targets in the place of the keys' offsets; SHAPE = (NUM_HEADS, D, V); MASK in
     # the place of the band; SCORES = (ALPHA, TOKEN_SCALE, NUM_HEADS), the last dscale's row length.

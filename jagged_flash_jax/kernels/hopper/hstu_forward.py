@@ -58,6 +58,7 @@ def hstu_fwd_kernel(
     CONTEXT_LEN: gl.constexpr, MIN_FULL_LEN: gl.constexpr, HAS_TARGETS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, STRIDE_ALIGN: gl.constexpr,
     FILL_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ORDERED: gl.constexpr,
 ):
     """o_i = s_i sum_j mask_ij silu(ALPHA q_i . k_j) v_j, with the portable forward's semantics (see
     portable/hstu.hstu_fwd_kernel), on a persistent grid of one program per SM, for one offsets segment
@@ -86,7 +87,7 @@ def hstu_fwd_kernel(
     end = batch * NUM_HEADS * blocks
 
     pipe, ring = forward_pipe((q_desc, k_desc, v_desc), D, V, BLOCK_N, STAGES)  # forward.py's
-    schedule = (counter_ptr, end, blocks, ring, order_ptr)
+    schedule = (counter_ptr, end, blocks, ring, order_ptr if ORDERED else None)  # (`_take`)
     # The scheduler's bundles, HSTU's way: the queries' offsets and tokens first (what `fetch` reads),
     # num_targets in the place of the keys' offsets; SHAPE = (NUM_HEADS, D, V), the last the output's
     # width; LENGTHS the queries' and the keys' MAX_LEN; MASK in the place of the band.

@@ -5,7 +5,8 @@ and consumers, and the buffers of dq's (`dq_buffers`, the softmax dq kernel's an
 
 Bundles: schedule = (counter_ptr, end, blocks, ring, order_ptr), the counter the launcher zeroes, the
 item count, the blocks of each (sequence, head), the item ring (items, item_full, item_empty) and the
-order the sequences are handed out in (`_take`, the launcher's: launch/calls.work_order); sequences =
+order the sequences are handed out in (`_take`: the launcher's, launch/calls.work_order, or None: as
+given); sequences =
 (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens); SHAPE = (NUM_HEADS, KV_GROUP, D); LENGTHS =
 (Q_MAX_LEN, KV_MAX_LEN); TILES = (BLOCK_M, BLOCK_N, STAGES).
 """
@@ -43,18 +44,21 @@ def _empty_block(offsets_ptr, num_tokens, item, blocks, NUM_HEADS: gl.constexpr,
 
 @gluon.jit
 def _take(schedule, NUM_HEADS: gl.constexpr):
-    """The launch counter's next number, as the item it stands for: with the schedule's order (order_ptr:
-    int32 [batch], a permutation of the sequences, the launcher's), the items of sequence order[s] in the
-    place of sequence s's, so the sequences are handed out in that order, each (sequence, head)'s blocks
-    as `item_position` orders them. A number >= end stays as it is (none left): the order is read under
-    a mask, not a branch, which ptxas allocated worse (dk/dv at D = 128 spilled 120 bytes instead of 8
-    in the producer's 24 registers)."""
+    """The launch counter's next number, as the item it stands for: with an order (the schedule's
+    order_ptr not None, a kernel's ORDERED: int32 [batch], a permutation of the sequences, the
+    launcher's), the items of sequence order[s] in the place of sequence s's, so the sequences are handed
+    out in that order, each (sequence, head)'s blocks as `item_position` orders them; without one, the
+    number itself. A number >= end stays as it is (none left): the order is read under a mask, not a
+    branch, which ptxas allocated worse (dk/dv at D = 128 spilled 120 bytes instead of 8 in the
+    producer's 24 registers)."""
     counter_ptr, end, blocks, ring, order_ptr = schedule
     item = gl.atomic_add(counter_ptr, 1, sem="relaxed")
-    per_sequence = NUM_HEADS * blocks
-    slot = item // per_sequence
-    sequence = gl.load(order_ptr + slot, mask=item < end, other=slot)
-    return sequence * per_sequence + item % per_sequence
+    if order_ptr is not None:
+        per_sequence = NUM_HEADS * blocks
+        slot = item // per_sequence
+        sequence = gl.load(order_ptr + slot, mask=item < end, other=slot)
+        item = sequence * per_sequence + item % per_sequence
+    return item
 
 
 @gluon.jit

@@ -1,14 +1,16 @@
 """ptxas's registers and spill bytes per thread of the Hopper backward's kernels (dk/dv and dq, and dk/dv
 with dq fused in: by atomics, and by TMA reduce-adds where Triton's Gluon has them), compiled for sm_90a
 as jax-triton 0.4.1 compiles them (tests/test_hopper.compile_for_sm90), in the configurations the tests
-use, and with `--sass` the counts of the softmax's arithmetic opcodes in their SASS; no GPU needed. Run
-from the repository root: python -m benchmarks.probes.backward_spills [--sass] [--only NAME] (triton
+use, and with `--sass` the counts of the softmax's arithmetic opcodes in their SASS; `--ordered`: the
+kernels reading the sequences' order (HopperConfig.longest_first); no GPU needed. Run from the
+repository root: python -m benchmarks.probes.backward_spills [--sass] [--ordered] [--only NAME] (triton
 from PYTHONPATH: the GPU machine's is 3.6; Triton's own ptxas for sm_90)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import os
 import re
@@ -61,8 +63,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sass", action="store_true", help="count SASS_OPCODES in each kernel too")
     parser.add_argument("--only", help="the CONFIGS whose name contains this")
+    parser.add_argument("--ordered", action="store_true", help="the kernels reading the sequences' order")
     args = parser.parse_args()
-    print(f"triton {triton.__version__}, sm_90a, bfloat16, THD")
+    if args.ordered:  # the tests' problems, their configs taking the sequences longest first
+        problem = th._problem
+
+        def ordered(*args_, **options):
+            p, config, *rest = problem(*args_, **options)
+            return (p, dataclasses.replace(config, longest_first=True), *rest)
+
+        th._problem = ordered
+    print(f"triton {triton.__version__}, sm_90a, bfloat16, THD{', ordered' if args.ordered else ''}")
     # (fused_dq, TMA reduce-adds): the unfused kernels, then dq fused by atomics, then by TMA (if any)
     paths = [(False, False), (True, False)] + ([(True, True)] if _compat.gluon_tma_reduce() else [])
     for name, dim, causal, options in CONFIGS:

@@ -165,8 +165,8 @@ IMPLS = {  # name -> (make(case), needs a GPU)
                                  True),
     "jfa-triton-tma-loads": (lambda case: jfa(case, "triton", implementation=_portable(tma_loads=True)),
                              True),
-    # the Hopper kernels wherever they run, the sequences with the most work first or in the (auto's)
-    # offsets' order (implementations.Hopper's longest_first): the scheduler's order compared
+    # the Hopper kernels wherever they run, the sequences with the most work first or in the offsets'
+    # order (auto's; implementations.Hopper's longest_first): the scheduler's order compared
     "jfa-triton-hopper-longest-first": (lambda case: _hopper_ordered(case, True), True),
     "jfa-triton-hopper-given-order": (lambda case: _hopper_ordered(case, False), True),
     "jfa-xla": (lambda case: jfa(case, "xla"), False),

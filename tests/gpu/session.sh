@@ -76,6 +76,9 @@
 #      dlrm-long's, 0.3% of L8192's); SCHEDULER=1: the drawn lengths through the Hopper kernels taking
 #      the sequences longest first (calls.sequence_order) against in the offsets' order; HSTU=1: then
 #      HSTU's Hopper kernels on its long cases, longest first against in the offsets' order
+#  35  the tree against a copy with PATCH applied (default the producers' read-ahead), both through 34's
+#      --scheduler probe (each order in one process), alternating ROUNDS times, under TRITON; TESTS=1 first
+#      the copy's Hopper GPU tests beside its memcheck; HSTU=1 HSTU's orders, tree and copy
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. The Hopper forward at D = 64 (27 and 30 on 2026-12-07, session 2) was slower
 # unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md). Next: 31 under 3.6
@@ -84,7 +87,7 @@
 # then 14, 15 and 28 on the merged tree.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: bash tests/gpu/session.sh 1..33|stage DIR}
+call=${1:?usage: bash tests/gpu/session.sh 1..35|stage DIR}
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false WORKERS=${WORKERS:-12}
@@ -524,5 +527,43 @@ case $call in
        grep "^\[hstu\]" "$out/hstu-order-triton$triton.log" | cut -c1-150
      fi
      elapsed "call 34" ;;
-  *) echo "usage: bash tests/gpu/session.sh 1..34|stage DIR" >&2; exit 2 ;;
+  35) # the tree against a copy with PATCH applied (default 2026-12-07_read_ahead.mbox), each through
+     # benchmarks.probes.sequence_order --scheduler (the Hopper kernels in the offsets' order and longest
+     # first, in one process), alternating tree and copy ROUNDS times on CASES, under TRITON (3.9 after
+     # staging, installing it; 3.6 staging .t39a); TESTS=1: first the copy's Hopper GPU tests (TESTS_K)
+     # beside memcheck of its Hopper kernels; HSTU=1: then HSTU's Hopper kernels in both orders, tree and copy
+     use_triton ${TRITON:-3.9}
+     patched_copy /tmp/variant "${PATCH:-2026-12-07_read_ahead.mbox}" || exit 1
+     vpath=${path%:*}:/tmp/variant
+     if [ "${TESTS:-0}" = 1 ]; then
+       (cd /tmp/variant && memcheck $triton "$vpath" ${LIMIT:-200} "['hopper']" False "-hopper-variant") &
+       (cd /tmp/variant && PYTHONPATH=$vpath timeout ${LIMIT:-200} python3 -m pytest tests/test_hopper.py \
+          tests/test_hstu_hopper.py -m gpu -k "${TESTS_K:-order or large_logits or D64 or D256 or causal}" -p xdist -n 8 \
+          -o addopts=-ra -q -p no:cacheprovider > "$out/variant-tests-triton$triton.log" 2>&1
+        echo "rc=$?" >> "$out/variant-tests-triton$triton.log")
+       wait; elapsed "tests, memcheck"; summary
+     fi
+     for r in $(seq "${ROUNDS:-2}"); do
+       for tree in "$PWD" /tmp/variant; do
+         tag=$([ "$tree" = "$PWD" ] && echo tree || echo variant)
+         (cd "$tree" && PYTHONPATH=${path%:*}:$tree timeout ${BUDGET:-150} python3 -m benchmarks.probes.sequence_order \
+            --scheduler --cases "${CASES:-long,rec-long,L8192}" --rounds 1 \
+            > "$out/order-$tag-r$r-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/order-$tag-r$r-triton$triton.log")
+       done
+     done
+     for f in "$out"/order-*-triton$triton.log; do
+       echo "== $(basename "$f")"; grep "^\[order\]" "$f" | sed -E "s/\{.*attention_bwd_dkdv_kernel': ([0-9.]+).*attention_bwd_dq_kernel': ([0-9.]+).*/dkdv \1 dq \2/; s/\{.*attention_fwd_kernel': ([0-9.]+).*/fwd \1/" | cut -c1-120
+     done
+     if [ "${HSTU:-0}" = 1 ]; then
+       for tree in "$PWD" /tmp/variant; do
+         tag=$([ "$tree" = "$PWD" ] && echo tree || echo variant)
+         (cd "$tree" && PYTHONPATH=${path%:*}:$tree timeout ${HSTU_BUDGET:-120} python3 -m benchmarks.hstu_run \
+            --out "/tmp/hstu-order-$tag" --cases "${long_hstu[@]}" \
+            --impls jfa-hstu-hopper,jfa-hstu-hopper-longest-first --seconds 0.2 \
+            > "$out/hstu-order-$tag-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hstu-order-$tag-triton$triton.log")
+         grep "^\[hstu\]" "$out/hstu-order-$tag-triton$triton.log" | sed "s/^/$tag /" | cut -c1-150
+       done
+     fi
+     elapsed "call 35" ;;
+  *) echo "usage: bash tests/gpu/session.sh 1..35|stage DIR" >&2; exit 2 ;;
 esac

@@ -6,7 +6,8 @@ and consumers, and the buffers of dq's (`dq_buffers`, the softmax dq kernel's an
 Bundles: schedule = (counter_ptr, end, blocks, ring, order_ptr), the counter the launcher zeroes, the
 item count, the blocks of each (sequence, head), the item ring (items, item_full, item_empty) and the
 order the sequences are handed out in (`_take`: the launcher's, launch/calls.work_order, or None: as
-given); sequences =
+given; each kernel entry puts `order_ptr if ORDERED else None` there itself, as triton 3.6 cannot return
+a tuple holding None from a jitted helper: "cannot convert None of type NoneType to tensor"); sequences =
 (q_offsets_ptr, kv_offsets_ptr, q_tokens, kv_tokens); SHAPE = (NUM_HEADS, KV_GROUP, D); LENGTHS =
 (Q_MAX_LEN, KV_MAX_LEN); TILES = (BLOCK_M, BLOCK_N, STAGES).
 """

@@ -258,12 +258,13 @@ def test_dkdv_takes_its_own_waits_without_a_band_and_from_triton_3_7(causal, win
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
 @pytest.mark.parametrize("dim,causal,window", [(64, True, (None, None)), (128, True, (None, None)),
-                                               (128, False, (64, 0))])
-def test_ptxas_keeps_the_banded_dkdv_products_asynchronous(dim, causal, window):
-    """The banded dk/dv (causal, a window: where triton 3.9's pipeliner PTX had ptxas serialize every
-    wgmma, its info C7513) assembled for sm_90a by Triton's own ptxas: no serialized wgmma, and the
-    SASS waits for all of a warpgroup's products (WARPGROUP.DEPBAR.LE gsb0, 0x0) no more often than the
-    PTX asks it to (wgmma.wait_group 0)."""
+                                               (128, False, (64, 0)), (128, False, (None, None))])
+def test_ptxas_keeps_the_dkdv_products_asynchronous(dim, causal, window):
+    """The dk/dv kernel, banded (causal, a window: where triton 3.9's pipeliner PTX had ptxas serialize
+    every wgmma, its info C7513) or not (where K as S^T's register operand at D = 128 had it serialize
+    them for want of registers, C7512), assembled for sm_90a by Triton's own ptxas: no serialized wgmma,
+    and the SASS waits for all of a warpgroup's products (WARPGROUP.DEPBAR.LE gsb0, 0x0) no more often
+    than the PTX asks it to (wgmma.wait_group 0)."""
     if not implementations.gluon_available():
         pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
     (call, arrays), _ = hopper_backward_calls(dim, causal, "THD", jnp.bfloat16, window=window)

@@ -76,9 +76,9 @@
 #      dlrm-long's, 0.3% of L8192's); SCHEDULER=1: the drawn lengths through the Hopper kernels taking
 #      the sequences longest first (calls.sequence_order) against in the offsets' order; HSTU=1: then
 #      HSTU's Hopper kernels on its long cases, longest first against in the offsets' order
-#  35  the tree against a copy with PATCH applied (default the producers' read-ahead), both through 34's
-#      --scheduler probe (each order in one process), alternating ROUNDS times, under TRITON; TESTS=1 first
-#      the copy's Hopper GPU tests beside its memcheck; HSTU=1 HSTU's orders, tree and copy
+#  35  the tree against a copy with PATCH applied (session 8: the producers' read-ahead), both through
+#      34's --scheduler probe (each order in one process), alternating ROUNDS times, under TRITON;
+#      TESTS=1 first the copy's Hopper GPU tests beside its memcheck; HSTU=1 HSTU's orders, tree and copy
 # Next (after session 8 of 2026-12-07): 27 with the register-operands patch under 3.6 (STAGE .t39a) and,
 # after staging, 3.9 (the commands in docs/performance.md, "Prepared on 2026-12-07, session 8"); then
 # TRITON=3.6 REST=tests/gpu_results/2026-12-07h-session/c9-suite-portable-triton3.6.log 29 (the portable-
@@ -149,6 +149,33 @@ ab_bench() {
     (cd "$6" && softmax_bench "$1-variant-r$r" "$2" "$3" "$4" "${5%:*}:$6" > /dev/null)
   done
   for f in "$out"/bench-"$1"-*.log; do echo "== $(basename "$f")"; grep "fwd+bwd" "$f" | cut -c1-150; done
+}
+# tree_tests: $1 a tree (run from there, it last on the PYTHONPATH), $2 the tests' log tag, $3 memcheck's
+# log tag, $4 memcheck's limit (s), $5 its Hopper variants, $6 the tests' limit (s), $7 their -k, then the
+# test files: the tree's GPU tests (8 workers) beside memcheck of the Hopper variants, then the summary
+tree_tests() {
+  local tree=$1 tag=$2 mtag=$3 mlimit=$4 variants=$5 limit=$6 k=$7; shift 7
+  local tpath=${path%:*}:$tree log="$out/$tag-triton$triton.log"
+  (cd "$tree" && memcheck $triton "$tpath" "$mlimit" "$variants" False "$mtag") &
+  (cd "$tree" && PYTHONPATH=$tpath timeout "$limit" python3 -m pytest "$@" -m gpu -k "$k" -p xdist -n 8 \
+     -o addopts=-ra -q -p no:cacheprovider > "$log" 2>&1; echo "rc=$?" >> "$log")
+  wait; elapsed "tests, memcheck"; summary
+}
+# order_probe: $1 a tree (as tree_tests'), $2 the log's name, $3 the limit (s), then the arguments of
+# benchmarks.probes.sequence_order; hstu_orders: $1 a tree, $2 the log's name, $3 the limit (s), $4 the
+# results' folder: HSTU's Hopper kernels on its long cases in the offsets' order and longest first (one
+# run each, not alternating), printing the log's rows
+order_probe() {
+  local tree=$1 log="$out/$2" limit=$3; shift 3
+  (cd "$tree" && PYTHONPATH=${path%:*}:$tree timeout "$limit" python3 -m benchmarks.probes.sequence_order \
+     "$@" > "$log" 2>&1; echo "rc=$?" >> "$log")
+}
+hstu_orders() {
+  local tree=$1 log="$out/$2" limit=$3 results=$4
+  (cd "$tree" && PYTHONPATH=${path%:*}:$tree timeout "$limit" python3 -m benchmarks.hstu_run \
+     --out "$results" --cases "${long_hstu[@]}" --impls jfa-hstu-hopper,jfa-hstu-hopper-longest-first \
+     --seconds 0.2 > "$log" 2>&1; echo "rc=$?" >> "$log")
+  grep "^\[hstu\]" "$log"
 }
 d64_table() {  # $1 a file: a tuned table of one D = 64 Hopper entry, $2 its fwd ("null" or tiles), $3 dkdv, $4 dq
   # (tiles as block_m,block_n,warps,stages; each with the table's register cap, 168)
@@ -417,13 +444,8 @@ case $call in
        patched_copy /tmp/variant "${PATCH:-2026-12-05_ffma_softmax.mbox}" -R || exit 1; tested=$PWD mode=reverted
      fi
      if [ "${TESTS:-0}" = 1 ]; then  # first the Hopper backward GPU tests beside memcheck of the Hopper kernels
-       tested_path=${path%:*}:$tested
-       (cd "$tested" && memcheck $triton "$tested_path" 200 "${MEMCHECK:-['hopper']}" False "-hopper${TAG:+-$TAG}") &
-       (cd "$tested" && PYTHONPATH=$tested_path timeout 220 python3 -m pytest tests/test_hopper.py -m gpu \
-          -k "${TESTS_K:-backward or large_logits or fused}" -p xdist -n 8 -o addopts=-ra -q -p no:cacheprovider \
-          > "$out/hopper-bwd-tests${TAG:+-$TAG}-triton$triton.log" 2>&1
-        echo "rc=$?" >> "$out/hopper-bwd-tests${TAG:+-$TAG}-triton$triton.log")
-       wait; elapsed "tests, memcheck"; summary
+       tree_tests "$tested" "hopper-bwd-tests${TAG:+-$TAG}" "-hopper${TAG:+-$TAG}" 200 \
+         "${MEMCHECK:-['hopper']}" 220 "${TESTS_K:-backward or large_logits or fused}" tests/test_hopper.py
      fi
      ab_bench "$mode${TAG:+-$TAG}-triton$triton" "${CASES:-long,L16384}" "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" \
        /tmp/variant
@@ -520,39 +542,33 @@ case $call in
      elapsed "call 33" ;;
   34) # the sequences' order: what a longest-first scheduler could gain (see the header)
      use_triton ${TRITON:-3.9}
-     PYTHONPATH=$path timeout ${BUDGET:-300} python3 -m benchmarks.probes.sequence_order ${SCHEDULER:+--scheduler} \
-       --cases "${CASES:-long,dlrm-long,L8192,rec-long}" --rounds ${ROUNDS:-2} \
-       > "$out/sequence-order-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/sequence-order-triton$triton.log"
+     order_probe "$PWD" "sequence-order-triton$triton.log" ${BUDGET:-300} ${SCHEDULER:+--scheduler} \
+       --cases "${CASES:-long,dlrm-long,L8192,rec-long}" --rounds ${ROUNDS:-2}
      grep "^\[" "$out/sequence-order-triton$triton.log" | cut -c1-150
-     if [ "${HSTU:-0}" = 1 ]; then  # HSTU's Hopper kernels likewise (one run each, not alternating)
-       PYTHONPATH=$path timeout ${HSTU_BUDGET:-150} python3 -m benchmarks.hstu_run --out "/tmp/hstu-order-$triton" \
-         --cases "${long_hstu[@]}" --impls jfa-hstu-hopper,jfa-hstu-hopper-longest-first --seconds 0.2 \
-         > "$out/hstu-order-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hstu-order-triton$triton.log"
-       grep "^\[hstu\]" "$out/hstu-order-triton$triton.log" | cut -c1-150
+     if [ "${HSTU:-0}" = 1 ]; then  # HSTU's Hopper kernels likewise
+       hstu_orders "$PWD" "hstu-order-triton$triton.log" ${HSTU_BUDGET:-150} "/tmp/hstu-order-$triton" \
+         | cut -c1-150
      fi
      elapsed "call 34" ;;
-  35) # the tree against a copy with PATCH applied (default 2026-12-07_read_ahead.mbox), each through
-     # benchmarks.probes.sequence_order --scheduler (the Hopper kernels in the offsets' order and longest
-     # first, in one process), alternating tree and copy ROUNDS times on CASES, under TRITON (3.9 after
-     # staging, installing it; 3.6 staging .t39a); TESTS=1: first the copy's Hopper GPU tests (TESTS_K)
-     # beside memcheck of its Hopper kernels; HSTU=1: then HSTU's Hopper kernels in both orders, tree and copy
+  35) # the tree against a copy with PATCH applied (a file of benchmarks/results/profile/; session 8 of
+     # 2026-12-07 timed 2026-12-07_read_ahead.mbox, which main's scheduler.py has since moved past), each
+     # through benchmarks.probes.sequence_order --scheduler (the Hopper kernels in the offsets' order and
+     # longest first, in one process), alternating tree and copy ROUNDS times on CASES, under TRITON (3.9
+     # after staging, installing it; 3.6 staging .t39a); TESTS=1: first the copy's Hopper GPU tests
+     # (TESTS_K) beside memcheck of its Hopper kernels; HSTU=1: then HSTU's Hopper kernels in both orders,
+     # tree and copy
      use_triton ${TRITON:-3.9}
-     patched_copy /tmp/variant "${PATCH:-2026-12-07_read_ahead.mbox}" || exit 1
-     vpath=${path%:*}:/tmp/variant
+     patched_copy /tmp/variant "${PATCH:?35 needs PATCH, a file of benchmarks/results/profile/}" || exit 1
      if [ "${TESTS:-0}" = 1 ]; then
-       (cd /tmp/variant && memcheck $triton "$vpath" ${LIMIT:-200} "['hopper']" False "-hopper-variant") &
-       (cd /tmp/variant && PYTHONPATH=$vpath timeout ${LIMIT:-200} python3 -m pytest tests/test_hopper.py \
-          tests/test_hstu_hopper.py -m gpu -k "${TESTS_K:-order or large_logits or D64 or D256 or causal}" -p xdist -n 8 \
-          -o addopts=-ra -q -p no:cacheprovider > "$out/variant-tests-triton$triton.log" 2>&1
-        echo "rc=$?" >> "$out/variant-tests-triton$triton.log")
-       wait; elapsed "tests, memcheck"; summary
+       tree_tests /tmp/variant variant-tests -hopper-variant ${LIMIT:-200} "['hopper']" ${LIMIT:-200} \
+         "${TESTS_K:-order or large_logits or D64 or D256 or causal}" tests/test_hopper.py \
+         tests/test_hstu_hopper.py
      fi
      for r in $(seq "${ROUNDS:-2}"); do
        for tree in "$PWD" /tmp/variant; do
          tag=$([ "$tree" = "$PWD" ] && echo tree || echo variant)
-         (cd "$tree" && PYTHONPATH=${path%:*}:$tree timeout ${BUDGET:-150} python3 -m benchmarks.probes.sequence_order \
-            --scheduler --cases "${CASES:-long,rec-long,L8192}" --rounds 1 \
-            > "$out/order-$tag-r$r-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/order-$tag-r$r-triton$triton.log")
+         order_probe "$tree" "order-$tag-r$r-triton$triton.log" ${BUDGET:-150} --scheduler \
+           --cases "${CASES:-long,rec-long,L8192}" --rounds 1
        done
      done
      for f in "$out"/order-*-triton$triton.log; do
@@ -561,11 +577,8 @@ case $call in
      if [ "${HSTU:-0}" = 1 ]; then
        for tree in "$PWD" /tmp/variant; do
          tag=$([ "$tree" = "$PWD" ] && echo tree || echo variant)
-         (cd "$tree" && PYTHONPATH=${path%:*}:$tree timeout ${HSTU_BUDGET:-120} python3 -m benchmarks.hstu_run \
-            --out "/tmp/hstu-order-$tag" --cases "${long_hstu[@]}" \
-            --impls jfa-hstu-hopper,jfa-hstu-hopper-longest-first --seconds 0.2 \
-            > "$out/hstu-order-$tag-triton$triton.log" 2>&1; echo "rc=$?" >> "$out/hstu-order-$tag-triton$triton.log")
-         grep "^\[hstu\]" "$out/hstu-order-$tag-triton$triton.log" | sed "s/^/$tag /" | cut -c1-150
+         hstu_orders "$tree" "hstu-order-$tag-triton$triton.log" ${HSTU_BUDGET:-120} "/tmp/hstu-order-$tag" \
+           | sed "s/^/$tag /" | cut -c1-150
        done
      fi
      elapsed "call 35" ;;

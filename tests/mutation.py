@@ -101,7 +101,8 @@ MUTANTS = [
  ("launch: the sequences' work counts their queries only", "jagged_flash_jax/launch/calls.py", "    work = n_q.astype(jnp.float32) * n_k.astype(jnp.float32)", "    work = n_q.astype(jnp.float32)", "tests/test_launchers.py -k longest_sequences_first"),
  ("implementations: Hopper's longest_first not passed on", "jagged_flash_jax/implementations.py", "fused_dq=backward and self.fused_dq, longest_first=self.longest_first)", "fused_dq=backward and self.fused_dq)", "tests/test_launchers.py -k sequences_order"),
  ("launch: the Hopper kernels never read the order asked for", "jagged_flash_jax/launch/calls.py", "PRODUCER_REGS=HOPPER_PRODUCER_REGS, ORDERED=config.longest_first),", "PRODUCER_REGS=HOPPER_PRODUCER_REGS, ORDERED=False),", "tests/test_launchers.py -k hopper_launch_zeroes_its_own_outputs"),
- ("launch: HSTU's Hopper kernels take the sequences in the offsets' order", "jagged_flash_jax/launch/hstu.py", "    return calls.work_order(n, n, longest_first)", "    return calls.work_order(n, n, False)", "tests/test_launchers.py -k hstu_hopper_kernels_take"),
+ ("launch: the Hopper kernels take the sequences in the offsets' order", "jagged_flash_jax/launch/calls.py", "    if not config.longest_first:\n        return no_order()", "    if True:\n        return no_order()", "tests/test_launchers.py -k longest_sequences_first"),
+ ("launch: HSTU's Hopper kernels take the sequences in the offsets' order", "jagged_flash_jax/launch/hstu.py", "    if not longest_first:\n        return calls.no_order()", "    if True:\n        return calls.no_order()", "tests/test_launchers.py -k hstu_hopper_kernels_take"),
  ("implementations: HstuHopper's longest_first not passed on to the backward", "jagged_flash_jax/implementations.py", "                                                      longest_first=self.longest_first)", "                                                      )", "tests/test_launchers.py -k hstu_hopper_implementation_sets"),
 ]
 

@@ -476,22 +476,31 @@ def hopper_forward(run: Runner, p: Problem, config: HopperConfig, q, k, v, q_off
 
 
 def sequence_order(p: Problem, config: HopperConfig, q_offsets, kv_offsets) -> jax.Array:
-    """The order the Hopper kernels take the sequences in (their `order` input): `work_order` of their
-    lengths, clamped as the kernels clamp them (`jagged.sequence_bounds`), with config.longest_first."""
+    """The order the Hopper kernels take the sequences in (their `order` input): with
+    config.longest_first `work_order` of their lengths, clamped as the kernels clamp them
+    (`jagged.sequence_bounds`); else `no_order`, the lengths not computed."""
+    if not config.longest_first:
+        return no_order()
     _, n_q = sequence_bounds(q_offsets.reshape(-1)[:p.batch + 1], p.q_tokens, p.max_seq_len)
     _, n_k = sequence_bounds(kv_offsets.reshape(-1)[:p.batch + 1], p.kv_tokens, p.kv_max_seq_len)
-    return work_order(n_q, n_k, config.longest_first)
+    return work_order(n_q, n_k)
 
 
-def work_order(n_q, n_k, longest_first: bool) -> jax.Array:
+def no_order() -> jax.Array:
+    """The `order` input of a persistent Hopper launch whose kernels take the sequences in the offsets'
+    order (compiled without ORDERED), or that has no sequence: one element, never read."""
+    return jnp.zeros((1,), jnp.int32)
+
+
+def work_order(n_q, n_k) -> jax.Array:
     """The order the persistent Hopper kernels hand out B sequences of n_q queries and n_k keys ([B]
     each) in (their `order` input, kernels/hopper/scheduler._take: the softmax kernels', `sequence_order`,
-    and HSTU's, launch/hstu.sequence_order) with longest_first (their ORDERED): int32 [B], a permutation
-    of 0..B-1 by their work n_q * n_k, the most first and equal work in the given order, so that the
-    launch's last items are short sequences' (longest processing time first). Without longest_first, or
-    without sequences, a one-element placeholder, never read."""
-    if n_q.shape[0] == 0 or not longest_first:
-        return jnp.zeros((1,), jnp.int32)
+    and HSTU's, launch/hstu.sequence_order) when they take them longest first (their ORDERED): int32 [B],
+    a permutation of 0..B-1 by their work n_q * n_k, the most first and equal work in the given order, so
+    that the launch's last items are short sequences' (longest processing time first); `no_order`
+    without sequences."""
+    if n_q.shape[0] == 0:
+        return no_order()
     work = n_q.astype(jnp.float32) * n_k.astype(jnp.float32)
     return jnp.argsort(-work, stable=True).astype(jnp.int32)
 

@@ -236,9 +236,12 @@ def _hopper_call(kernel_spec: spec.KernelSpec, p: HstuProblem, config, tile: Ker
 
 def sequence_order(p: HstuProblem, longest_first: bool, offsets) -> jax.Array:
     """The order the Hopper HSTU kernels take the sequences in (their `order` input, as the softmax
-    ones'): calls.work_order of their lengths n, clamped as the kernels clamp them, each n x n."""
+    ones'): with longest_first calls.work_order of their lengths n, clamped as the kernels clamp them,
+    each n x n; else calls.no_order, the lengths not computed."""
+    if not longest_first:
+        return calls.no_order()
     _, n = sequence_bounds(offsets.reshape(-1)[:p.batch + 1], p.tokens, p.max_seq_len)
-    return calls.work_order(n, n, longest_first)
+    return calls.work_order(n, n)
 
 
 def _one_segment(p: HstuProblem, what: str) -> None:

@@ -432,7 +432,8 @@ case $call in
      # memcheck of its Hopper kernels. FORWARD=1 PATCH=...: a change not merged, applied to the copy (logs
      # bench-applied-*, the variant's then the change's; TESTS=1 tests the copy); TAG names the logs (several
      # patches in one call); TESTS_K the tests' -k (default the backward's), MEMCHECK the Hopper variants
-     # memcheck checks (default "['hopper']")
+     # memcheck checks (default "['hopper']"); BENCH=0: the tests alone (the timings in a later run, after
+     # what runs beside them, e.g. 29, has finished)
      if [ "${TRITON:-3.6}" = 3.9 ]; then
        triton=3.9 path=$site39
      else
@@ -447,7 +448,7 @@ case $call in
        tree_tests "$tested" "hopper-bwd-tests${TAG:+-$TAG}" "-hopper${TAG:+-$TAG}" 200 \
          "${MEMCHECK:-['hopper']}" 220 "${TESTS_K:-backward or large_logits or fused}" tests/test_hopper.py
      fi
-     ab_bench "$mode${TAG:+-$TAG}-triton$triton" "${CASES:-long,L16384}" "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" \
+     [ "${BENCH:-1}" = 1 ] && ab_bench "$mode${TAG:+-$TAG}-triton$triton" "${CASES:-long,L16384}" "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" \
        /tmp/variant
      elapsed "call 27" ;;
   28) # triton 3.9 (after staging): its install, then the rows the banded dk/dv's own waits (f47179d) and the

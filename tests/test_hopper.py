@@ -275,6 +275,31 @@ def test_ptxas_keeps_the_dkdv_products_asynchronous(dim, causal, window):
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
+@pytest.mark.parametrize("dim,causal,kernel,ratio", [
+    (64, False, "dkdv", (3, 1)), (64, True, "dkdv", (3, 1)), (128, False, "dkdv", (1, 2)),
+    (128, False, "dq", (1, 4)), (128, True, "dq", (1, 4)), (256, False, "dq", (1, 16))])
+def test_the_backward_reads_each_blocks_own_operand_from_registers(dim, causal, kernel, ratio):
+    """dk/dv at D = 64 reads K, S^T's A operand, from registers (loaded once a block), not from shared
+    memory at each tile. ratio = (products reading A from registers, from a descriptor), by k-steps per
+    tile: dk/dv at D = 64 three to one (S^T, P^T dO and dS^T Q against V dO^T). Elsewhere only the
+    operands a tile computes come from registers: dk/dv at D = 128 one to two (P^T dO, dS^T Q: 4 k-steps
+    each, against S^T's and dP^T's 8; K from registers there serializes every wgmma, C7512), dq at
+    D = 128 one to four (dS K's 8 against 16 each of S and dP: Q and dO from registers measured slower,
+    docs/performance.md) and at D = 256 one to sixteen. Counted in the PTX as the wgmma of a register A
+    operand ({a0, ...}) against those of a descriptor; ptxas serializes none of them."""
+    if not implementations.gluon_available():
+        pytest.skip("this Triton has no triton.experimental.gluon (the Hopper backward is unavailable)")
+    dkdv, dq = hopper_backward_calls(dim, causal, "THD", jnp.bfloat16)
+    call, arrays = dq if kernel == "dq" else dkdv
+    code, _ = compile_for_sm90(call, arrays)
+    products = re.findall(r"wgmma\.mma_async\.sync\.aligned\.\S+\s+\{[^}]*\},\s*(\{|%rd)", code)
+    registers, descriptors = products.count("{"), products.count("%rd")
+    assert registers > 0 and registers * ratio[1] == descriptors * ratio[0], (registers, descriptors)
+    report, _ = ptx.assemble_sm90a(code)
+    assert "serialized" not in report, report
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice
 @pytest.mark.parametrize("dim,causal,options", [(64, False, {}), (64, True, {}),
                                                 (64, True, dict(window=(16, 4), softcap=5.0, alibi=True)),
                                                 (128, False, {})])

@@ -454,6 +454,14 @@ def _dkdv_consume(pipe, arrays, block, sequence, position, SHAPE: gl.constexpr, 
             # in `publish` also orders these writes before the producer's next TMA load into the half.
             zero_rows(k, n_k - krow0, CONSUMER_ROWS)
             publish()
+    # S^T's A operand at D = 64: K from registers (16 a thread), read once a block, so that each tile's
+    # S^T reads only Q from shared memory; ptxas (sm_90a): spills as before under triton 3.9, no more
+    # under 3.6, every product asynchronous. At D = 128 ptxas serializes every wgmma with it (C7512, too
+    # few registers), under 3.6 and 3.9, banded or not. SPLIT_D's halves of the queries and the dq-fused
+    # kernels (K zeroed past n_k above, and dQ's operand) keep K in shared memory.
+    k_op = k
+    if not SPLIT_D and not FUSED_DQ and D <= CONSUMER_ROWS:
+        k_op = k.load(gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2))
     for g in range(KV_GROUP):
         head = kv_head * KV_GROUP + g
         slope = alibi_slope(slopes_ptr, head, SCORES[1])
@@ -482,7 +490,7 @@ def _dkdv_consume(pipe, arrays, block, sequence, position, SHAPE: gl.constexpr, 
                 q0 = m0 + C0
             else:
                 q0 = m0
-                st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+                st_tok = warpgroup_mma(k_op, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
                 dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
                 lse = lse_smem.index(slot).load(col_layout)  # the producer's, scaled, zero past n_q
             st = warpgroup_mma_wait(1, deps=(st_tok, ))

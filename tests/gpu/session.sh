@@ -79,10 +79,9 @@
 #  35  the tree against a copy with PATCH applied (session 8: the producers' read-ahead), both through
 #      34's --scheduler probe (each order in one process), alternating ROUNDS times, under TRITON;
 #      TESTS=1 first the copy's Hopper GPU tests beside its memcheck; HSTU=1 HSTU's orders, tree and copy
-# Next (after session 8 of 2026-12-07): 27 with the register-operands patch under 3.6 (STAGE .t39a) and,
-# after staging, 3.9 (the commands in docs/performance.md, "Prepared on 2026-12-07, session 8"); then
-# TRITON=3.6 REST=tests/gpu_results/2026-12-07h-session/c9-suite-portable-triton3.6.log 29 (the portable-
-# forced tests 3.6's call did not reach).
+# Next (after session 9 of 2026-12-07, which merged dk/dv's K from registers at D = 64 and dropped dq's
+# register operands at D = 128): 14 and, after staging, 15 (the GPU suites under auto and with the portable
+# kernels forced, memcheck) on main, then 28 and 13's rows against cuDNN (D = 64 above all) for results.json.
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. The Hopper forward at D = 64 (27 and 30 on 2026-12-07, session 2) was slower
 # unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md). Next: 31 under 3.6

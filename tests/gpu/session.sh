@@ -81,7 +81,10 @@
 #      TESTS=1 first the copy's Hopper GPU tests beside its memcheck; HSTU=1 HSTU's orders, tree and copy
 # Next (after session 9 of 2026-12-07, which merged dk/dv's K from registers at D = 64 and dropped dq's
 # register operands at D = 128): 14 and, after staging, 15 (the GPU suites under auto and with the portable
-# kernels forced, memcheck) on main, then 28 and 13's rows against cuDNN (D = 64 above all) for results.json.
+# kernels forced, memcheck) on main, then 28 and 13's rows against cuDNN (D = 64 above all) for results.json;
+# the prepared V from registers at D = 64 (docs/performance.md, "Prepared on 2026-12-07, session 9"), under
+# 3.6 (STAGE .t39a) and 3.9: FORWARD=1 PATCH=2026-12-07_register_v_d64.mbox TESTS=1 MEMCHECK="['hopper D64']"
+# CASES=L4096-D64,L4096-D64-causal,gqa-16x4-L512-D64 bash tests/gpu/session.sh 27.
 # STAGE_ONLY=1 makes 2, 3 and 4 stage their chunk and stop (a session short of device time), as `stage DIR`
 # does for any chunk folder. The Hopper forward at D = 64 (27 and 30 on 2026-12-07, session 2) was slower
 # unmasked and 4% faster causal at L = 4096: not adopted (docs/performance.md). Next: 31 under 3.6

@@ -284,7 +284,7 @@ def test_the_backward_reads_each_blocks_own_operand_from_registers(dim, causal, 
     tile: dk/dv at D = 64 three to one (S^T, P^T dO and dS^T Q against V dO^T). Elsewhere only the
     operands a tile computes come from registers: dk/dv at D = 128 one to two (P^T dO, dS^T Q: 4 k-steps
     each, against S^T's and dP^T's 8; K from registers there serializes every wgmma, C7512), dq at
-    D = 128 one to four (dS K's 8 against 16 each of S and dP: Q and dO from registers measured slower,
+    D = 128 one to four (dS K's 4 against 8 each of S and dP: Q and dO from registers measured slower,
     docs/performance.md) and at D = 256 one to sixteen. Counted in the PTX as the wgmma of a register A
     operand ({a0, ...}) against those of a descriptor; ptxas serializes none of them."""
     if not implementations.gluon_available():

@@ -450,8 +450,8 @@ case $call in
        tree_tests "$tested" "hopper-bwd-tests${TAG:+-$TAG}" "-hopper${TAG:+-$TAG}" 200 \
          "${MEMCHECK:-['hopper']}" 220 "${TESTS_K:-backward or large_logits or fused}" tests/test_hopper.py
      fi
-     [ "${BENCH:-1}" = 1 ] && ab_bench "$mode${TAG:+-$TAG}-triton$triton" "${CASES:-long,L16384}" "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" \
-       /tmp/variant
+     [ "${BENCH:-1}" = 1 ] && ab_bench "$mode${TAG:+-$TAG}-triton$triton" "${CASES:-long,L16384}" \
+       "${IMPLS:-jfa-triton}" ${BUDGET:-40} "$path" /tmp/variant
      elapsed "call 27" ;;
   28) # triton 3.9 (after staging): its install, then the rows the banded dk/dv's own waits (f47179d) and the
      # FFMA softmax change, against cuDNN in one process (CASES; BUDGET), for results.json
